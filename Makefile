@@ -1,0 +1,24 @@
+# Two commands: `make demo` and `make test`. Each sets up .venv on its own.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/dcr demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 tests
+
+bench: $(VENV)/.installed
+	$(PY) tools/bench_delta.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

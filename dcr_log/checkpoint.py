@@ -1,0 +1,150 @@
+"""Local safetensors checkpoints: memory-mapped reading (single file or the Hugging Face
+sharded layout) and atomic writing. The safetensors library writes; the header is parsed
+here only to memory-map each tensor's bytes in place, which the library does not expose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+import safetensors
+
+from .coords import DTYPE_WIDTH, numel, word_dtype
+from .errors import IntegrityError, NotFoundError, UsageError
+from .state import TensorBits
+
+INDEX_NAME = "model.safetensors.index.json"
+_SPEC_DTYPE = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
+    "U8": "uint8", "BOOL": "bool",
+}
+_MAX_HEADER = 100 << 20
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+def read_header(path: Path) -> dict[str, TensorLocation]:
+    """Tensor locations of one .safetensors file, every bound checked against the file size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise IntegrityError(f"{path}: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+            raise IntegrityError(f"{path}: header length {n} exceeds the file")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise IntegrityError(f"{path}: header is not JSON") from None
+    out = {}
+    base = 8 + n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise IntegrityError(f"{path}: bad header entry for {name!r}") from None
+        if dtype not in DTYPE_WIDTH:
+            raise UsageError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        if not (0 <= begin <= end and base + end <= size and end - begin == numel(shape) * DTYPE_WIDTH[dtype]):
+            raise IntegrityError(f"{path}: tensor {name!r} has inconsistent offsets")
+        out[name] = TensorLocation(path, dtype, shape, base + begin, base + end)
+    return out
+
+
+def checkpoint_files(path: str | os.PathLike) -> dict[str, TensorLocation]:
+    """Locations of every tensor of a .safetensors file or a checkpoint directory."""
+    p = Path(path)
+    if p.is_file():
+        return read_header(p)
+    if not p.is_dir():
+        raise NotFoundError(f"no checkpoint at {p}")
+    index = p / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise IntegrityError(f"{index}: not a safetensors index") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f.name for f in p.glob("*.safetensors"))
+        weight_map = None
+    if not files:
+        raise NotFoundError(f"{p} holds no .safetensors file")
+    out: dict[str, TensorLocation] = {}
+    for name in files:
+        for tensor, loc in read_header(p / name).items():
+            if weight_map is not None and weight_map.get(tensor) != name:
+                continue
+            if tensor in out:
+                raise IntegrityError(f"{p}: tensor {tensor!r} appears in two files")
+            out[tensor] = loc
+    if weight_map is not None and set(weight_map) != set(out):
+        raise IntegrityError(f"{index}: weight map does not match the files' tensors")
+    return out
+
+
+def map_checkpoint(locations: Mapping[str, TensorLocation], writable: bool = False) -> dict[str, TensorBits]:
+    """Memory-map each tensor's words; with ``writable`` the maps write through to the files."""
+    maps: dict[Path, np.ndarray] = {}
+    state = {}
+    for name, loc in locations.items():
+        mm = maps.get(loc.file)
+        if mm is None:
+            mm = maps[loc.file] = np.memmap(loc.file, dtype=np.uint8, mode="r+" if writable else "r")
+        state[name] = TensorBits(loc.dtype, loc.shape, mm[loc.start : loc.end].view(word_dtype(loc.dtype)))
+    return state
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, TensorBits]:
+    """Read-only, zero-copy words of every tensor of a checkpoint."""
+    return map_checkpoint(checkpoint_files(path))
+
+
+def save_safetensors(state: Mapping[str, TensorBits], path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None,
+                     before_rename: Callable[[Path], None] | None = None) -> None:
+    """Write one .safetensors file atomically: a temporary file in the same directory,
+    fsync, then rename, so ``path`` either holds the whole file or is untouched."""
+    path = Path(path)
+    specs = {}
+    keep = []  # the arrays behind the raw pointers stay alive until serialize_file returns
+    for name, bits in state.items():
+        words = np.ascontiguousarray(bits.words)
+        keep.append(words)
+        specs[name] = safetensors.TensorSpec(
+            dtype=_SPEC_DTYPE[bits.dtype], shape=list(bits.shape),
+            data_ptr=words.ctypes.data if words.size else 0, data_len=words.nbytes,
+        )
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        safetensors.serialize_file(specs, tmp, metadata=metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        if before_rename:
+            before_rename(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        del keep

@@ -1,0 +1,192 @@
+"""The ``dcr`` command. Exit codes: 0 ok, 1 other, 2 usage, 3 integrity, 4 lineage, 5 conflict."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .checkpoint import load_checkpoint, save_safetensors
+from .errors import DcrError, UsageError
+from .log import DeltaLog
+from .writer import LogWriter
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="dcr-log: bit-exact delta logs for refitting model weights.")
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@contextmanager
+def progress_bar(label: str, total: int | None) -> Iterator:
+    """A rich progress bar on a terminal; a no-op otherwise. Yields advance(n)."""
+    if not err.is_terminal:
+        yield lambda n=1: None
+        return
+    with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n=1: bar.advance(task, n)
+
+
+def _version_progress(log: DeltaLog, label: str, upto: int | None = None):
+    total = (log.latest_version() if upto is None else upto) + 1
+    return progress_bar(label, total)
+
+
+@app.command()
+def init(log: str = typer.Argument(..., help="log directory or URL"),
+         from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory")) -> None:
+    """Create LOG; version 0 is the full state of the checkpoint."""
+    state = load_checkpoint(from_)
+    with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
+        writer = LogWriter.create(log, state, progress=advance)
+    commit = writer.log.commit(0)
+    out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes")
+
+
+@app.command()
+def append(log: str = typer.Argument(..., help="log directory or URL"),
+           from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory")) -> None:
+    """Append the checkpoint's state as the next version, stored as a delta."""
+    dlog = DeltaLog.open(log)
+    state = load_checkpoint(from_)
+    with _version_progress(dlog, "rebuild latest") as advance:
+        writer = LogWriter.open(dlog, progress=lambda v: advance())
+    with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
+        commit = writer.append(state, progress=advance)
+    pct = 100.0 * commit.stats.changed_elements / max(commit.stats.total_elements, 1)
+    out.print(f"version {commit.version}: {commit.stats.changed_elements} changed ({pct:.3f}%), "
+              f"{commit.delta_bytes} bytes")
+
+
+def _log_rows(dlog: DeltaLog) -> list[dict]:
+    rows = []
+    for v in dlog.versions():
+        c = dlog.commit(v)
+        rows.append({
+            "version": v, "parent": c.parent, "bytes": c.delta_bytes,
+            "changed_elements": c.stats.changed_elements, "total_elements": c.stats.total_elements,
+            "changed_pct": 100.0 * c.stats.changed_elements / max(c.stats.total_elements, 1),
+            "records": c.stats.records, "tensors": len(c.tensors), "created_at": c.created_at,
+            "writer_id": c.writer_id, "state_digest": f"{c.state_digest:016x}",
+        })
+    return rows
+
+
+@app.command("log")
+def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
+            as_json: bool = typer.Option(False, "--json", help="one JSON object per line")) -> None:
+    """One line per version: version, parent, bytes, changed elements and %."""
+    rows = _log_rows(DeltaLog.open(log))
+    if as_json:
+        for r in rows:
+            out.print(json.dumps(r), markup=False)
+        return
+    table = Table("version", "parent", "bytes", "changed", "%", "records", "created")
+    for r in rows:
+        table.add_row(str(r["version"]), "-" if r["parent"] is None else str(r["parent"]),
+                      str(r["bytes"]), str(r["changed_elements"]), f"{r['changed_pct']:.3f}",
+                      str(r["records"]), r["created_at"])
+    out.print(table)
+
+
+@app.command()
+def show(log: str = typer.Argument(..., help="log directory or URL"),
+         version: int = typer.Argument(..., help="version number"),
+         as_json: bool = typer.Option(False, "--json", help="one JSON object per line")) -> None:
+    """Per tensor: records, encodings, changed elements and payload bytes of one version."""
+    dlog = DeltaLog.open(log)
+    commit = dlog.commit(version)
+    per = {t.name: {"tensor": t.name, "dtype": t.dtype, "shape": list(t.shape), "records": 0,
+                    "kinds": defaultdict(int), "encodings": defaultdict(int),
+                    "changed_elements": 0, "elements": 0, "bytes": 0} for t in commit.tensors}
+    for t in commit.tensors:
+        n = 1
+        for s in t.shape:
+            n *= s
+        per[t.name]["elements"] = n
+    for rec in dlog.records(version):
+        row = per[rec.tensor]
+        row["records"] += 1
+        row["kinds"][rec.kind] += 1
+        row["encodings"][rec.encoding] += 1
+        row["changed_elements"] += rec.n_changed
+        row["bytes"] += len(rec.payload)
+    if as_json:
+        for row in per.values():
+            out.print(json.dumps({**row, "kinds": dict(row["kinds"]), "encodings": dict(row["encodings"])}),
+                      markup=False)
+        return
+    table = Table("tensor", "dtype", "shape", "records", "kinds", "encodings", "changed", "%", "bytes")
+    for row in per.values():
+        pct = 100.0 * row["changed_elements"] / max(row["elements"], 1)
+        table.add_row(row["tensor"], row["dtype"], "x".join(map(str, row["shape"])) or "()",
+                      str(row["records"]), ",".join(f"{k}:{v}" for k, v in row["kinds"].items()),
+                      ",".join(f"{k}:{v}" for k, v in row["encodings"].items()),
+                      str(row["changed_elements"]), f"{pct:.3f}", str(row["bytes"]))
+    out.print(table)
+
+
+@app.command()
+def verify(log: str = typer.Argument(..., help="log directory or URL"),
+           deep: bool = typer.Option(False, "--deep", help="also replay every version and check every digest")) -> None:
+    """Check every commit record, the parent chain and every segment's hash."""
+    dlog = DeltaLog.open(log)
+    with _version_progress(dlog, "verify") as advance:
+        report = dlog.verify(deep=deep, progress=lambda v: advance())
+    out.print(f"ok: {report.versions} versions, {report.segments} segments, "
+              f"{report.bytes_checked} bytes{' (deep)' if deep else ''}")
+
+
+@app.command()
+def replay(log: str = typer.Argument(..., help="log directory or URL"),
+           version: Optional[int] = typer.Option(None, "--version", help="version (default latest)"),
+           out_path: Path = typer.Option(..., "--out", help="output .safetensors file")) -> None:
+    """Rebuild a version bit-exactly and write it as one .safetensors file."""
+    dlog = DeltaLog.open(log)
+    with _version_progress(dlog, "replay", version) as advance:
+        state = dlog.materialize(version, progress=lambda v: advance())
+    save_safetensors(state, out_path)
+    out.print(f"wrote {out_path}: version {dlog.latest_version() if version is None else version}, "
+              f"{len(state)} tensors")
+
+
+@app.command()
+def demo(dir: Optional[Path] = typer.Option(None, "--dir", help="where to write the log (default: a temporary directory)")) -> None:
+    """Build a small bf16 model, log ~10 training steps, replay and check every version."""
+    from .demo import run_demo
+
+    run_demo(dir, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        app(args=argv, standalone_mode=False)
+    except DcrError as exc:
+        err.print(f"dcr: error: {exc}", markup=False)
+        return exc.exit_code
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        err.print("dcr: aborted", markup=False)
+        return 1
+    except Exception as exc:  # command-line usage errors (typer's click) and anything unexpected
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+            err.print(f"dcr: usage: {exc.format_message()}", markup=False)
+            return UsageError.exit_code
+        err.print(f"dcr: error: {type(exc).__name__}: {exc}", markup=False)
+        return 1
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())

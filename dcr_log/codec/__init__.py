@@ -1,0 +1,33 @@
+"""Registry of payload encodings. A record names its encoding and params; readers never guess."""
+
+from __future__ import annotations
+
+from ..errors import IntegrityError
+from .base import KINDS, ChangeSet, Encoding
+from .dense import DenseEncoding
+from .raw import RawEncoding
+from .sparse import SparseEncoding
+
+ENCODINGS: dict[str, type[Encoding]] = {
+    RawEncoding.name: RawEncoding,
+    SparseEncoding.name: SparseEncoding,
+    DenseEncoding.name: DenseEncoding,
+}
+
+
+def get_encoding(name: str) -> Encoding:
+    cls = ENCODINGS.get(name)
+    if cls is None:
+        raise IntegrityError(f"unknown encoding {name!r}")
+    return cls()
+
+
+def decode_changes(kind, encoding, params, payload, n, k, word) -> ChangeSet:
+    if kind not in KINDS:
+        raise IntegrityError(f"unknown record kind {kind!r}")
+    if not 0 <= k <= n or (kind == "tensor" and k != n):
+        raise IntegrityError(f"{kind} record declares {k} changes in a box of {n}")
+    return get_encoding(encoding).decode(kind, params, payload, n, k, word)
+
+
+__all__ = ["ENCODINGS", "KINDS", "ChangeSet", "Encoding", "get_encoding", "decode_changes"]

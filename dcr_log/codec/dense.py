@@ -1,0 +1,52 @@
+"""``dense``: the box's full word array (xor mask, or new values for ``tensor`` records),
+byte-planed, in one zstd frame. For ``xor`` the changed positions are the non-zero words.
+Params: ``level`` (zstd level used, informative).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import IntegrityError
+from .base import (
+    ZSTD_LEVELS,
+    ChangeSet,
+    Encoding,
+    check_params,
+    from_planes,
+    to_planes,
+    zstd_compress,
+    zstd_decompress_exact,
+)
+
+
+class DenseEncoding(Encoding):
+    name = "dense"
+    kinds = ("xor", "tensor")
+
+    def __init__(self, level: int = 3):
+        self.level = level
+
+    def encode(self, kind: str, changes: ChangeSet, full: np.ndarray | None = None) -> tuple[dict, bytes]:
+        """``full`` (the box's whole xor array) saves a scatter when the caller has it."""
+        self.check_kind(kind)
+        if full is None:
+            if changes.positions is None:
+                full = changes.values
+            else:
+                full = np.zeros(changes.n, dtype=changes.values.dtype)
+                full[changes.positions] = changes.values
+        return {"level": self.level}, zstd_compress(to_planes(np.ascontiguousarray(full)), self.level)
+
+    def decode(self, kind, params, payload, n, k, word) -> ChangeSet:
+        self.check_kind(kind)
+        check_params(self.name, params, {"level": ZSTD_LEVELS})
+        full = from_planes(zstd_decompress_exact(payload, n * word.itemsize), n, word)
+        if kind == "tensor":
+            if k != n:
+                raise IntegrityError(f"tensor record declares {k} of {n} elements")
+            return ChangeSet(n, None, full)
+        positions = np.flatnonzero(full)
+        if positions.size != k:
+            raise IntegrityError(f"dense xor mask holds {positions.size} changes, record says {k}")
+        return ChangeSet(n, positions, full[positions])

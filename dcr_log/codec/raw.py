@@ -1,0 +1,35 @@
+"""``raw``: positions as little-endian uint64, then values as little-endian words. No params."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import IntegrityError
+from .base import ChangeSet, Encoding, check_params, check_positions
+
+
+class RawEncoding(Encoding):
+    name = "raw"
+    kinds = ("xor", "overwrite", "tensor")
+
+    def encode(self, kind: str, changes: ChangeSet) -> tuple[dict, bytes]:
+        self.check_kind(kind)
+        values = np.ascontiguousarray(changes.values)
+        if kind == "tensor":
+            return {}, values.tobytes()
+        return {}, changes.positions.astype("<u8").tobytes() + values.tobytes()
+
+    def decode(self, kind, params, payload, n, k, word) -> ChangeSet:
+        self.check_kind(kind)
+        check_params(self.name, params, {})
+        w = word.itemsize
+        pos_bytes = 0 if kind == "tensor" else 8 * k
+        if len(payload) != pos_bytes + k * w:
+            raise IntegrityError(f"raw payload is {len(payload)} bytes, expected {pos_bytes + k * w}")
+        buf = np.frombuffer(payload, dtype=np.uint8)
+        values = buf[pos_bytes:].view(word)
+        if kind == "tensor":
+            return ChangeSet(n, None, values)
+        positions = buf[:pos_bytes].view("<u8")
+        check_positions(positions, n)
+        return ChangeSet(n, positions, values)

@@ -1,0 +1,143 @@
+"""Dtypes as words, boxes in a tensor's index space, and vectorised coordinate maps.
+
+Only bits matter to dcr-log: every safetensors dtype is handled as unsigned little-endian
+words of its width. A box is a hyper-rectangle ``(offset, shape)`` inside a tensor whose
+elements are enumerated in row-major order; every change is addressed by a box plus
+box-local positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import IntegrityError, UsageError
+
+# safetensors dtype name -> width of one element in bytes.
+DTYPE_WIDTH: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+}
+
+_WORD_BY_WIDTH = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPE_WIDTH:
+        raise UsageError(f"unsupported dtype {dtype!r}; known: {', '.join(DTYPE_WIDTH)}")
+    return dtype
+
+
+def word_dtype(dtype: str) -> np.dtype:
+    """The unsigned little-endian numpy dtype that holds one element of ``dtype``."""
+    return _WORD_BY_WIDTH[DTYPE_WIDTH[check_dtype(dtype)]]
+
+
+def numel(shape: tuple[int, ...] | list[int]) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle ``offset .. offset+shape`` in a tensor's index space."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return numel(self.shape)
+
+    @staticmethod
+    def whole(shape: tuple[int, ...]) -> "Box":
+        return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+
+    def check_inside(self, tensor_shape: tuple[int, ...]) -> None:
+        if len(self.offset) != len(tensor_shape) or len(self.shape) != len(tensor_shape):
+            raise IntegrityError(
+                f"box rank {len(self.shape)} does not match tensor rank {len(tensor_shape)}"
+            )
+        for o, s, t in zip(self.offset, self.shape, tensor_shape):
+            if o < 0 or s < 0 or o + s > t:
+                raise IntegrityError(f"box {self} lies outside a tensor of shape {tensor_shape}")
+
+    def is_row_block(self, tensor_shape: tuple[int, ...]) -> bool:
+        """True when the box is contiguous in the tensor's flat row-major order."""
+        return tuple(self.offset[1:]) == (0,) * (len(tensor_shape) - 1) and tuple(
+            self.shape[1:]
+        ) == tuple(tensor_shape[1:])
+
+    def flat_start(self, tensor_shape: tuple[int, ...]) -> int:
+        """Flat index of the box's first element (meaningful for row blocks)."""
+        if not tensor_shape:
+            return 0
+        return int(self.offset[0]) * numel(tensor_shape[1:])
+
+
+def row_blocks(shape: tuple[int, ...], max_elements: int) -> list[Box]:
+    """Split a tensor into contiguous row-block boxes of at most ``max_elements`` each.
+
+    A 0-d tensor is one box; a row larger than ``max_elements`` still forms one box (a box
+    never splits a row). Empty tensors have no boxes.
+    """
+    shape = tuple(int(s) for s in shape)
+    n = numel(shape)
+    if n == 0:
+        return []
+    if not shape:
+        return [Box((), ())]
+    row = numel(shape[1:])
+    rows_per_box = max(1, max_elements // row)
+    tail = shape[1:]
+    zeros = (0,) * len(tail)
+    return [
+        Box((r,) + zeros, (min(rows_per_box, shape[0] - r),) + tail)
+        for r in range(0, shape[0], rows_per_box)
+    ]
+
+
+def box_to_tensor_flat(
+    box: Box, tensor_shape: tuple[int, ...], positions: np.ndarray
+) -> np.ndarray:
+    """Map box-local row-major positions to flat row-major indices of the tensor."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if box.is_row_block(tensor_shape):
+        return positions + box.flat_start(tensor_shape)
+    local = np.unravel_index(positions, box.shape)
+    idx = tuple(li + o for li, o in zip(local, box.offset))
+    return np.ravel_multi_index(idx, tensor_shape).astype(np.int64, copy=False)
+
+
+def tensor_flat_to_box(box: Box, tensor_shape: tuple[int, ...], flat: np.ndarray) -> np.ndarray:
+    """Map flat tensor indices (inside the box) to box-local row-major positions."""
+    flat = np.asarray(flat, dtype=np.int64)
+    if box.is_row_block(tensor_shape):
+        return flat - box.flat_start(tensor_shape)
+    idx = np.unravel_index(flat, tensor_shape)
+    local = tuple(i - o for i, o in zip(idx, box.offset))
+    return np.ravel_multi_index(local, box.shape).astype(np.int64, copy=False)
+
+
+def box_view(words: np.ndarray, tensor_shape: tuple[int, ...], box: Box) -> np.ndarray:
+    """A view (row blocks) or copy (other boxes) of a flat word array's box, flattened."""
+    if box.is_row_block(tensor_shape):
+        start = box.flat_start(tensor_shape)
+        return words[start : start + box.size]
+    nd = words.reshape(tensor_shape)
+    sl = tuple(slice(o, o + s) for o, s in zip(box.offset, box.shape))
+    return nd[sl].reshape(-1)

@@ -1,0 +1,18 @@
+"""The on-store format: commit records, log identity and segment files. Pure: no I/O."""
+
+from .commit import (
+    FORMAT_VERSION,
+    KNOWN_FEATURES,
+    CommitRecord,
+    CommitStats,
+    LogIdentity,
+    SegmentRef,
+)
+from .keys import IDENTITY_KEY, parse_version_key, segment_key, version_key
+from .segment import SEGMENT_SCHEMA, Record, SegmentBuilder, encode_segment, iter_segment
+
+__all__ = [
+    "FORMAT_VERSION", "KNOWN_FEATURES", "CommitRecord", "CommitStats", "LogIdentity", "SegmentRef",
+    "IDENTITY_KEY", "parse_version_key", "segment_key", "version_key",
+    "SEGMENT_SCHEMA", "Record", "SegmentBuilder", "encode_segment", "iter_segment",
+]

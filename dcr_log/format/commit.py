@@ -1,0 +1,212 @@
+"""Log identity (dcr.json) and commit records (versions/NNN.json). Pure: bytes in, bytes out."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..coords import DTYPE_WIDTH
+from ..errors import IntegrityError, UsageError
+from ..state import TensorInfo, digest_hex
+from .canonical import seal, unseal
+from .keys import check_segment_key
+
+FORMAT_VERSION = 1
+# Features this implementation reads and writes. A reader MUST refuse a log or commit that
+# lists a feature it does not know.
+KNOWN_FEATURES: frozenset[str] = frozenset()
+
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_UUID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _expect(cond: bool, what: str, msg: str) -> None:
+    if not cond:
+        raise IntegrityError(f"{what}: {msg}")
+
+
+def _int(v, what, name, minimum=0) -> int:
+    _expect(type(v) is int and v >= minimum, what, f"{name} must be an integer >= {minimum}")
+    return v
+
+
+def _str(v, what, name, pattern: re.Pattern | None = None) -> str:
+    _expect(isinstance(v, str) and (pattern is None or pattern.match(v)), what, f"bad {name}")
+    return v
+
+
+def _keys(obj: dict, what: str, keys: set[str]) -> None:
+    _expect(isinstance(obj, dict), what, "expected an object")
+    _expect(set(obj) == keys, what, f"members {sorted(obj)} differ from {sorted(keys)}")
+
+
+def check_features(features, what: str) -> tuple[str, ...]:
+    _expect(isinstance(features, list) and all(isinstance(f, str) for f in features), what,
+            "features must be a list of strings")
+    unknown = sorted(set(features) - KNOWN_FEATURES)
+    if unknown:
+        raise IntegrityError(f"{what}: unsupported features {unknown}; upgrade dcr-log")
+    return tuple(features)
+
+
+@dataclass(frozen=True)
+class LogIdentity:
+    log_id: str
+    created_at: str
+    format_version: int = FORMAT_VERSION
+    features: tuple[str, ...] = ()
+
+    def to_bytes(self) -> bytes:
+        return seal({
+            "format_version": self.format_version,
+            "log_id": self.log_id,
+            "created_at": self.created_at,
+            "features": list(self.features),
+        })
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "LogIdentity":
+        what = "dcr.json"
+        obj = unseal(data, what)
+        _keys(obj, what, {"format_version", "log_id", "created_at", "features"})
+        if obj["format_version"] != FORMAT_VERSION:
+            raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
+        return LogIdentity(
+            log_id=_str(obj["log_id"], what, "log_id", _UUID),
+            created_at=_str(obj["created_at"], what, "created_at"),
+            format_version=obj["format_version"],
+            features=check_features(obj["features"], what),
+        )
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    key: str
+    size: int
+    sha256: str
+    records: int
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "size": self.size, "sha256": self.sha256, "records": self.records}
+
+
+@dataclass(frozen=True)
+class CommitStats:
+    changed_elements: int
+    total_elements: int
+    records: int
+
+    def to_json(self) -> dict:
+        return {
+            "changed_elements": self.changed_elements,
+            "total_elements": self.total_elements,
+            "records": self.records,
+        }
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    log_id: str
+    version: int
+    parent: int | None
+    parent_state_digest: int | None
+    state_digest: int
+    segments: tuple[SegmentRef, ...]
+    tensors: tuple[TensorInfo, ...]
+    stats: CommitStats
+    created_at: str
+    writer_id: str
+    format_version: int = FORMAT_VERSION
+    features: tuple[str, ...] = field(default=())
+
+    @property
+    def delta_bytes(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    def tensor_map(self) -> dict[str, TensorInfo]:
+        return {t.name: t for t in self.tensors}
+
+    def to_bytes(self) -> bytes:
+        if (self.parent is None) != (self.version == 0) or (self.parent is None) != (
+            self.parent_state_digest is None
+        ):
+            raise UsageError("version 0 and only version 0 has no parent")
+        return seal({
+            "format_version": self.format_version,
+            "features": list(self.features),
+            "log_id": self.log_id,
+            "version": self.version,
+            "parent": self.parent,
+            "parent_state_digest": None
+            if self.parent_state_digest is None
+            else digest_hex(self.parent_state_digest),
+            "state_digest": digest_hex(self.state_digest),
+            "segments": [s.to_json() for s in self.segments],
+            "tensors": [t.to_json() for t in sorted(self.tensors, key=lambda t: t.name.encode())],
+            "stats": self.stats.to_json(),
+            "created_at": self.created_at,
+            "writer_id": self.writer_id,
+        })
+
+    @staticmethod
+    def from_bytes(data: bytes, expect_version: int | None = None) -> "CommitRecord":
+        what = "commit record" if expect_version is None else f"commit record {expect_version}"
+        obj = unseal(data, what)
+        _keys(obj, what, {
+            "format_version", "features", "log_id", "version", "parent", "parent_state_digest",
+            "state_digest", "segments", "tensors", "stats", "created_at", "writer_id",
+        })
+        if obj["format_version"] != FORMAT_VERSION:
+            raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
+        version = _int(obj["version"], what, "version")
+        if expect_version is not None and version != expect_version:
+            raise IntegrityError(f"{what}: holds version {version}")
+        if version == 0:
+            _expect(obj["parent"] is None and obj["parent_state_digest"] is None, what,
+                    "version 0 has no parent")
+            parent, parent_digest = None, None
+        else:
+            parent = _int(obj["parent"], what, "parent")
+            _expect(parent == version - 1, what, f"parent {parent} is not version {version - 1}")
+            parent_digest = int(_str(obj["parent_state_digest"], what, "parent_state_digest", _HEX16), 16)
+        segments = []
+        _expect(isinstance(obj["segments"], list), what, "segments must be a list")
+        for s in obj["segments"]:
+            _keys(s, what, {"key", "size", "sha256", "records"})
+            check_segment_key(_str(s["key"], what, "segment key"), version)
+            segments.append(SegmentRef(s["key"], _int(s["size"], what, "size"),
+                                       _str(s["sha256"], what, "sha256", _HEX64),
+                                       _int(s["records"], what, "records")))
+        _expect(len({s.key for s in segments}) == len(segments), what, "duplicate segment")
+        tensors = []
+        _expect(isinstance(obj["tensors"], list), what, "tensors must be a list")
+        for t in obj["tensors"]:
+            _keys(t, what, {"name", "dtype", "shape", "digest"})
+            _expect(isinstance(t["name"], str) and t["name"] and "\x00" not in t["name"], what, "bad tensor name")
+            _expect(t["dtype"] in DTYPE_WIDTH, what, f"unknown dtype {t['dtype']!r}")
+            _expect(isinstance(t["shape"], list), what, "shape must be a list")
+            shape = tuple(_int(d, what, "dimension") for d in t["shape"])
+            tensors.append(TensorInfo(t["name"], t["dtype"], shape,
+                                      int(_str(t["digest"], what, "digest", _HEX16), 16)))
+        names = [t.name.encode() for t in tensors]
+        _expect(names == sorted(set(names)), what, "tensor names must be unique and sorted")
+        st = obj["stats"]
+        _keys(st, what, {"changed_elements", "total_elements", "records"})
+        stats = CommitStats(_int(st["changed_elements"], what, "changed_elements"),
+                            _int(st["total_elements"], what, "total_elements"),
+                            _int(st["records"], what, "records"))
+        return CommitRecord(
+            log_id=_str(obj["log_id"], what, "log_id", _UUID),
+            version=version,
+            parent=parent,
+            parent_state_digest=parent_digest,
+            state_digest=int(_str(obj["state_digest"], what, "state_digest", _HEX16), 16),
+            segments=tuple(segments),
+            tensors=tuple(tensors),
+            stats=stats,
+            created_at=_str(obj["created_at"], what, "created_at"),
+            writer_id=_str(obj["writer_id"], what, "writer_id"),
+            format_version=obj["format_version"],
+            features=check_features(obj["features"], what),
+        )

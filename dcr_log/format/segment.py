@@ -1,0 +1,157 @@
+"""Segment files: Arrow IPC file format, one row per record. Pure: bytes in, bytes out."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+
+from ..coords import Box
+from ..codec import KINDS
+from ..errors import IntegrityError
+from .canonical import canonical_bytes
+
+SEGMENT_SCHEMA = pa.schema([
+    pa.field("tensor", pa.utf8(), nullable=False),
+    pa.field("kind", pa.utf8(), nullable=False),
+    pa.field("box_offset", pa.list_(pa.field("item", pa.uint64(), nullable=False)), nullable=False),
+    pa.field("box_shape", pa.list_(pa.field("item", pa.uint64(), nullable=False)), nullable=False),
+    pa.field("encoding", pa.utf8(), nullable=False),
+    pa.field("params", pa.utf8(), nullable=False),
+    pa.field("n_changed", pa.uint64(), nullable=False),
+    pa.field("base_digest", pa.uint64(), nullable=False),
+    pa.field("target_digest", pa.uint64(), nullable=False),
+    pa.field("payload", pa.large_binary(), nullable=False),
+])
+
+# Records are grouped into Arrow record batches of about this many payload bytes, so a reader
+# holds one batch at a time.
+BATCH_PAYLOAD_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Record:
+    tensor: str
+    kind: str
+    box: Box
+    encoding: str
+    params: dict
+    n_changed: int
+    base_digest: int
+    target_digest: int
+    payload: bytes | memoryview
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise IntegrityError(f"unknown record kind {self.kind!r}")
+
+
+def _meta(log_id: str, version: int) -> dict[bytes, bytes]:
+    return {b"dcr.format_version": b"1", b"dcr.log_id": log_id.encode(), b"dcr.version": str(version).encode()}
+
+
+def _batch(records: list[Record]) -> pa.RecordBatch:
+    return pa.record_batch([
+        pa.array([r.tensor for r in records], pa.utf8()),
+        pa.array([r.kind for r in records], pa.utf8()),
+        pa.array([list(r.box.offset) for r in records], SEGMENT_SCHEMA.field("box_offset").type),
+        pa.array([list(r.box.shape) for r in records], SEGMENT_SCHEMA.field("box_shape").type),
+        pa.array([r.encoding for r in records], pa.utf8()),
+        pa.array([canonical_bytes(r.params).decode() for r in records], pa.utf8()),
+        pa.array([r.n_changed for r in records], pa.uint64()),
+        pa.array([r.base_digest for r in records], pa.uint64()),
+        pa.array([r.target_digest for r in records], pa.uint64()),
+        pa.array([r.payload for r in records], pa.large_binary()),
+    ], schema=SEGMENT_SCHEMA)
+
+
+class SegmentBuilder:
+    """Accumulates records into one segment file's bytes, batch by batch."""
+
+    def __init__(self, log_id: str, version: int):
+        self._sink = pa.BufferOutputStream()
+        self._writer = pa.ipc.new_file(
+            self._sink, SEGMENT_SCHEMA.with_metadata(_meta(log_id, version))
+        )
+        self._pending: list[Record] = []
+        self._pending_bytes = 0
+        self.records = 0
+        self.payload_bytes = 0
+
+    def add(self, record: Record) -> None:
+        self._pending.append(record)
+        self._pending_bytes += len(record.payload)
+        self.records += 1
+        self.payload_bytes += len(record.payload)
+        if self._pending_bytes >= BATCH_PAYLOAD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._writer.write_batch(_batch(self._pending))
+            self._pending, self._pending_bytes = [], 0
+
+    def finish(self) -> pa.Buffer:
+        self._flush()
+        self._writer.close()
+        return self._sink.getvalue()
+
+
+def encode_segment(records: Iterable[Record], log_id: str, version: int) -> bytes:
+    builder = SegmentBuilder(log_id, version)
+    for r in records:
+        builder.add(r)
+    return builder.finish().to_pybytes()
+
+
+def _parse_params(text: str) -> dict:
+    try:
+        params = json.loads(text)
+    except ValueError:
+        raise IntegrityError("record params are not JSON") from None
+    if not isinstance(params, dict) or canonical_bytes(params).decode() != text:
+        raise IntegrityError("record params are not a canonical JSON object")
+    return params
+
+
+def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
+    """Yield the records of a segment, checking its schema and that it belongs here.
+
+    ``data`` may be bytes or any buffer; payloads are zero-copy slices of it.
+    """
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(data))
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        raise IntegrityError(f"segment of version {version}: not an Arrow IPC file ({exc})") from None
+    schema = reader.schema
+    if not schema.remove_metadata().equals(SEGMENT_SCHEMA):
+        raise IntegrityError(f"segment of version {version}: unexpected schema")
+    meta = schema.metadata or {}
+    if meta != _meta(log_id, version):
+        raise IntegrityError(f"segment of version {version}: belongs to another log or version")
+    for i in range(reader.num_record_batches):
+        try:
+            batch = reader.get_batch(i)
+            batch.validate(full=True)
+        except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+            raise IntegrityError(f"segment of version {version}: corrupt batch ({exc})") from None
+        cols = {name: batch.column(name) for name in SEGMENT_SCHEMA.names}
+        offsets = cols["box_offset"].to_pylist()
+        shapes = cols["box_shape"].to_pylist()
+        payload = cols["payload"]
+        for j in range(batch.num_rows):
+            if len(offsets[j]) != len(shapes[j]):
+                raise IntegrityError(f"segment of version {version}: box rank mismatch")
+            yield Record(
+                tensor=cols["tensor"][j].as_py(),
+                kind=cols["kind"][j].as_py(),
+                box=Box(tuple(offsets[j]), tuple(shapes[j])),
+                encoding=cols["encoding"][j].as_py(),
+                params=_parse_params(cols["params"][j].as_py()),
+                n_changed=cols["n_changed"][j].as_py(),
+                base_digest=cols["base_digest"][j].as_py(),
+                target_digest=cols["target_digest"][j].as_py(),
+                payload=memoryview(payload[j].as_buffer()),
+            )

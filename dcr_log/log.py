@@ -1,0 +1,243 @@
+"""DeltaLog: open a log, read and verify its versions, replay (materialize) any of them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .delta import apply_to_words, decode_record, empty_words
+from .errors import CommitConflict, IntegrityError, NotFoundError, UsageError
+from .format import (
+    IDENTITY_KEY,
+    CommitRecord,
+    LogIdentity,
+    Record,
+    SegmentRef,
+    iter_segment,
+    parse_version_key,
+    version_key,
+)
+from .format.keys import VERSIONS_PREFIX
+from .state import TensorBits, state_digest, words_digest
+from .store import AlreadyExists, Store
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    versions: int
+    segments: int
+    bytes_checked: int
+    deep: bool
+
+
+class DeltaLog:
+    """A versioned log of delta segments on one store. Readers need nothing but this."""
+
+    def __init__(self, store: Store, identity: LogIdentity):
+        self.store = store
+        self.identity = identity
+        self._commits: dict[int, CommitRecord] = {}
+
+    @property
+    def log_id(self) -> str:
+        return self.identity.log_id
+
+    @staticmethod
+    def open(location: str | os.PathLike | Store) -> "DeltaLog":
+        store = location if isinstance(location, Store) else Store.open(location)
+        try:
+            data = store.get(IDENTITY_KEY)
+        except NotFoundError:
+            raise NotFoundError(f"{store.url} is not a dcr log (no {IDENTITY_KEY})") from None
+        return DeltaLog(store, LogIdentity.from_bytes(data))
+
+    # -- versions -------------------------------------------------------------------------
+
+    def versions(self) -> list[int]:
+        """Committed versions, 0..latest. A gap means a damaged log and raises IntegrityError."""
+        found = sorted(
+            v for v in (parse_version_key(o.key) for o in self.store.list(VERSIONS_PREFIX)) if v is not None
+        )
+        if found != list(range(len(found))):
+            raise IntegrityError(f"{self.store.url}: version records are not contiguous from 0")
+        return found
+
+    def latest_version(self) -> int:
+        versions = self.versions()
+        if not versions:
+            raise NotFoundError(f"{self.store.url}: log has no versions")
+        return versions[-1]
+
+    def commit(self, version: int) -> CommitRecord:
+        """The verified commit record of ``version`` (cached: commit records are immutable)."""
+        cached = self._commits.get(version)
+        if cached is not None:
+            return cached
+        if version < 0:
+            raise UsageError(f"no version {version}")
+        try:
+            data = self.store.get(version_key(version))
+        except NotFoundError:
+            raise NotFoundError(f"{self.store.url}: no version {version}") from None
+        record = CommitRecord.from_bytes(data, expect_version=version)
+        if record.log_id != self.log_id:
+            raise IntegrityError(f"commit record {version} belongs to log {record.log_id}")
+        self._commits[version] = record
+        return record
+
+    def write_commit(self, record: CommitRecord) -> None:
+        """Create the commit record with put-if-absent: exactly one writer wins a version."""
+        if record.log_id != self.log_id:
+            raise UsageError("commit record of another log")
+        try:
+            self.store.put_new(version_key(record.version), record.to_bytes())
+        except AlreadyExists:
+            raise CommitConflict(f"version {record.version} already exists in {self.store.url}") from None
+        self._commits[record.version] = record
+
+    # -- segments -------------------------------------------------------------------------
+
+    def read_segment(self, ref: SegmentRef) -> memoryview:
+        """Segment bytes, checked against the commit record's size and sha256."""
+        try:
+            data = self.store.get(ref.key)
+        except NotFoundError:
+            raise IntegrityError(f"segment {ref.key} is missing") from None
+        if len(data) != ref.size:
+            raise IntegrityError(f"segment {ref.key}: {len(data)} bytes, commit says {ref.size}")
+        if hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
+        return data
+
+    def segment_records(self, version: int, ref: SegmentRef) -> Iterator[Record]:
+        data = self.read_segment(ref)
+        count = 0
+        for rec in iter_segment(data, self.log_id, version):
+            count += 1
+            yield rec
+        if count != ref.records:
+            raise IntegrityError(f"segment {ref.key}: {count} records, commit says {ref.records}")
+
+    def records(self, version: int) -> Iterator[Record]:
+        commit = self.commit(version)
+        for ref in commit.segments:
+            yield from self.segment_records(version, ref)
+
+    # -- replay ---------------------------------------------------------------------------
+
+    def apply_version(self, state: dict[str, TensorBits], version: int, check_all: bool = False) -> None:
+        """Advance ``state`` (the parent's state, mutated in place) to ``version``.
+
+        Records are checked against their pre/postconditions; tensors created whole and, with
+        ``check_all``, every tensor are checked against the commit's tensor digests.
+        """
+        commit = self.commit(version)
+        table = commit.tensor_map()
+        if state_digest(commit.tensors) != commit.state_digest:
+            raise IntegrityError(f"version {version}: state digest does not match its tensor table")
+        created = set()
+        for name in list(state):
+            if name not in table:
+                del state[name]
+        for name, info in table.items():
+            old = state.get(name)
+            if old is None or old.dtype != info.dtype or old.shape != info.shape:
+                state[name] = TensorBits(info.dtype, info.shape, empty_words(info))
+                created.add(name)
+        records = 0
+        changed = 0
+        for rec in self.records(version):
+            info = table.get(rec.tensor)
+            if info is None:
+                raise IntegrityError(f"version {version}: record for unknown tensor {rec.tensor!r}")
+            if rec.tensor in created and rec.kind != "tensor":
+                raise IntegrityError(f"version {version}: {rec.kind} record for new tensor {rec.tensor!r}")
+            bits = state[rec.tensor]
+            apply_to_words(rec, decode_record(rec, info), bits.words, bits.shape)
+            records += 1
+            changed += rec.n_changed
+        if records != commit.stats.records or changed != commit.stats.changed_elements:
+            raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
+        for name in (table if check_all else created):
+            if words_digest(state[name].words) != table[name].digest:
+                raise IntegrityError(f"version {version}: tensor {name!r} does not match its digest")
+
+    def replay(self, upto: int | None = None, check_all: bool = False,
+               progress: Progress | None = None) -> Iterator[tuple[int, dict[str, TensorBits]]]:
+        """Yield (version, state) for 0..upto; the same state dict is advanced in place."""
+        latest = self.latest_version()
+        upto = latest if upto is None else upto
+        if not 0 <= upto <= latest:
+            raise NotFoundError(f"{self.store.url}: no version {upto} (latest is {latest})")
+        state: dict[str, TensorBits] = {}
+        previous = None
+        for v in range(upto + 1):
+            commit = self.commit(v)
+            if previous is not None and commit.parent_state_digest != previous.state_digest:
+                raise IntegrityError(f"version {v}: parent digest does not match version {v - 1}")
+            self.apply_version(state, v, check_all=check_all)
+            previous = commit
+            if progress:
+                progress(v)
+            yield v, state
+
+    def materialize(self, version: int | None = None, progress: Progress | None = None) -> dict[str, TensorBits]:
+        """The bit-exact state of ``version`` (default latest), every tensor digest checked."""
+        target = self.latest_version() if version is None else version
+        state: dict[str, TensorBits] = {}
+        for v, state in self.replay(target, progress=progress):
+            pass
+        commit = self.commit(target)
+        for info in commit.tensors:
+            if words_digest(state[info.name].words) != info.digest:
+                raise IntegrityError(f"version {target}: tensor {info.name!r} does not match its digest")
+        return state
+
+    def verify(self, deep: bool = False, progress: Progress | None = None) -> VerifyReport:
+        """Check every commit record, the parent chain and every segment's size and sha256.
+
+        ``deep`` also replays every version and checks every tensor digest of every version.
+        """
+        versions = self.versions()
+        if not versions:
+            raise IntegrityError(f"{self.store.url}: log has no versions")
+        nbytes = 0
+        nsegments = 0
+        previous = None
+        for v in versions:
+            commit = self.commit(v)
+            if previous is not None and commit.parent_state_digest != previous.state_digest:
+                raise IntegrityError(f"version {v}: parent digest does not match version {v - 1}")
+            if state_digest(commit.tensors) != commit.state_digest:
+                raise IntegrityError(f"version {v}: state digest does not match its tensor table")
+            if not deep:
+                for ref in commit.segments:
+                    for _ in self.segment_records(v, ref):
+                        pass
+                    nbytes += ref.size
+            else:
+                nbytes += commit.delta_bytes
+            nsegments += len(commit.segments)
+            previous = commit
+            if progress and not deep:
+                progress(v)
+        if deep:
+            for _ in self.replay(versions[-1], check_all=True, progress=progress):
+                pass
+        return VerifyReport(len(versions), nsegments, nbytes, deep)
+
+
+def state_equal(a: dict[str, TensorBits], b: dict[str, TensorBits]) -> bool:
+    """Bit-exact equality of two states (same names, dtypes, shapes and words)."""
+    return a.keys() == b.keys() and all(a[k].same_bits(b[k]) for k in a)
+
+
+def as_numpy(state: dict[str, TensorBits]) -> dict[str, np.ndarray]:
+    """Shaped word arrays (bf16 as uint16 and so on): the bits, in numpy."""
+    return {name: bits.words.reshape(bits.shape) for name, bits in state.items()}

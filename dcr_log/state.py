@@ -1,0 +1,194 @@
+"""Tensor states as words, and their digests. Pure: no I/O.
+
+A state is a mapping ``name -> TensorBits``. Numpy arrays and torch tensors (CPU or GPU) are
+accepted wherever a state goes in; torch is imported only when a torch tensor is seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import xxhash
+
+from .coords import DTYPE_WIDTH, check_dtype, numel, word_dtype
+from .errors import UsageError
+
+_NUMPY_TO_DTYPE = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",  # ml_dtypes
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+_TORCH_TO_DTYPE = {
+    "torch.float64": "F64",
+    "torch.float32": "F32",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.float8_e5m2": "F8_E5M2",
+    "torch.int64": "I64",
+    "torch.int32": "I32",
+    "torch.int16": "I16",
+    "torch.int8": "I8",
+    "torch.uint64": "U64",
+    "torch.uint32": "U32",
+    "torch.uint16": "U16",
+    "torch.uint8": "U8",
+    "torch.bool": "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class TensorBits:
+    """A tensor's bits: safetensors dtype, shape and a flat array of little-endian words."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    words: np.ndarray
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype)
+        if self.words.dtype != word_dtype(self.dtype) or self.words.ndim != 1:
+            raise UsageError(f"words of a {self.dtype} tensor must be a flat {word_dtype(self.dtype)}")
+        if self.words.size != numel(self.shape):
+            raise UsageError(f"{self.words.size} words do not fill shape {self.shape}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.size * DTYPE_WIDTH[self.dtype]
+
+    def digest(self) -> int:
+        return words_digest(self.words)
+
+    def same_bits(self, other: "TensorBits") -> bool:
+        return (
+            self.dtype == other.dtype
+            and self.shape == other.shape
+            and np.array_equal(self.words, other.words)
+        )
+
+
+State = Mapping[str, TensorBits]
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage")
+
+
+def to_bits(x: Any) -> TensorBits:
+    """View a numpy array, a torch tensor (copied to host if needed) or TensorBits as words."""
+    if isinstance(x, TensorBits):
+        return x
+    if _is_torch(x):
+        dtype = _TORCH_TO_DTYPE.get(str(x.dtype))
+        if dtype is None:
+            raise UsageError(f"unsupported torch dtype {x.dtype}")
+        shape = tuple(int(s) for s in x.shape)
+        t = x.detach().contiguous()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        # Reinterpret as raw bytes: works for every dtype, bool and fp8 included.
+        raw = t.reshape(-1).view(__import__("torch").uint8).numpy()
+        return TensorBits(dtype, shape, raw.view(word_dtype(dtype)))
+    arr = np.asarray(x)
+    dtype = _NUMPY_TO_DTYPE.get(arr.dtype.name)
+    if dtype is None:
+        raise UsageError(f"unsupported numpy dtype {arr.dtype}")
+    shape = tuple(int(s) for s in arr.shape)
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.byteswap().view(arr.dtype.newbyteorder("<"))
+    return TensorBits(dtype, shape, arr.reshape(-1).view(word_dtype(dtype)))
+
+
+def to_state(tensors: Mapping[str, Any]) -> dict[str, TensorBits]:
+    state = {}
+    for name, x in tensors.items():
+        check_name(name)
+        state[name] = to_bits(x)
+    return state
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not name or "\x00" in name or "\n" in name:
+        raise UsageError(f"invalid tensor name {name!r}: non-empty, no NUL or newline")
+    return name
+
+
+def words_digest(words: np.ndarray) -> int:
+    """xxh3_64 (seed 0) of the words' little-endian bytes."""
+    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(words)).cast("B"))
+
+
+def digest_hex(d: int) -> str:
+    return f"{d:016x}"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One row of a commit record's tensor table."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: int
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "digest": digest_hex(self.digest),
+        }
+
+    @staticmethod
+    def of(name: str, bits: TensorBits) -> "TensorInfo":
+        return TensorInfo(name, bits.dtype, bits.shape, bits.digest())
+
+
+def state_digest(table: list[TensorInfo] | Mapping[str, TensorInfo]) -> int:
+    """xxh3_64 over one line per tensor sorted by UTF-8 name: name NUL dtype NUL dims NUL hex LF."""
+    rows = table.values() if isinstance(table, Mapping) else table
+    lines = sorted(
+        (
+            t.name.encode()
+            + b"\x00"
+            + t.dtype.encode()
+            + b"\x00"
+            + ",".join(str(s) for s in t.shape).encode()
+            + b"\x00"
+            + digest_hex(t.digest).encode()
+            + b"\n"
+        )
+        for t in rows
+    )
+    return xxhash.xxh3_64_intdigest(b"".join(lines))
+
+
+def tensor_table(state: State) -> dict[str, TensorInfo]:
+    return {name: TensorInfo.of(name, bits) for name, bits in state.items()}
+
+
+_DTYPE_TO_TORCH = {v: k.removeprefix("torch.") for k, v in _TORCH_TO_DTYPE.items()}
+
+
+def to_torch(bits: TensorBits, device: Any = None):
+    """A torch tensor of the right dtype and shape holding exactly these bits (shares memory on CPU)."""
+    import torch
+
+    t = torch.from_numpy(bits.words).view(getattr(torch, _DTYPE_TO_TORCH[bits.dtype])).reshape(bits.shape)
+    return t if device is None else t.to(device)

@@ -35,3 +35,12 @@ class NotFoundError(DcrError):
     """A log, version or object does not exist."""
 
     exit_code = 2
+
+
+class CommitStateUnknown(DcrError):
+    """A commit request failed in a way that leaves unknown whether the version was created.
+
+    Its segments are kept: the commit record, if it exists, may reference them.
+    """
+
+    exit_code = 1

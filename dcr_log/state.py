@@ -98,6 +98,9 @@ def to_bits(x: Any) -> TensorBits:
         if dtype is None:
             raise UsageError(f"unsupported torch dtype {x.dtype}")
         shape = tuple(int(s) for s in x.shape)
+        if x.numel() == 0:
+            # An empty tensor may carry stride 0 (torch.from_numpy does), which view() refuses.
+            return TensorBits(dtype, shape, np.empty(0, dtype=word_dtype(dtype)))
         t = x.detach().contiguous()
         if t.device.type != "cpu":
             t = t.cpu()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..coords import DTYPE_WIDTH
+from ..coords import DTYPE_WIDTH, numel
 from ..errors import IntegrityError, UsageError
 from ..state import TensorInfo, digest_hex
 from .canonical import seal, unseal
@@ -19,6 +19,8 @@ KNOWN_FEATURES: frozenset[str] = frozenset()
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _UUID = re.compile(r"^[0-9a-f]{32}$")
+_TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?Z")
+_WRITER = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def _expect(cond: bool, what: str, msg: str) -> None:
@@ -32,8 +34,20 @@ def _int(v, what, name, minimum=0) -> int:
 
 
 def _str(v, what, name, pattern: re.Pattern | None = None) -> str:
-    _expect(isinstance(v, str) and (pattern is None or pattern.match(v)), what, f"bad {name}")
+    # fullmatch: ``$`` alone would also accept a trailing newline.
+    _expect(isinstance(v, str) and (pattern is None or pattern.fullmatch(v)), what, f"bad {name}")
     return v
+
+
+def _valid_name(name) -> bool:
+    """Non-empty, no NUL or LF (the state digest's separators), valid UTF-8 (no lone surrogates)."""
+    if not isinstance(name, str) or not name or "\x00" in name or "\n" in name:
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _keys(obj: dict, what: str, keys: set[str]) -> None:
@@ -74,7 +88,7 @@ class LogIdentity:
             raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
         return LogIdentity(
             log_id=_str(obj["log_id"], what, "log_id", _UUID),
-            created_at=_str(obj["created_at"], what, "created_at"),
+            created_at=_str(obj["created_at"], what, "created_at", _TIMESTAMP),
             format_version=obj["format_version"],
             features=check_features(obj["features"], what),
         )
@@ -183,7 +197,7 @@ class CommitRecord:
         _expect(isinstance(obj["tensors"], list), what, "tensors must be a list")
         for t in obj["tensors"]:
             _keys(t, what, {"name", "dtype", "shape", "digest"})
-            _expect(isinstance(t["name"], str) and t["name"] and "\x00" not in t["name"], what, "bad tensor name")
+            _expect(_valid_name(t["name"]), what, "bad tensor name")
             _expect(t["dtype"] in DTYPE_WIDTH, what, f"unknown dtype {t['dtype']!r}")
             _expect(isinstance(t["shape"], list), what, "shape must be a list")
             shape = tuple(_int(d, what, "dimension") for d in t["shape"])
@@ -196,6 +210,8 @@ class CommitRecord:
         stats = CommitStats(_int(st["changed_elements"], what, "changed_elements"),
                             _int(st["total_elements"], what, "total_elements"),
                             _int(st["records"], what, "records"))
+        _expect(stats.total_elements == sum(numel(t.shape) for t in tensors), what,
+                "stats.total_elements differs from the tensor table")
         return CommitRecord(
             log_id=_str(obj["log_id"], what, "log_id", _UUID),
             version=version,
@@ -205,8 +221,8 @@ class CommitRecord:
             segments=tuple(segments),
             tensors=tuple(tensors),
             stats=stats,
-            created_at=_str(obj["created_at"], what, "created_at"),
-            writer_id=_str(obj["writer_id"], what, "writer_id"),
+            created_at=_str(obj["created_at"], what, "created_at", _TIMESTAMP),
+            writer_id=_str(obj["writer_id"], what, "writer_id", _WRITER),
             format_version=obj["format_version"],
             features=check_features(obj["features"], what),
         )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UsageError
 
 IDENTITY_KEY = "dcr.json"
 VERSIONS_PREFIX = "versions/"
 SEGMENTS_PREFIX = "segments/"
-_VERSION_KEY = re.compile(r"^versions/(\d{20})\.json$")
+_VERSION_KEY = re.compile(r"versions/([0-9]{20})\.json")
 _WRITER_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
@@ -18,7 +18,7 @@ def version_key(version: int) -> str:
 
 
 def parse_version_key(key: str) -> int | None:
-    m = _VERSION_KEY.match(key)
+    m = _VERSION_KEY.fullmatch(key)  # not .match: ``$`` accepts a trailing newline
     return int(m.group(1)) if m else None
 
 
@@ -33,6 +33,6 @@ def check_segment_key(key: str, version: int) -> None:
 
 
 def check_writer_id(writer_id: str) -> str:
-    if not _WRITER_ID.match(writer_id):
-        raise ValueError(f"writer id {writer_id!r}: 1-64 of [A-Za-z0-9._-]")
+    if not _WRITER_ID.fullmatch(writer_id):
+        raise UsageError(f"writer id {writer_id!r}: 1-64 of [A-Za-z0-9._-]")
     return writer_id

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+import numpy as np
 import pyarrow as pa
 
 from ..coords import Box
@@ -63,8 +64,19 @@ def _batch(records: list[Record]) -> pa.RecordBatch:
         pa.array([r.n_changed for r in records], pa.uint64()),
         pa.array([r.base_digest for r in records], pa.uint64()),
         pa.array([r.target_digest for r in records], pa.uint64()),
-        pa.array([r.payload for r in records], pa.large_binary()),
+        _payload_column(records),
     ], schema=SEGMENT_SCHEMA)
+
+
+def _payload_column(records: list[Record]) -> pa.Array:
+    """The payloads as one large_binary array built from its buffers: one join, where
+    pa.array over a list of bytes objects is an order of magnitude slower."""
+    offsets = np.zeros(len(records) + 1, dtype=np.int64)
+    np.cumsum([len(r.payload) for r in records], out=offsets[1:])
+    data = b"".join(r.payload for r in records)
+    return pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), len(records), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
 
 
 class SegmentBuilder:

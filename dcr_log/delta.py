@@ -6,22 +6,35 @@ Both directions are vectorised: per record the work is a few numpy passes over t
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
 from .codec import ChangeSet, decode_changes
+from .codec.dense import DEFAULT_LEVEL as DENSE_LEVEL
 from .codec.dense import DenseEncoding
 from .codec.raw import RawEncoding
+from .codec.sparse import DEFAULT_LEVEL as SPARSE_LEVEL
 from .codec.sparse import SparseEncoding
 from .coords import Box, box_to_tensor_flat, box_view, numel, row_blocks, word_dtype
 from .errors import IntegrityError
 from .format import Record
 from .state import TensorBits, TensorInfo, words_digest
 
-# A record covers at most this many elements, so that encode and apply stream in chunks.
-DEFAULT_CHUNK_ELEMENTS = 1 << 25
+# A record covers at most this many elements, so that encode and apply stream in chunks and
+# the chunks of a large tensor are encoded in parallel. 4 Mi elements (8 MiB of bf16) keep the
+# per-record overhead (~200 bytes) under 0.5% of a 1%-changed record's payload.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+# Threads that encode the boxes of one tensor (numpy and zstd release the GIL); more than a
+# few only add memory traffic to a pass that is already bound by it.
+DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
+# Tensors smaller than this are encoded on the calling thread: a thread hop costs more.
+PARALLEL_MIN_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -32,66 +45,224 @@ class EncodePolicy:
     changed elements, where they cannot win; raw is always a candidate (its size is known).
     """
 
-    sparse_level: int = 9
-    dense_level: int = 3
+    sparse_level: int = SPARSE_LEVEL
+    dense_level: int = DENSE_LEVEL
     sparse_max_rate: float = 0.6
     dense_min_rate: float = 0.05
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    workers: int = DEFAULT_WORKERS
 
 
-def _smallest(candidates: list[tuple[str, dict, bytes]]) -> tuple[str, dict, bytes]:
-    return min(candidates, key=lambda c: len(c[2]))
+class _Scratch:
+    """One thread's reusable buffers (a full-box pass must not allocate per record)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, np.dtype], np.ndarray] = {}
+        self.dense_masks = 0  # a speed hint only: boxes to scan plainly before trying again
+
+    def get(self, tag: str, dtype: np.dtype, n: int) -> np.ndarray:
+        key = (tag, np.dtype(dtype))
+        buf = self._bufs.get(key)
+        if buf is None or buf.size < n:
+            buf = self._bufs[key] = np.empty(max(n, 1), dtype=dtype)
+        return buf[:n]
+
+
+def _simple_changes(base: np.ndarray, new: np.ndarray, scratch: _Scratch
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    mask = np.not_equal(base, new, out=scratch.get("mask", np.bool_, base.size))
+    positions = np.flatnonzero(mask)
+    return positions, base[positions], new[positions]
+
+
+def _flatnonzero_sparse(mask: np.ndarray, scratch: _Scratch) -> np.ndarray:
+    """np.flatnonzero of a boolean mask, faster when few entries are set.
+
+    The mask is first read 8 entries at a time (as uint64 words): only the words with a set
+    entry are expanded. At 1% changed bf16 (~4% of 4-word groups set) this halves the cost;
+    when most words have an entry set it falls back to the plain scan (1/8 extra work).
+    """
+    n = mask.size
+    if n < 1024 or n % 8 or scratch.dense_masks > 2:
+        scratch.dense_masks = max(scratch.dense_masks - 1, 0)  # retry the sparse path now and then
+        return np.flatnonzero(mask)
+    words = mask.view(np.uint64)
+    coarse = np.flatnonzero(np.not_equal(words, 0, out=scratch.get("coarse", np.bool_, words.size)))
+    if coarse.size * 2 > words.size:
+        # Dense: the plain scan is faster. Skip the coarse pass for the next boxes too.
+        scratch.dense_masks = 8
+        return np.flatnonzero(mask)
+    fine = np.take(words, coarse, out=scratch.get("fine", np.uint64, coarse.size), mode="clip")
+    idx = np.flatnonzero(fine.view(np.bool_))
+    hits = coarse[idx >> 3]
+    hits <<= 3
+    np.bitwise_and(idx, 7, out=idx)
+    hits += idx
+    return hits
+
+
+# find_changes works through a box in pieces of this many words, so that the gathers that
+# follow the compare pass find the piece still in the L2 cache (measured ~25% faster at 1%).
+FIND_PIECE_WORDS = 1 << 19
+
+
+def _lane_changes(b64: np.ndarray, n64: np.ndarray, word: np.dtype, offset: int, scratch: _Scratch
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Changes between two aligned uint64 views holding ``word``-sized words, positions + offset."""
+    lanes = 8 // word.itemsize
+    shift = lanes.bit_length() - 1  # lanes is 2, 4 or 8
+    mask = np.not_equal(b64, n64, out=scratch.get("mask", np.bool_, b64.size))
+    groups = _flatnonzero_sparse(mask, scratch)
+    # take into reused buffers: no page faults on fresh outputs; "clip" skips bounds checks.
+    base_groups = np.take(b64, groups, out=scratch.get("base_groups", np.uint64, groups.size), mode="clip").view(word)
+    new_groups = np.take(n64, groups, out=scratch.get("new_groups", np.uint64, groups.size), mode="clip").view(word)
+    # flatnonzero is several times faster on a boolean mask than on integers.
+    lanes_mask = np.not_equal(base_groups, new_groups, out=scratch.get("lanes", np.bool_, base_groups.size))
+    lane_idx = np.flatnonzero(lanes_mask)  # index into the groups' words
+    base_vals = base_groups[lane_idx]
+    new_vals = new_groups[lane_idx]
+    positions = groups[lane_idx >> shift]
+    positions <<= shift
+    np.bitwise_and(lane_idx, lanes - 1, out=lane_idx)
+    positions += lane_idx
+    if offset:
+        positions += offset
+    return positions, base_vals, new_vals
+
+
+def find_changes(base: np.ndarray, new: np.ndarray, scratch: _Scratch | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, base values, new values) where the word arrays ``base`` and ``new`` differ.
+
+    Positions are increasing int64 indices. Narrow words are compared 8 bytes at a time (as
+    uint64 lanes): the one full pass reads both arrays and writes a mask of n/4 bytes (bf16);
+    only the few differing groups are then gathered and looked at word by word.
+    """
+    scratch = scratch or _Scratch()
+    n = base.size
+    w = base.dtype.itemsize
+    lanes = 8 // w
+    skew = base.ctypes.data % 8
+    if (w == 8 or n < 64 or skew != new.ctypes.data % 8 or skew % w
+            or not (base.flags.c_contiguous and new.flags.c_contiguous)):
+        return _simple_changes(base, new, scratch)
+    word = np.dtype(f"<u{w}")
+    head = (8 - skew) % 8 // w  # words before the first 8-byte boundary
+    body_end = head + (n - head) // lanes * lanes
+    parts = []
+    if head:
+        parts.append(_simple_changes(base[:head], new[:head], scratch))
+    for start in range(head, body_end, FIND_PIECE_WORDS):
+        stop = min(start + FIND_PIECE_WORDS, body_end)
+        b64 = base[start:stop].view(word).view(np.uint64)
+        n64 = new[start:stop].view(word).view(np.uint64)
+        parts.append(_lane_changes(b64, n64, word, start, scratch))
+    if body_end < n:
+        p, b, v = _simple_changes(base[body_end:], new[body_end:], scratch)
+        parts.append((p + body_end, b, v))
+    if len(parts) == 1:
+        p, b, v = parts[0]
+    else:
+        p, b, v = (np.concatenate(x) for x in zip(*parts))
+    return p, b.view(base.dtype), v.view(base.dtype)
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _diff_pool(workers: int) -> ThreadPoolExecutor:
+    """One process-wide pool per size, shared by every Differ (writers come and go; their
+    threads should not pile up). Tasks never wait on other tasks, so sharing cannot deadlock."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="dcr-diff")
+        return pool
+
+
+def _forget_pools() -> None:
+    global _POOLS_LOCK
+    _POOLS.clear()  # a forked child has none of the parent's threads
+    _POOLS_LOCK = threading.Lock()  # nor a lock another thread held at the fork
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 class Differ:
-    """Turns (base, new) tensor pairs into records, reusing scratch buffers across calls."""
+    """Turns (base, new) tensor pairs into records, reusing scratch buffers across calls.
+
+    The boxes of a large tensor are encoded by ``policy.workers`` threads, each with its own
+    scratch buffers; records come out in box order.
+    """
 
     def __init__(self, policy: EncodePolicy | None = None):
         self.policy = policy or EncodePolicy()
-        self._scratch: dict[np.dtype, np.ndarray] = {}
-        self._mask: np.ndarray | None = None
+        self._local = threading.local()
 
-    def _buf(self, word: np.dtype, n: int) -> np.ndarray:
-        buf = self._scratch.get(word)
-        if buf is None or buf.size < n:
-            buf = self._scratch[word] = np.empty(max(n, 1), dtype=word)
-        return buf[:n]
-
-    def _mask_buf(self, n: int) -> np.ndarray:
-        if self._mask is None or self._mask.size < n:
-            self._mask = np.empty(max(n, 1), dtype=np.bool_)
-        return self._mask[:n]
+    def _scratch(self) -> _Scratch:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = _Scratch()
+        return scratch
 
     def diff(self, name: str, base: TensorBits | None, new: TensorBits, kind: str = "xor") -> Iterator[Record]:
         """Records taking ``base`` to ``new``. A new, reshaped or retyped tensor gets ``tensor`` records."""
         whole = base is None or base.dtype != new.dtype or base.shape != new.shape
-        for box in row_blocks(new.shape, self.policy.chunk_elements):
+        boxes = row_blocks(new.shape, self.policy.chunk_elements)
+
+        def record(box: Box) -> Record | None:
             new_box = box_view(new.words, new.shape, box)
             if whole:
-                yield self._tensor_record(name, box, new_box)
-                continue
-            base_box = box_view(base.words, base.shape, box)
-            rec = self._delta_record(name, box, base_box, new_box, kind)
-            if rec is not None:
-                yield rec
+                return self._tensor_record(name, box, new_box)
+            return self._delta_record(name, box, box_view(base.words, base.shape, box), new_box, kind)
+
+        workers = self.policy.workers
+        if workers <= 1 or len(boxes) < 2 or new.words.size < PARALLEL_MIN_ELEMENTS:
+            for box in boxes:
+                rec = record(box)
+                if rec is not None:
+                    yield rec
+            return
+        pool = _diff_pool(workers)
+        pending: deque = deque()
+        try:
+            for box in boxes:
+                pending.append(pool.submit(record, box))
+                if len(pending) > workers:
+                    rec = pending.popleft().result()
+                    if rec is not None:
+                        yield rec
+            while pending:
+                rec = pending.popleft().result()
+                if rec is not None:
+                    yield rec
+        finally:
+            # Abandoned early (an error, or the consumer stopped): let running boxes finish
+            # so that no thread still reads the caller's arrays after we return.
+            for f in pending:
+                f.cancel()
+            wait(pending)
 
     def _tensor_record(self, name: str, box: Box, values: np.ndarray) -> Record:
-        p = self.policy
         changes = ChangeSet(values.size, None, values)
-        cands = [("raw", *RawEncoding().encode("tensor", changes))]
-        cands.append(("dense", *DenseEncoding(p.dense_level).encode("tensor", changes)))
-        enc, params, payload = _smallest(cands)
+        enc = "dense"
+        params, payload = DenseEncoding(self.policy.dense_level).encode("tensor", changes)
+        if len(payload) >= values.nbytes:  # raw's size is known: copy the words only if it wins
+            enc = "raw"
+            params, payload = RawEncoding().encode("tensor", changes)
         return Record(name, "tensor", box, enc, params, values.size, 0, words_digest(values), payload)
 
     def _delta_record(self, name, box, base_box, new_box, kind) -> Record | None:
         p = self.policy
         n = new_box.size
-        xor = np.bitwise_xor(base_box, new_box, out=self._buf(new_box.dtype, n))
-        positions = np.flatnonzero(np.not_equal(xor, 0, out=self._mask_buf(n)))
+        scratch = self._scratch()
+        positions, base_vals, new_vals = find_changes(base_box, new_box, scratch)
         k = positions.size
         if k == 0:
             return None
-        values = xor[positions] if kind == "xor" else new_box[positions]
+        values = np.bitwise_xor(base_vals, new_vals) if kind == "xor" else new_vals
         changes = ChangeSet(n, positions, values)
         w = new_box.dtype.itemsize
         cands = [("raw", {}, None)]  # raw's size is known without encoding it
@@ -100,13 +271,14 @@ class Differ:
         if rate <= p.sparse_max_rate:
             cands.append(("sparse", *SparseEncoding(p.sparse_level).encode(kind, changes)))
         if kind == "xor" and rate >= p.dense_min_rate:
+            xor = np.bitwise_xor(base_box, new_box, out=scratch.get("xor", new_box.dtype, n))
             cands.append(("dense", *DenseEncoding(p.dense_level).encode(kind, changes, full=xor)))
         enc, params, payload = min(cands, key=lambda c: raw_size if c[2] is None else len(c[2]))
         if payload is None:
             params, payload = RawEncoding().encode(kind, changes)
         return Record(
             name, kind, box, enc, params, k,
-            words_digest(base_box[positions]), words_digest(new_box[positions]), payload,
+            words_digest(base_vals), words_digest(new_vals), payload,
         )
 
 
@@ -134,17 +306,24 @@ def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape:
                    check: bool = True) -> None:
     """Apply one decoded record to a tensor's flat words in place.
 
-    With ``check`` the base digest is verified before any write and the target digest after.
+    With ``check`` the base digest (of the values found) and the target digest (of the values
+    to write) are both verified before anything is written: a failing record leaves the words
+    as they were. One gather and one scatter per record.
     """
     where = flat_positions(record, shape, changes)
-    if check and record.kind != "tensor" and words_digest(words[where]) != record.base_digest:
-        raise IntegrityError(f"{record.tensor}: base values differ from the record's precondition")
-    if record.kind == "xor":
-        words[where] ^= changes.values
+    if record.kind == "tensor":
+        target = changes.values
     else:
-        words[where] = changes.values
-    if check and words_digest(words[where]) != record.target_digest:
-        raise IntegrityError(f"{record.tensor}: values after apply differ from the record's target")
+        current = words[where]  # a copy: ``where`` is an index array for xor and overwrite
+        if check and words_digest(current) != record.base_digest:
+            raise IntegrityError(f"{record.tensor}: base values differ from the record's precondition")
+        if record.kind == "xor":
+            target = np.bitwise_xor(current, changes.values, out=None if isinstance(where, slice) else current)
+        else:
+            target = changes.values
+    if check and words_digest(target) != record.target_digest:
+        raise IntegrityError(f"{record.tensor}: values to write differ from the record's target")
+    words[where] = target
 
 
 def empty_words(info: TensorInfo) -> np.ndarray:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
 from .delta import apply_to_words, decode_record, empty_words
-from .errors import CommitConflict, IntegrityError, NotFoundError, UsageError
+from .errors import CommitConflict, CommitStateUnknown, IntegrityError, NotFoundError, UsageError
 from .format import (
     IDENTITY_KEY,
     CommitRecord,
@@ -91,14 +94,35 @@ class DeltaLog:
         self._commits[version] = record
         return record
 
+    def find_state_digest(self, digest: int, upto: int | None = None) -> int | None:
+        """The newest version (at most ``upto``) whose state digest is ``digest``, or None."""
+        for v in reversed(self.versions()):
+            if (upto is None or v <= upto) and self.commit(v).state_digest == digest:
+                return v
+        return None
+
     def write_commit(self, record: CommitRecord) -> None:
         """Create the commit record with put-if-absent: exactly one writer wins a version."""
         if record.log_id != self.log_id:
             raise UsageError("commit record of another log")
+        key = version_key(record.version)
+        data = record.to_bytes()
         try:
-            self.store.put_new(version_key(record.version), record.to_bytes())
+            self.store.put_new(key, data)
         except AlreadyExists:
             raise CommitConflict(f"version {record.version} already exists in {self.store.url}") from None
+        except Exception as exc:
+            # The request may have reached the store (a time-out, a lost reply): read back to
+            # learn whether this writer's record is the one that exists.
+            try:
+                stored = bytes(self.store.get(key))
+            except NotFoundError:
+                raise exc from None
+            except Exception:
+                raise CommitStateUnknown(
+                    f"version {record.version}: commit outcome unknown ({exc})") from exc
+            if stored != data:
+                raise CommitConflict(f"version {record.version} already exists in {self.store.url}") from None
         self._commits[record.version] = record
 
     # -- segments -------------------------------------------------------------------------
@@ -135,7 +159,9 @@ class DeltaLog:
         """Advance ``state`` (the parent's state, mutated in place) to ``version``.
 
         Records are checked against their pre/postconditions; tensors created whole and, with
-        ``check_all``, every tensor are checked against the commit's tensor digests.
+        ``check_all``, every tensor are checked against the commit's tensor digests. Large
+        records are decoded and applied on a few threads, with the result of applying them in
+        order. After an error ``state`` is partly advanced and must be discarded.
         """
         commit = self.commit(version)
         table = commit.tensor_map()
@@ -152,16 +178,16 @@ class DeltaLog:
                 created.add(name)
         records = 0
         changed = 0
-        for rec in self.records(version):
-            info = table.get(rec.tensor)
-            if info is None:
-                raise IntegrityError(f"version {version}: record for unknown tensor {rec.tensor!r}")
-            if rec.tensor in created and rec.kind != "tensor":
-                raise IntegrityError(f"version {version}: {rec.kind} record for new tensor {rec.tensor!r}")
-            bits = state[rec.tensor]
-            apply_to_words(rec, decode_record(rec, info), bits.words, bits.shape)
-            records += 1
-            changed += rec.n_changed
+        with _ParallelApply() as applier:
+            for rec in self.records(version):
+                info = table.get(rec.tensor)
+                if info is None:
+                    raise IntegrityError(f"version {version}: record for unknown tensor {rec.tensor!r}")
+                if rec.tensor in created and rec.kind != "tensor":
+                    raise IntegrityError(f"version {version}: {rec.kind} record for new tensor {rec.tensor!r}")
+                applier.submit(rec, info, state[rec.tensor])
+                records += 1
+                changed += rec.n_changed
         if records != commit.stats.records or changed != commit.stats.changed_elements:
             raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
         for name in (table if check_all else created):
@@ -231,6 +257,94 @@ class DeltaLog:
             for _ in self.replay(versions[-1], check_all=True, progress=progress):
                 pass
         return VerifyReport(len(versions), nsegments, nbytes, deep)
+
+
+# Threads that decode and apply records (numpy and zstd release the GIL).
+REPLAY_WORKERS = max(1, min(4, os.cpu_count() or 1))
+# Records of boxes smaller than this are applied on the calling thread: a hop costs more.
+PARALLEL_MIN_ELEMENTS = 1 << 16
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _replay_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(REPLAY_WORKERS, thread_name_prefix="dcr-replay")
+        return _POOL
+
+
+def _forget_pool() -> None:
+    global _POOL, _POOL_LOCK
+    _POOL = None  # a forked child has none of the parent's threads
+    _POOL_LOCK = threading.Lock()  # nor a lock another thread held at the fork
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _decode_and_apply(rec: Record, info, bits: TensorBits) -> None:
+    apply_to_words(rec, decode_record(rec, info), bits.words, bits.shape)
+
+
+class _ParallelApply:
+    """Decodes and applies the records of one version on a few threads, as if in order.
+
+    Records of one version never overlap, but a reader does not take that on trust: a record
+    whose flat span may meet an earlier record's span in the same tensor waits until every
+    earlier record is applied, so the result is always that of applying them in order.
+    A bounded number of records is in flight; on the first error the rest are drained and the
+    error is raised.
+    """
+
+    def __init__(self, window: int = 2 * REPLAY_WORKERS):
+        self._window = window
+        self._pending: deque[Future] = deque()
+        self._span_end: dict[str, int] = {}  # per tensor: end of the flat spans submitted
+
+    def __enter__(self) -> "_ParallelApply":
+        return self
+
+    def submit(self, rec: Record, info, bits: TensorBits) -> None:
+        start, end = _flat_span(rec.box, info.shape)
+        if start < self._span_end.get(rec.tensor, 0):
+            self._drain()  # may overlap an earlier record: let everything before it land first
+            self._span_end.clear()
+        self._span_end[rec.tensor] = max(end, self._span_end.get(rec.tensor, 0))
+        if rec.box.size < PARALLEL_MIN_ELEMENTS:
+            _decode_and_apply(rec, info, bits)
+            return
+        self._pending.append(_replay_pool().submit(_decode_and_apply, rec, info, bits))
+        while len(self._pending) > self._window:
+            self._pending.popleft().result()
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._drain()
+        finally:
+            # On any error let the records in flight finish (nothing may write to the state
+            # after apply_version returns); the first error is the one raised.
+            wait(self._pending)
+            self._pending.clear()
+
+
+def _flat_span(box, shape: tuple[int, ...]) -> tuple[int, int]:
+    """[first, last + 1) flat indices of a box's elements: every element lies inside."""
+    if box.size == 0:
+        return 0, 0
+    if not shape:
+        return 0, 1
+    first = last = 0
+    for o, s, dim in zip(box.offset, box.shape, shape):
+        first = first * dim + o
+        last = last * dim + o + s - 1
+    return first, last + 1
 
 
 def state_equal(a: dict[str, TensorBits], b: dict[str, TensorBits]) -> bool:

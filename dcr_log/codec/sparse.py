@@ -18,11 +18,16 @@ from .base import (
     check_positions,
     from_planes,
     to_planes,
-    zstd_compress,
+    zstd_compress_planes,
     zstd_decompress_exact,
 )
 
 _GAP_WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+# Level 1 is the right default: on byte-planed gaps and values (close to noise, few useful
+# matches) levels up to 9 save under 1% of the bytes (at 3% changed they are larger) and cost
+# 5-10x the time; zstd's Huffman-coded literals do the work at every level.
+DEFAULT_LEVEL = 1
 
 
 def gap_width(max_gap: int) -> int:
@@ -32,26 +37,33 @@ def gap_width(max_gap: int) -> int:
     return 8
 
 
+def sparse_body(positions: np.ndarray, values: np.ndarray) -> tuple[int, np.ndarray]:
+    """(gap_bytes, uncompressed frame body): gap planes then value planes, in one buffer."""
+    k = positions.size
+    gaps = np.empty(k, dtype=np.int64)
+    if k:
+        gaps[0] = positions[0]
+        np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+        gaps[1:] -= 1
+    gw = gap_width(int(gaps.max()) if k else 0)
+    w = values.dtype.itemsize
+    body = np.empty(k * (gw + w), dtype=np.uint8)
+    to_planes(gaps.astype(_GAP_WORD[gw]), out=body[: k * gw])
+    to_planes(values, out=body[k * gw:])
+    return gw, body
+
+
 class SparseEncoding(Encoding):
     name = "sparse"
     kinds = ("xor", "overwrite")
 
-    def __init__(self, level: int = 3):
+    def __init__(self, level: int = DEFAULT_LEVEL):
         self.level = level
 
     def encode(self, kind: str, changes: ChangeSet) -> tuple[dict, bytes]:
         self.check_kind(kind)
-        p = changes.positions.astype(np.int64, copy=False)
-        gaps = np.empty(p.size, dtype=np.int64)
-        if p.size:
-            gaps[0] = p[0]
-            np.subtract(p[1:], p[:-1], out=gaps[1:])
-            gaps[1:] -= 1
-        gw = gap_width(int(gaps.max()) if gaps.size else 0)
-        body = np.concatenate(
-            [to_planes(gaps.astype(_GAP_WORD[gw])), to_planes(np.ascontiguousarray(changes.values))]
-        )
-        return {"level": self.level, "gap_bytes": gw}, zstd_compress(body, self.level)
+        gw, body = sparse_body(changes.positions.astype(np.int64, copy=False), changes.values)
+        return {"level": self.level, "gap_bytes": gw}, zstd_compress_planes(body, changes.k, self.level)
 
     def decode(self, kind, params, payload, n, k, word) -> ChangeSet:
         self.check_kind(kind)
@@ -59,10 +71,20 @@ class SparseEncoding(Encoding):
         gw = params["gap_bytes"]
         body = zstd_decompress_exact(payload, k * (gw + word.itemsize))
         gaps = from_planes(body[: k * gw], k, _GAP_WORD[gw])
-        values = from_planes(body[k * gw :], k, word)
-        if k and int(gaps.max()) >= n:
+        values = from_planes(body[k * gw:], k, word)
+        if k == 0:
+            return ChangeSet(n, np.empty(0, dtype=np.int64), values)
+        if int(gaps.max()) >= n:
             raise IntegrityError("sparse gap exceeds the box")
-        positions = np.cumsum(gaps.astype(np.uint64) + np.uint64(1), dtype=np.uint64)
+        # p[i] = sum(gap[0..i] + 1) - 1, accumulated in place in uint64.
+        positions = np.empty(k, dtype=np.uint64)
+        np.add(gaps, np.uint64(1), out=positions, casting="unsafe")
+        np.cumsum(positions, out=positions)
         positions -= np.uint64(1)
-        check_positions(positions, n)
+        if k * n < 1 << 63:
+            # Each gap is below n, so the sum cannot wrap: positions strictly increase.
+            if int(positions[-1]) >= n:
+                raise IntegrityError("positions are not strictly increasing inside the box")
+        else:
+            check_positions(positions, n)
         return ChangeSet(n, positions.view(np.int64), values)

@@ -1,0 +1,253 @@
+"""The speed paths give the same answers as the plain ones: lane-wise change finding, byte
+planes by shifts, plane-aligned zstd blocks, threaded encoding and threaded replay."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcr_log import DeltaLog, IntegrityError, create_log, delta
+from dcr_log.codec import ChangeSet, decode_changes, get_encoding
+from dcr_log.codec.base import PLANE_BLOCK_MIN, from_planes, to_planes, zstd_compress_planes, zstd_decompress_exact
+from dcr_log.coords import Box
+from dcr_log.delta import Differ, EncodePolicy, apply_to_words, find_changes
+from dcr_log.format import CommitRecord, CommitStats, Record, SegmentBuilder, SegmentRef, segment_key
+from dcr_log.log import PARALLEL_MIN_ELEMENTS
+from dcr_log.state import TensorBits, TensorInfo, state_digest, words_digest
+
+WORDS = (np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"))
+
+
+def reference_planes(words: np.ndarray) -> bytes:
+    w = words.dtype.itemsize
+    return words.view(np.uint8).reshape(-1, w).T.tobytes()
+
+
+@settings(deadline=None, max_examples=40)
+@given(word=st.sampled_from(WORDS), count=st.integers(0, 3000), seed=st.integers(0, 2**32 - 1))
+def test_planes_match_the_transposed_bytes(word, count, seed):
+    rng = np.random.default_rng(seed)
+    words = rng.integers(0, np.iinfo(word).max, count, dtype=word, endpoint=True)
+    planes = to_planes(words)
+    assert planes.tobytes() == reference_planes(words)
+    out = np.full(count, 7, dtype=word)
+    back = from_planes(planes, count, word, out=out)
+    assert back is out and np.array_equal(back.view(word), words)
+
+
+@settings(deadline=None, max_examples=50)
+@given(
+    word=st.sampled_from(WORDS),
+    n=st.one_of(st.integers(0, 80), st.integers(0, 5000)),
+    base_skew=st.integers(0, 7),
+    new_skew=st.integers(0, 7),
+    rate=st.sampled_from([0.0, 0.001, 0.03, 0.5, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_find_changes_equals_flatnonzero(word, n, base_skew, new_skew, rate, seed):
+    rng = np.random.default_rng(seed)
+    # Slices at every byte skew from an 8-byte boundary: the lane path and its fallbacks.
+    base_buf = rng.integers(0, np.iinfo(word).max, n + 8, dtype=word, endpoint=True)
+    new_buf = np.empty_like(base_buf)
+    b0, n0 = base_skew % (8 // word.itemsize), new_skew % (8 // word.itemsize)
+    base = base_buf[b0:b0 + n]
+    new = new_buf[n0:n0 + n]
+    new[:] = base
+    flip = rng.random(n) < rate
+    new[flip] ^= rng.integers(1, np.iinfo(word).max, int(flip.sum()), dtype=word, endpoint=True)
+    expected = np.flatnonzero(base != new)
+    for piece in (delta.FIND_PIECE_WORDS, 64):  # one piece, and many pieces per box
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(delta, "FIND_PIECE_WORDS", piece)
+            positions, base_vals, new_vals = find_changes(base, new)
+        assert positions.dtype == np.int64 and np.array_equal(positions, expected)
+        assert base_vals.dtype == word and np.array_equal(base_vals, base[expected])
+        assert new_vals.dtype == word and np.array_equal(new_vals, new[expected])
+
+
+@pytest.mark.parametrize("planes", [1, 2, 6])
+@pytest.mark.parametrize("plane_bytes", [PLANE_BLOCK_MIN - 1, PLANE_BLOCK_MIN, 200_000])
+def test_plane_aligned_frame_is_one_ordinary_frame(planes, plane_bytes):
+    rng = np.random.default_rng(plane_bytes + planes)
+    data = rng.integers(0, 40, planes * plane_bytes, dtype=np.uint8)  # compressible
+    frame = zstd_compress_planes(data, plane_bytes, 1)
+    assert zstandard.frame_content_size(frame) == data.size
+    assert zstd_decompress_exact(frame, data.size).tobytes() == data.tobytes()
+    # Exactly one frame: a streaming decoder finds nothing after it.
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    assert dobj.decompress(frame) == data.tobytes() and dobj.eof and dobj.unused_data == b""
+    assert len(frame) < data.size
+
+
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("kind", ["xor", "overwrite"])
+def test_sparse_records_with_large_planes_round_trip(word, kind):
+    rng = np.random.default_rng(word.itemsize)
+    n = 1 << 20
+    positions = np.flatnonzero(rng.random(n) < 0.02)  # k ~ 21000: planes above PLANE_BLOCK_MIN
+    values = rng.integers(1, 2**min(8 * word.itemsize, 63), positions.size, dtype=word)
+    changes = ChangeSet(n, positions, values)
+    params, payload = get_encoding("sparse").encode(kind, changes)
+    got = decode_changes(kind, "sparse", params, memoryview(payload), n, positions.size, word)
+    assert np.array_equal(got.positions, positions) and np.array_equal(got.values, values)
+
+
+def _pair(rng, rows: int, cols: int, rate: float):
+    base = rng.integers(0, 2**16, rows * cols, dtype=np.uint16)
+    new = base.copy()
+    flip = rng.random(base.size) < rate
+    new[flip] ^= rng.integers(1, 2**16, int(flip.sum()), dtype=np.uint16)
+    return TensorBits("BF16", (rows, cols), base), TensorBits("BF16", (rows, cols), new)
+
+
+@pytest.mark.parametrize("kind", ["xor", "overwrite"])
+def test_threaded_diff_gives_the_serial_records(kind):
+    rng = np.random.default_rng(5)
+    base, new = _pair(rng, 300, 8192, 0.02)  # 2.4M elements, boxes of 64K: many per worker
+    serial = list(Differ(EncodePolicy(workers=1, chunk_elements=1 << 16)).diff("w", base, new, kind))
+    threaded = list(Differ(EncodePolicy(workers=2, chunk_elements=1 << 16)).diff("w", base, new, kind))
+    assert len(serial) == len(threaded) > 20
+    for a, b in zip(serial, threaded):
+        assert (a.box, a.encoding, a.params, a.n_changed, a.base_digest, a.target_digest) == (
+            b.box, b.encoding, b.params, b.n_changed, b.base_digest, b.target_digest)
+        assert bytes(a.payload) == bytes(b.payload)
+
+
+def test_threaded_replay_of_many_large_records(tmp_path):
+    rng = np.random.default_rng(6)
+    base, new = _pair(rng, 64, PARALLEL_MIN_ELEMENTS, 0.01)
+    other_base, other_new = _pair(rng, 7, 1000, 0.3)  # small records, applied inline
+    policy = EncodePolicy(chunk_elements=PARALLEL_MIN_ELEMENTS)
+    writer = create_log(tmp_path / "log", {"a": base, "b": other_base}, policy=policy)
+    writer.append({"a": new, "b": other_new})
+    writer.append({"a": base, "b": other_new})
+    log = DeltaLog.open(tmp_path / "log")
+    assert log.commit(1).stats.records > 20
+    for version, expected in ((1, (new, other_new)), (2, (base, other_new))):
+        state = log.materialize(version)
+        assert np.array_equal(state["a"].words, expected[0].words)
+        assert np.array_equal(state["b"].words, expected[1].words)
+
+
+def _commit_records(log: DeltaLog, version: int, records: list[Record], table: list[TensorInfo],
+                    total: int) -> None:
+    builder = SegmentBuilder(log.log_id, version)
+    for rec in records:
+        builder.add(rec)
+    data = builder.finish()
+    key = segment_key(version, "test", uuid.uuid4().hex)
+    log.store.put_new(key, data)
+    parent = log.commit(version - 1)
+    log.write_commit(CommitRecord(
+        log_id=log.log_id, version=version, parent=version - 1,
+        parent_state_digest=parent.state_digest, state_digest=state_digest(table),
+        segments=(SegmentRef(key, data.size, hashlib.sha256(data).hexdigest(), len(records)),),
+        tensors=tuple(table), stats=CommitStats(sum(r.n_changed for r in records), total, len(records)),
+        created_at=parent.created_at, writer_id="test",
+    ))
+
+
+def _xor_record(words: np.ndarray, shape, box: Box, positions: np.ndarray, xor: np.ndarray) -> Record:
+    """An xor record over ``box`` (box-local positions) valid for ``words`` as they are now."""
+    cols = shape[1]
+    flat = positions + box.offset[0] * cols
+    params, payload = get_encoding("sparse").encode("xor", ChangeSet(box.size, positions, xor))
+    return Record("w", "xor", box, "sparse", params, positions.size, words_digest(words[flat]),
+                  words_digest(words[flat] ^ xor), payload)
+
+
+def test_overlapping_records_apply_as_in_order(tmp_path):
+    # The writer never emits overlapping records, but a reader must not race on them: each
+    # record's precondition holds only after the one before it.
+    rows, cols = 4, PARALLEL_MIN_ELEMENTS
+    shape = (rows, cols)
+    words = np.arange(rows * cols, dtype=np.uint16)
+    writer = create_log(tmp_path / "log", {"w": TensorBits("BF16", shape, words.copy())})
+    log = writer.log
+    state = words.copy()
+    records = []
+    rng = np.random.default_rng(7)
+    for start in (0, 1, 2, 0, 1):  # boxes of two rows, each overlapping the one before
+        box = Box((start, 0), (2, cols))
+        positions = np.flatnonzero(rng.random(box.size) < 0.05)
+        xor = rng.integers(1, 2**16, positions.size, dtype=np.uint16)
+        records.append(_xor_record(state, shape, box, positions, xor))
+        state[positions + start * cols] ^= xor
+    table = [TensorInfo("w", "BF16", shape, words_digest(state))]
+    _commit_records(log, 1, records, table, state.size)
+    for _ in range(5):
+        assert np.array_equal(DeltaLog.open(tmp_path / "log").materialize(1)["w"].words, state)
+
+
+def test_a_failing_record_in_a_worker_is_raised(tmp_path):
+    rows, cols = 8, PARALLEL_MIN_ELEMENTS
+    shape = (rows, cols)
+    words = np.arange(rows * cols, dtype=np.uint16)
+    writer = create_log(tmp_path / "log", {"w": TensorBits("BF16", shape, words.copy())})
+    records = []
+    state = words.copy()
+    for r in range(rows):
+        box = Box((r, 0), (1, cols))
+        positions = np.arange(0, cols, 50)
+        xor = np.ones(positions.size, dtype=np.uint16)
+        rec = _xor_record(state, shape, box, positions, xor)
+        if r == 5:  # a wrong precondition in the middle of the version
+            rec = Record(rec.tensor, rec.kind, rec.box, rec.encoding, rec.params, rec.n_changed,
+                         rec.base_digest ^ 1, rec.target_digest, rec.payload)
+        records.append(rec)
+        state[positions + r * cols] ^= xor
+    _commit_records(writer.log, 1, records, [TensorInfo("w", "BF16", shape, words_digest(state))], state.size)
+    log = DeltaLog.open(tmp_path / "log")
+    replayed = log.materialize(0)
+    with pytest.raises(IntegrityError, match="precondition"):
+        log.apply_version(replayed, 1)
+
+
+def test_a_record_with_a_wrong_target_writes_nothing():
+    words = np.arange(1000, dtype=np.uint16)
+    positions = np.array([3, 500, 999])
+    xor = np.array([1, 2, 3], dtype=np.uint16)
+    params, payload = get_encoding("sparse").encode("xor", ChangeSet(1000, positions, xor))
+    rec = Record("w", "xor", Box((0,), (1000,)), "sparse", params, 3, words_digest(words[positions]),
+                 words_digest(words[positions] ^ xor) ^ 1, payload)
+    before = words.copy()
+    with pytest.raises(IntegrityError, match="target"):
+        apply_to_words(rec, ChangeSet(1000, positions, xor), words, (1000,))
+    assert np.array_equal(words, before)
+
+
+def test_sparse_nonzero_scan_at_every_density():
+    rng = np.random.default_rng(8)
+    scratch = delta._Scratch()  # shared: the dense-mask hint carries over between calls
+    for density in [0.0, 0.001, 0.01, 0.05, 0.3, 0.9, 1.0, 0.01, 0.001] * 2:
+        for n in (8, 1000, 1024, 4096, 100_000, 100_001):
+            mask = rng.random(n) < density
+            assert np.array_equal(delta._flatnonzero_sparse(mask, scratch), np.flatnonzero(mask))
+
+
+def test_threads_work_again_in_a_forked_child():
+    import multiprocessing
+
+    from dcr_log import log as log_module
+
+    rng = np.random.default_rng(9)
+    base, new = _pair(rng, 40, 1 << 16, 0.02)
+    parent = [r.payload for r in Differ().diff("w", base, new)]  # starts the parent's diff pool
+    assert log_module._replay_pool().submit(int, 3).result() == 3
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as child:
+        result = child.apply_async(_child_diffs, (base, new))
+        assert result.get(timeout=60) == [bytes(p) for p in parent]
+
+
+def _child_diffs(base, new) -> list[bytes]:
+    from dcr_log import log as log_module
+
+    assert log_module._replay_pool().submit(int, 4).result() == 4
+    return [bytes(r.payload) for r in Differ().diff("w", base, new)]

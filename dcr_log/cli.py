@@ -21,8 +21,9 @@ from .writer import LogWriter
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="dcr-log: bit-exact delta logs for refitting model weights.")
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# emoji=False: ":name:" in a tensor name or path must print as written (JSON output included).
+out = Console(highlight=False, soft_wrap=True, emoji=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 @contextmanager
@@ -152,6 +153,8 @@ def replay(log: str = typer.Argument(..., help="log directory or URL"),
            version: Optional[int] = typer.Option(None, "--version", help="version (default latest)"),
            out_path: Path = typer.Option(..., "--out", help="output .safetensors file")) -> None:
     """Rebuild a version bit-exactly and write it as one .safetensors file."""
+    if not out_path.parent.is_dir():
+        raise UsageError(f"no directory {out_path.parent} for --out")
     dlog = DeltaLog.open(log)
     with _version_progress(dlog, "replay", version) as advance:
         state = dlog.materialize(version, progress=lambda v: advance())
@@ -168,11 +171,16 @@ def demo(dir: Optional[Path] = typer.Option(None, "--dir", help="where to write 
     run_demo(dir, out)
 
 
+def _one_line(text: str) -> str:
+    """A failure is reported on exactly one stderr line, even when a library's message is not."""
+    return " ".join(text.split())
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, standalone_mode=False)
     except DcrError as exc:
-        err.print(f"dcr: error: {exc}", markup=False)
+        err.print(_one_line(f"dcr: error: {exc}"), markup=False)
         return exc.exit_code
     except typer.Exit as exc:
         return exc.exit_code
@@ -181,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception as exc:  # command-line usage errors (typer's click) and anything unexpected
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
-            err.print(f"dcr: usage: {exc.format_message()}", markup=False)
+            message = exc.format_message() or "missing command (see --help)"
+            err.print(_one_line(f"dcr: usage: {message}"), markup=False)
             return UsageError.exit_code
-        err.print(f"dcr: error: {type(exc).__name__}: {exc}", markup=False)
+        err.print(_one_line(f"dcr: error: {type(exc).__name__}: {exc}"), markup=False)
         return 1
     return 0
 

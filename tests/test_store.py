@@ -1,0 +1,134 @@
+"""The store boundary against real stores: a local directory and memory://."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from dcr_log.errors import NotFoundError, UsageError
+from dcr_log.store import AlreadyExists, Store
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path) -> Store:
+    if request.param == "local":
+        return Store.open(tmp_path / "root", create=True)
+    return Store.open(f"memory://store-test-{uuid.uuid4().hex}")
+
+
+def test_put_new_then_get(store):
+    store.put_new("versions/00000000000000000000.json", b"first")
+    assert bytes(store.get("versions/00000000000000000000.json")) == b"first"
+    info = store.head("versions/00000000000000000000.json")
+    assert info is not None and info.size == 5 and info.key == "versions/00000000000000000000.json"
+
+
+def test_put_new_twice_keeps_the_first_bytes(store):
+    store.put_new("k/a", b"first")
+    with pytest.raises(AlreadyExists):
+        store.put_new("k/a", b"second, longer")
+    with pytest.raises(AlreadyExists):
+        store.put_new("k/a", b"")
+    assert bytes(store.get("k/a")) == b"first"
+    assert [o.key for o in store.list("k/")] == ["k/a"]
+
+
+def test_put_new_accepts_buffers(store):
+    store.put_new("a", memoryview(b"xyz"))
+    store.put_new("b", bytearray(b"\x00\xff"))
+    store.put_new("empty", b"")
+    assert bytes(store.get("a")) == b"xyz"
+    assert bytes(store.get("b")) == b"\x00\xff"
+    assert bytes(store.get("empty")) == b""
+
+
+def test_missing_keys(store):
+    with pytest.raises(NotFoundError):
+        store.get("nope")
+    with pytest.raises(NotFoundError):
+        store.get_range("nope", 0, 1)
+    assert store.head("nope") is None
+    store.delete("nope")  # deleting what is not there is not an error
+
+
+def test_list_by_prefix(store):
+    keys = ["versions/00000000000000000001.json", "versions/00000000000000000000.json",
+            "segments/1/w-a.arrow", "segments/10/w-b.arrow", "segments/1/w-c.arrow", "dcr.json"]
+    for i, key in enumerate(keys):
+        store.put_new(key, bytes(i + 1))
+    listed = {o.key: o.size for o in store.list("versions/")}
+    assert listed == {"versions/00000000000000000000.json": 2, "versions/00000000000000000001.json": 1}
+    assert sorted(o.key for o in store.list("segments/1/")) == ["segments/1/w-a.arrow", "segments/1/w-c.arrow"]
+    assert sorted(o.key for o in store.list("")) == sorted(keys)
+    assert store.list("snapshots/") == []
+
+
+def test_ranged_get(store):
+    data = bytes(range(256)) * 4
+    store.put_new("blob", data)
+    assert bytes(store.get_range("blob", 0, 1)) == data[:1]
+    assert bytes(store.get_range("blob", 10, 300)) == data[10:300]
+    assert bytes(store.get_range("blob", 1000, 1024)) == data[1000:]
+
+
+def test_delete(store):
+    store.put_new("x/y", b"1")
+    store.delete("x/y")
+    with pytest.raises(NotFoundError):
+        store.get("x/y")
+    store.put_new("x/y", b"2")  # a deleted key can be created again
+    assert bytes(store.get("x/y")) == b"2"
+
+
+def test_put_new_race_has_one_winner(store):
+    """Threads create one key at once: exactly one succeeds and its bytes are what is stored."""
+    n = 8
+    barrier = threading.Barrier(n)
+    outcome: dict[int, str] = {}
+
+    def create(i: int) -> None:
+        barrier.wait()
+        try:
+            store.put_new("race", f"writer {i}".encode() * 1000)
+            outcome[i] = "won"
+        except AlreadyExists:
+            outcome[i] = "lost"
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, o in outcome.items() if o == "won"]
+    assert len(outcome) == n and len(winners) == 1
+    assert bytes(store.get("race")) == f"writer {winners[0]}".encode() * 1000
+
+
+def test_local_store_leaves_no_staging_files(tmp_path):
+    store = Store.open(tmp_path / "root", create=True)
+    store.put_new("a/b", b"1")
+    with pytest.raises(AlreadyExists):
+        store.put_new("a/b", b"2")
+    files = sorted(str(p.relative_to(tmp_path / "root")) for p in (tmp_path / "root").rglob("*") if p.is_file())
+    assert files == ["a/b"]
+
+
+def test_memory_stores_are_shared_by_name():
+    name = f"memory://shared-{uuid.uuid4().hex}"
+    Store.open(name).put_new("k", b"v")
+    assert bytes(Store.open(name).get("k")) == b"v"
+    with pytest.raises(NotFoundError):
+        Store.open(f"memory://other-{uuid.uuid4().hex}").get("k")
+
+
+def test_open_locations(tmp_path):
+    with pytest.raises(NotFoundError):
+        Store.open(tmp_path / "absent")
+    store = Store.open(f"file://{tmp_path / 'made'}", create=True)
+    assert (tmp_path / "made").is_dir()
+    store.put_new("k", b"v")
+    assert bytes(Store.open(tmp_path / "made").get("k")) == b"v"
+    with pytest.raises(UsageError):
+        Store.open("ftp://host/path")

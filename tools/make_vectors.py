@@ -1,0 +1,1083 @@
+#!/usr/bin/env python3
+"""Generate the dcr-log test vectors in spec/vectors/ (layout: spec/vectors/README.md).
+
+Every log is built by hand, record by record, with the format-level API (LogIdentity,
+CommitRecord, SegmentRef, Record, encode_segment, the codec encoders) rather than with
+LogWriter, so that each record kind, encoding, dtype and box shape appears on purpose.
+Each payload and segment is also re-encoded here from the rules of spec/FORMAT.md and must
+come out byte-identical to the library's, so the spec text and the code are checked against
+each other. Expected states are the dense states generated here, never a replay of the log.
+
+The output is byte-for-byte reproducible: fixed log ids, timestamps, writer ids and segment
+ids, and data drawn from SHAKE-256 (not a seeded RNG, whose stream may change between numpy
+versions). Segment bytes, and so the sha256 in commit records, depend on the Arrow IPC writer
+and the zstd compressor; README.md records the versions used.
+
+    python tools/make_vectors.py [--out DIR]      # default: spec/vectors
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+import zstandard
+
+from dcr_log.codec.base import ChangeSet
+from dcr_log.codec.dense import DenseEncoding
+from dcr_log.codec.raw import RawEncoding
+from dcr_log.codec.sparse import SparseEncoding
+from dcr_log.coords import DTYPE_WIDTH, Box, numel, word_dtype
+from dcr_log.format import (
+    IDENTITY_KEY,
+    SEGMENT_SCHEMA,
+    CommitRecord,
+    CommitStats,
+    LogIdentity,
+    Record,
+    SegmentRef,
+    encode_segment,
+    segment_key,
+    version_key,
+)
+from dcr_log.format.canonical import canonical_bytes, seal
+from dcr_log.state import TensorBits, TensorInfo, state_digest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "spec" / "vectors"
+WRITER = "vector-writer"
+CREATED_AT = "2025-01-01T00:00:00.000000Z"
+
+
+# -- deterministic data -------------------------------------------------------------------------
+
+
+def shake(label: str, nbytes: int) -> bytes:
+    return hashlib.shake_256(label.encode()).digest(nbytes)
+
+
+def det_tensor(label: str, dtype: str, shape: tuple[int, ...]) -> TensorBits:
+    """Pseudo-random bits; BOOL tensors hold only 0 and 1."""
+    word = word_dtype(dtype)
+    words = np.frombuffer(shake(label, numel(shape) * word.itemsize), dtype=word).copy()
+    if dtype == "BOOL":
+        words &= 1
+    return TensorBits(dtype, tuple(shape), words)
+
+
+def words_tensor(dtype: str, shape: tuple[int, ...], words) -> TensorBits:
+    return TensorBits(dtype, tuple(shape), np.array(words, dtype=word_dtype(dtype)).reshape(-1))
+
+
+def zeros_tensor(dtype: str, shape: tuple[int, ...]) -> TensorBits:
+    return TensorBits(dtype, tuple(shape), np.zeros(numel(shape), dtype=word_dtype(dtype)))
+
+
+def box_flat(shape: tuple[int, ...], box: Box) -> np.ndarray:
+    """Flat row-major tensor indices of the box's elements, in the box's row-major order."""
+    idx = np.arange(numel(shape), dtype=np.int64).reshape(shape)
+    return idx[tuple(slice(o, o + s) for o, s in zip(box.offset, box.shape))].reshape(-1)
+
+
+def det_positions(label: str, candidates: np.ndarray, k: int) -> np.ndarray:
+    keys = np.frombuffer(shake(label, 8 * candidates.size), dtype="<u8")
+    return np.sort(candidates[np.argsort(keys, kind="stable")[:k]])
+
+
+def flipped(bits: TensorBits, label: str, k: int, box: Box | None = None,
+            xor: tuple[int, ...] = (1, 3, 0x80)) -> TensorBits:
+    """A copy with ``k`` words (inside ``box``) xored with small non-zero values."""
+    box = box or Box.whole(bits.shape)
+    where = det_positions(label, box_flat(bits.shape, box), k)
+    return with_xor(bits, where, xor)
+
+
+def with_xor(bits: TensorBits, flat, xor) -> TensorBits:
+    flat = np.asarray(flat, dtype=np.int64)
+    values = np.resize(np.array(xor, dtype=np.uint64), flat.size)
+    if bits.dtype == "BOOL":
+        values[:] = 1
+    words = bits.words.copy()
+    words[flat] ^= values.astype(words.dtype)
+    return TensorBits(bits.dtype, bits.shape, words)
+
+
+def with_words(bits: TensorBits, flat, values) -> TensorBits:
+    words = bits.words.copy()
+    words[np.asarray(flat, dtype=np.int64)] = np.asarray(values, dtype=np.uint64).astype(words.dtype)
+    return TensorBits(bits.dtype, bits.shape, words)
+
+
+def retyped(bits: TensorBits, dtype: str, shape: tuple[int, ...]) -> TensorBits:
+    """The same bytes seen as another dtype and/or shape."""
+    return TensorBits(dtype, tuple(shape), bits.words.view(word_dtype(dtype)).copy())
+
+
+# -- digests and encodings, written from spec/FORMAT.md --------------------------------------
+
+
+def xxh3(words: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(words).tobytes())
+
+
+def spec_state_digest(state: dict[str, TensorBits]) -> int:
+    lines = sorted(
+        name.encode("utf-8") + b"\x00" + bits.dtype.encode() + b"\x00"
+        + ",".join(str(d) for d in bits.shape).encode() + b"\x00"
+        + f"{xxh3(bits.words):016x}".encode() + b"\n"
+        for name, bits in state.items()
+    )
+    return xxhash.xxh3_64_intdigest(b"".join(lines))
+
+
+def planes(words: np.ndarray) -> bytes:
+    w = words.dtype.itemsize
+    return words.astype(words.dtype.newbyteorder("<")).view(np.uint8).reshape(-1, w).T.tobytes()
+
+
+def zstd_frame(body: bytes, level: int) -> bytes:
+    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(body)
+
+
+def gaps_of(positions: np.ndarray) -> np.ndarray:
+    p = positions.astype(np.int64)
+    return np.diff(p, prepend=-1) - 1
+
+
+def min_gap_bytes(gaps: np.ndarray) -> int:
+    top = int(gaps.max()) if gaps.size else 0
+    return next(w for w in (1, 2, 4, 8) if w == 8 or top < 1 << (8 * w))
+
+
+def sparse_payload(gaps: np.ndarray, values: np.ndarray, gap_bytes: int, level: int) -> bytes:
+    gap_words = gaps.astype(np.dtype(f"<u{gap_bytes}"))
+    return zstd_frame(planes(gap_words) + planes(values), level)
+
+
+def spec_encode(kind, encoding, n, positions, values, level, gap_bytes=None) -> tuple[dict, bytes]:
+    """(params, payload) of one record, from the encoding rules of spec/FORMAT.md."""
+    values = np.ascontiguousarray(values)
+    if encoding == "raw":
+        pos = b"" if kind == "tensor" else positions.astype("<u8").tobytes()
+        return {}, pos + values.tobytes()
+    if encoding == "sparse":
+        gaps = gaps_of(positions)
+        gw = gap_bytes or min_gap_bytes(gaps)
+        return {"gap_bytes": gw, "level": level}, sparse_payload(gaps, values, gw, level)
+    if encoding == "dense":
+        full = values if kind == "tensor" else np.zeros(n, dtype=values.dtype)
+        if kind != "tensor":
+            full[positions] = values
+        return {"level": level}, zstd_frame(planes(full), level)
+    raise ValueError(encoding)
+
+
+def encode(kind, encoding, n, positions, values, level=3, gap_bytes=None) -> tuple[dict, bytes]:
+    """Encode with the library's encoder and check the spec's rules give the same bytes."""
+    mine = spec_encode(kind, encoding, n, positions, values, level, gap_bytes)
+    if gap_bytes is not None:  # a non-minimal gap width: the library encoder never picks one
+        return mine
+    changes = ChangeSet(n, None if kind == "tensor" else positions, values)
+    encoder = {"raw": RawEncoding(), "sparse": SparseEncoding(level), "dense": DenseEncoding(level)}[encoding]
+    lib = encoder.encode(kind, changes)
+    assert lib == mine, f"{kind}/{encoding}: library and spec encodings differ"
+    return lib
+
+
+# -- records ----------------------------------------------------------------------------------
+
+
+class Step:
+    """One version being built: the previous state, the new dense state and record builders."""
+
+    def __init__(self, base: dict[str, TensorBits], new: dict[str, TensorBits]):
+        self.base = base
+        self.new = new
+
+    def _box(self, name: str, box) -> Box:
+        if box is None:
+            return Box.whole(self.new[name].shape)
+        return box if isinstance(box, Box) else Box(tuple(box[0]), tuple(box[1]))
+
+    def delta(self, name: str, kind: str, encoding: str, box=None, *, extra=(), level: int = 3,
+              gap_bytes: int | None = None, against: TensorBits | None = None) -> Record:
+        """An xor or overwrite record for the changes of ``name`` inside ``box``.
+
+        ``extra`` adds box-local positions that did not change (an overwrite "repair");
+        ``against`` replaces the previous tensor (for a deliberately wrong record).
+        """
+        old, new = against or self.base[name], self.new[name]
+        assert old.dtype == new.dtype and old.shape == new.shape, name
+        box = self._box(name, box)
+        flat = box_flat(new.shape, box)
+        b, t = old.words[flat], new.words[flat]
+        positions = np.union1d(np.flatnonzero(b != t), np.asarray(extra, dtype=np.int64))
+        values = (b ^ t)[positions] if kind == "xor" else t[positions]
+        params, payload = encode(kind, encoding, box.size, positions, values, level, gap_bytes)
+        return Record(name, kind, box, encoding, params, int(positions.size),
+                      xxh3(b[positions]), xxh3(t[positions]), payload)
+
+    def xor(self, name, encoding, box=None, **kw) -> Record:
+        return self.delta(name, "xor", encoding, box, **kw)
+
+    def overwrite(self, name, encoding, box=None, **kw) -> Record:
+        return self.delta(name, "overwrite", encoding, box, **kw)
+
+    def tensor(self, name: str, encoding: str, box=None, *, level: int = 3) -> Record:
+        new = self.new[name]
+        box = self._box(name, box)
+        values = new.words[box_flat(new.shape, box)]
+        params, payload = encode("tensor", encoding, box.size, None, values, level)
+        return Record(name, "tensor", box, encoding, params, box.size, 0, xxh3(values), payload)
+
+
+def rows_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
+    """Rows start..stop of a tensor: a row block."""
+    return Box((start,) + (0,) * (len(shape) - 1), (stop - start,) + tuple(shape[1:]))
+
+
+# -- segments ---------------------------------------------------------------------------------
+
+
+def record_row(r: Record) -> dict:
+    return {
+        "tensor": r.tensor, "kind": r.kind, "box_offset": list(r.box.offset),
+        "box_shape": list(r.box.shape), "encoding": r.encoding,
+        "params": canonical_bytes(r.params).decode(), "n_changed": r.n_changed,
+        "base_digest": r.base_digest, "target_digest": r.target_digest, "payload": bytes(r.payload),
+    }
+
+
+def segment_meta(log_id: str, version: int) -> dict[bytes, bytes]:
+    return {b"dcr.format_version": b"1", b"dcr.log_id": log_id.encode(),
+            b"dcr.version": str(version).encode()}
+
+
+def write_segment(rows: list[dict], meta: dict[bytes, bytes], batches: list[int] | None = None,
+                  schema: pa.Schema = SEGMENT_SCHEMA, stream: bool = False) -> bytes:
+    """An Arrow IPC file (or, for a broken vector, stream) of ``rows``, in the given batch sizes."""
+    sink = pa.BufferOutputStream()
+    open_writer = pa.ipc.new_stream if stream else pa.ipc.new_file
+    writer = open_writer(sink, schema.with_metadata(meta))
+    sizes = batches if batches is not None else [len(rows)]
+    assert sum(sizes) == len(rows)
+    start = 0
+    for size in sizes:
+        chunk = rows[start : start + size]
+        start += size
+        writer.write_batch(pa.record_batch(
+            [pa.array([r[f.name] for r in chunk], f.type) for f in schema], schema=schema))
+    writer.close()
+    return sink.getvalue().to_pybytes()
+
+
+@dataclass
+class Seg:
+    records: list[Record]
+    writer: str = WRITER
+    batches: list[int] | None = None
+    rows_hook: Callable[[list[dict]], list[dict]] | None = None
+    bytes_hook: Callable[[bytes], bytes] | None = None  # before sha256 and size are taken
+    meta: dict[bytes, bytes] | None = None
+    schema: pa.Schema = SEGMENT_SCHEMA
+    stream: bool = False
+
+
+def vector_log_id(vector: str) -> str:
+    return hashlib.sha256(f"dcr-log test vector {vector}".encode()).hexdigest()[:32]
+
+
+def segment_id(vector: str, version: int, index: int) -> str:
+    return hashlib.sha256(f"{vector}/{version}/{index}".encode()).hexdigest()[:32]
+
+
+# -- logs -------------------------------------------------------------------------------------
+
+
+class LogBuilder:
+    """A log under construction: its files (key -> bytes), dense states and commit records."""
+
+    def __init__(self, name: str, identity: LogIdentity | None = None):
+        self.name = name
+        self.log_id = vector_log_id(name)
+        self.identity = identity or LogIdentity(log_id=self.log_id, created_at=CREATED_AT)
+        self.files: dict[str, bytes] = {IDENTITY_KEY: self.identity.to_bytes()}
+        self.states: list[dict[str, TensorBits]] = []
+        self.commits: list[CommitRecord] = []
+
+    def step(self, new: dict[str, TensorBits]) -> Step:
+        return Step(self.states[-1] if self.states else {}, new)
+
+    def commit(self, step: Step, segments: list[Seg], *, check: bool = True,
+               commit_hook: Callable[[CommitRecord], CommitRecord] | None = None,
+               ref_hook: Callable[[SegmentRef], SegmentRef] | None = None) -> CommitRecord:
+        version = len(self.commits)
+        if check:
+            check_records(step, [r for s in segments for r in s.records])
+        refs, changed, nrecords = [], 0, 0
+        for i, seg in enumerate(segments):
+            rows = [record_row(r) for r in seg.records]
+            plain = seg.rows_hook is None and seg.meta is None and not seg.stream \
+                and seg.schema is SEGMENT_SCHEMA
+            if seg.rows_hook:
+                rows = seg.rows_hook(rows)
+            meta = seg.meta or segment_meta(self.log_id, version)
+            data = write_segment(rows, meta, seg.batches, seg.schema, seg.stream)
+            if plain and seg.batches is None:
+                assert data == encode_segment(seg.records, self.log_id, version), "segment bytes differ"
+            if seg.bytes_hook:
+                data = seg.bytes_hook(data)
+            key = segment_key(version, seg.writer, segment_id(self.name, version, i))
+            self.files[key] = data
+            ref = SegmentRef(key, len(data), hashlib.sha256(data).hexdigest(), len(rows))
+            refs.append(ref_hook(ref) if ref_hook else ref)
+            changed += sum(r["n_changed"] for r in rows)
+            nrecords += len(rows)
+        new = step.new
+        digest = spec_state_digest(new)
+        table = tuple(TensorInfo(n, b.dtype, b.shape, xxh3(b.words)) for n, b in new.items())
+        assert state_digest(table) == digest, "library and spec state digests differ"
+        parent = self.commits[-1] if self.commits else None
+        commit = CommitRecord(
+            log_id=self.log_id, version=version,
+            parent=None if parent is None else version - 1,
+            parent_state_digest=None if parent is None else parent.state_digest,
+            state_digest=digest, segments=tuple(refs), tensors=table,
+            stats=CommitStats(changed, sum(b.words.size for b in new.values()), nrecords),
+            created_at=f"2025-01-01T00:{version // 60:02d}:{version % 60:02d}.000000Z",
+            writer_id=segments[0].writer if segments else WRITER,
+        )
+        if commit_hook:
+            commit = commit_hook(commit)
+        self.files[version_key(version)] = commit.to_bytes()
+        self.commits.append(commit)
+        self.states.append(new)
+        return commit
+
+
+def check_records(step: Step, records: list[Record]) -> None:
+    """The hand-made records must take the base to the new state: every changed word covered,
+    created tensors only by ``tensor`` records, and no two records of a tensor overlapping."""
+    for name, new in step.new.items():
+        old = step.base.get(name)
+        created = old is None or old.dtype != new.dtype or old.shape != new.shape
+        covered = np.zeros(new.words.size, dtype=np.int64)
+        for r in records:
+            if r.tensor == name:
+                assert not created or r.kind == "tensor", f"{name}: {r.kind} record for a new tensor"
+                covered[box_flat(new.shape, r.box)] += 1
+        assert covered.max(initial=0) <= 1, f"{name}: records overlap"
+        must = new.words != 0 if created else new.words != old.words
+        assert np.all(covered[must] == 1), f"{name}: a change is not covered by any record"
+    assert all(r.tensor in step.new for r in records)
+
+
+def expected_json(b: LogBuilder, description: str) -> dict:
+    versions = []
+    for v, state in enumerate(b.states):
+        tensors = [
+            {"name": n, "dtype": t.dtype, "shape": list(t.shape),
+             "sha256": hashlib.sha256(t.words.tobytes()).hexdigest(), "xxh3": f"{xxh3(t.words):016x}"}
+            for n, t in sorted(state.items(), key=lambda kv: kv[0].encode())
+        ]
+        versions.append({"version": v, "state_digest": f"{spec_state_digest(state):016x}",
+                         "tensors": tensors})
+    return {"vector": b.name, "description": description, "log_id": b.log_id, "versions": versions}
+
+
+# -- valid vectors ----------------------------------------------------------------------------
+
+BF16 = {"one": 0x3F80, "m2": 0xC000, "half": 0x3F00, "three": 0x4040,
+        "quarter": 0x3E80, "m1": 0xBF80, "eight": 0x4100, "zero": 0x0000}
+
+
+def v_worked_example() -> LogBuilder:
+    """The example decoded byte by byte in FORMAT.md."""
+    b = LogBuilder("worked-example")
+    w0 = words_tensor("BF16", (2, 4), [BF16[k] for k in
+                                       ("one", "m2", "half", "three", "quarter", "m1", "eight", "zero")])
+    s = b.step({"w": w0})
+    b.commit(s, [Seg([s.tensor("w", "raw")])])
+    # positions 1, 2, 6: one ulp, two low bits, the sign of 8.0
+    s = b.step({"w": with_xor(w0, [1, 2, 6], [0x0001, 0x0003, 0x8000])})
+    b.commit(s, [Seg([s.xor("w", "sparse")])])
+    return b
+
+
+def v_kinds_and_encodings() -> LogBuilder:
+    b = LogBuilder("kinds-and-encodings")
+    big = zeros_tensor("U8", (70000,))
+    big = with_words(big, det_positions("big0", np.arange(70000), 20), np.arange(1, 21))
+    st = {"a": det_tensor("a0", "BF16", (16, 32)), "b": det_tensor("b0", "F32", (64,)),
+          "c": det_tensor("c0", "I64", (8, 8)), "big": big}
+    s = b.step(st)
+    b.commit(s, [Seg([
+        s.tensor("a", "dense"), s.tensor("b", "raw"),
+        s.tensor("c", "raw", rows_box((8, 8), 0, 4)),
+        s.tensor("c", "dense", rows_box((8, 8), 4, 8), level=19),
+        s.tensor("big", "dense"),
+    ])])
+
+    a = flipped(st["a"], "a1-top", 10, rows_box((16, 32), 0, 8))
+    a = flipped(a, "a1-bottom", 110, rows_box((16, 32), 8, 16))
+    bigv = with_xor(st["big"], [3, 69000, 69991, 69999], [0x40, 0x01, 0x02, 0x80])
+    st = {"a": a, "b": flipped(st["b"], "b1", 6), "c": flipped(st["c"], "c1", 5), "big": bigv}
+    s = b.step(st)
+    recs = [
+        s.xor("a", "sparse", rows_box((16, 32), 0, 8), level=1),  # 10 of 256 changed
+        s.xor("a", "dense", rows_box((16, 32), 8, 16)),            # 110 of 256 changed
+        s.xor("b", "raw"),
+        s.overwrite("c", "raw"),
+        s.xor("big", "sparse", Box((0,), (69990,))),               # a gap of 68996: gap_bytes 4
+        s.xor("big", "sparse", Box((69990,), (10,)), gap_bytes=8),  # wider than needed: allowed
+    ]
+    b.commit(s, [Seg(recs, batches=[2, 0, 4])])  # three record batches, one of them empty
+
+    st = dict(st)
+    st["a"] = flipped(st["a"], "a2", 12)
+    st["b"] = flipped(st["b"], "b2", 3)
+    st["c"] = flipped(st["c"], "c2", 9)
+    s = b.step(st)
+    bpos = np.flatnonzero(s.base["b"].words != st["b"].words)
+    repair = np.setdiff1d(np.arange(64), bpos)[:2]  # rewritten with the value they already hold
+    b.commit(s, [Seg([
+        s.overwrite("a", "sparse", level=9),
+        s.overwrite("b", "raw", extra=repair),
+        s.tensor("c", "raw", rows_box((8, 8), 0, 4)),     # a tensor record on an existing tensor
+        s.tensor("c", "dense", rows_box((8, 8), 4, 8), level=1),
+    ])])
+
+    st = dict(st)
+    st["a"] = with_xor(st["a"], [0, 300, 310], [0x0001, 0x0002, 0x0004])  # gap 299: gap_bytes 2
+    st["b"] = flipped(st["b"], "b3", 20)
+    st["c"] = flipped(st["c"], "c3", 40)
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("a", "sparse"), s.overwrite("b", "sparse", level=1),
+                      s.xor("c", "dense", level=22)])])
+    return b
+
+
+def v_dtypes() -> LogBuilder:
+    b = LogBuilder("dtypes")
+    shapes = {d: (3, 5) for d in DTYPE_WIDTH}
+    shapes.update({"F64": (3, 2), "BOOL": (3, 6), "U8": (3, 7)})
+    names = {d: f"t.{d}" for d in DTYPE_WIDTH}
+    st = {names[d]: det_tensor(f"dt0.{d}", d, shapes[d]) for d in DTYPE_WIDTH}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor(names[d], "raw" if i % 2 == 0 else "dense")
+                      for i, d in enumerate(DTYPE_WIDTH)])])
+
+    def top(d):
+        return rows_box(shapes[d], 0, 2)
+
+    def last(d):
+        return rows_box(shapes[d], 2, 3)
+
+    plans = [  # per version: (function making the new tensor, records per dtype)
+        (lambda d, t: flipped(flipped(t, f"dt1a.{d}", 3, top(d)), f"dt1b.{d}", 2, last(d)),
+         lambda s, d: [s.xor(names[d], "sparse", top(d)), s.xor(names[d], "raw", last(d))]),
+        (lambda d, t: flipped(flipped(t, f"dt2a.{d}", 2, top(d)), f"dt2b.{d}", 4, last(d)),
+         lambda s, d: [s.overwrite(names[d], "raw", top(d)), s.xor(names[d], "dense", last(d))]),
+        (lambda d, t: flipped(t, f"dt3.{d}", 4),
+         lambda s, d: [s.overwrite(names[d], "sparse")]),
+        (lambda d, t: det_tensor(f"dt4.{d}", d, shapes[d]),
+         lambda s, d: [s.tensor(names[d], "raw", top(d)), s.tensor(names[d], "dense", last(d))]),
+    ]
+    for make, records in plans:
+        st = {names[d]: make(d, st[names[d]]) for d in DTYPE_WIDTH}
+        s = b.step(st)
+        b.commit(s, [Seg([r for d in DTYPE_WIDTH for r in records(s, d)])])
+    return b
+
+
+SPECIALS = {  # +0, -0, +inf, -inf, qNaN, sNaN, NaN with payload, min/max subnormal, min normal,
+    # max finite, 1, -1, 1 + ulp, -min subnormal, all-ones NaN (F8_E4M3 has no inf: NaNs instead)
+    "F32": [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFC12345,
+            0x00000001, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, 0x3F800000, 0xBF800000, 0x3F800001,
+            0x80000001, 0x7FFFFFFF],
+    "F16": [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE5A, 0x0001, 0x03FF, 0x0400,
+            0x7BFF, 0x3C00, 0xBC00, 0x3C01, 0x8001, 0x7FFF],
+    "BF16": [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC5, 0x0001, 0x007F, 0x0080,
+             0x7F7F, 0x3F80, 0xBF80, 0x3F81, 0x8001, 0x7FFF],
+    "F64": [0x0, 0x8000000000000000, 0x7FF0000000000000, 0xFFF0000000000000, 0x7FF8000000000000,
+            0x7FF0000000000001, 0xFFF8000000012345, 0x1, 0x000FFFFFFFFFFFFF, 0x0010000000000000,
+            0x7FEFFFFFFFFFFFFF, 0x3FF0000000000000, 0xBFF0000000000000, 0x3FF0000000000001,
+            0x8000000000000001, 0x7FFFFFFFFFFFFFFF],
+    "F8_E4M3": [0x00, 0x80, 0x7F, 0xFF, 0x7F, 0xFF, 0xFF, 0x01, 0x07, 0x08, 0x7E, 0x38, 0xB8,
+                0x39, 0x81, 0x7F],
+    "F8_E5M2": [0x00, 0x80, 0x7C, 0xFC, 0x7E, 0x7D, 0xFF, 0x01, 0x03, 0x04, 0x7B, 0x3C, 0xBC,
+                0x3D, 0x81, 0x7F],
+}
+
+
+def v_float_specials() -> LogBuilder:
+    """Bits, not float values: signed zeros, NaN payloads, infinities, subnormals."""
+    b = LogBuilder("float-specials")
+    st = {f"specials.{d}": words_tensor(d, (16,), w) for d, w in SPECIALS.items()}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor(n, "raw") for n in st])])
+
+    def sign(d):
+        return 1 << (8 * DTYPE_WIDTH[d] - 1)
+
+    # +0 -> -0, qNaN -> another NaN payload, sNaN -> another sNaN, +inf -> -inf, min subnormal -> +0;
+    # the NaNs at 6 and 15 stay bit-identical (a float comparison would call them changed).
+    st = {n: with_xor(t, [0, 4, 5, 2, 7], [sign(t.dtype), 1, 2, sign(t.dtype), 1]) for n, t in st.items()}
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor(n, "raw") for n in st])])
+    # -0 -> +0, payload NaN -> canonical qNaN bits, 1 -> 1 + ulp, -min subnormal -> -0
+    st = {n: with_words(t, [1, 6, 11, 14], [0, SPECIALS[t.dtype][4], SPECIALS[t.dtype][13], sign(t.dtype)])
+          for n, t in st.items()}
+    s = b.step(st)
+    b.commit(s, [Seg([s.overwrite(n, "sparse") for n in st])])
+    # every sign bit flipped: NaNs stay NaNs, zeros and infinities swap sign
+    st = {n: with_xor(t, np.arange(16), [sign(t.dtype)]) for n, t in st.items()}
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor(n, "dense") for n in st])])
+    return b
+
+
+def v_boxes() -> LogBuilder:
+    b = LogBuilder("boxes")
+    st = {"grid": det_tensor("grid0", "F32", (6, 7)), "cube": det_tensor("cube0", "U16", (4, 5, 6)),
+          "scalar": det_tensor("scalar0", "F64", ()), "empty": zeros_tensor("I32", (0, 3)),
+          "empty1": zeros_tensor("U8", (0,)), "vec": det_tensor("vec0", "BF16", (10,))}
+    s = b.step(st)
+    b.commit(s, [Seg([
+        s.tensor("grid", "raw", rows_box((6, 7), 0, 3)), s.tensor("grid", "dense", rows_box((6, 7), 3, 6)),
+        s.tensor("cube", "raw"), s.tensor("scalar", "raw"), s.tensor("vec", "dense"),
+    ])])  # the empty tensors have no elements and so no records
+
+    interior = Box((1, 2), (3, 4))
+    column = Box((0, 6), (6, 1))
+    cube_in = Box((1, 1, 2), (2, 3, 3))
+    cube_rows = Box((3, 0, 0), (1, 5, 6))  # a row block of a 3-D tensor
+    cube_edge = Box((0, 0, 4), (1, 5, 2))
+    st = dict(st)
+    st["grid"] = flipped(flipped(st["grid"], "grid1", 5, interior), "grid1c", 3, column)
+    st["cube"] = flipped(flipped(flipped(st["cube"], "cube1", 7, cube_in), "cube1r", 12, cube_rows),
+                         "cube1e", 4, cube_edge)
+    st["scalar"] = with_xor(st["scalar"], [0], [1 << 63])
+    st["vec"] = flipped(st["vec"], "vec1", 2, Box((2,), (5,)))
+    s = b.step(st)
+    b.commit(s, [Seg([
+        s.xor("grid", "raw", interior), s.overwrite("grid", "sparse", column),
+        s.overwrite("cube", "sparse", cube_in), s.xor("cube", "dense", cube_rows),
+        s.xor("cube", "raw", cube_edge), s.xor("scalar", "raw"), s.xor("vec", "sparse", Box((2,), (5,))),
+    ])])
+
+    g_box = Box((2, 1), (2, 3))
+    c_box = Box((0, 1, 1), (2, 2, 2))
+    st = dict(st)
+    st["grid"] = with_words(st["grid"], box_flat((6, 7), g_box), np.arange(6) + 0x40000000)
+    st["cube"] = with_words(st["cube"], box_flat((4, 5, 6), c_box), np.arange(8) * 257)
+    st["scalar"] = words_tensor("F64", (), [0x8000000000000000])  # -0.0
+    s = b.step(st)
+    b.commit(s, [Seg([
+        s.tensor("grid", "raw", g_box),  # a tensor record on an interior box: no precondition
+        s.tensor("cube", "dense", c_box), s.overwrite("scalar", "raw"),
+    ])])
+
+    boxes = [Box((0, 0, 0), (2, 2, 2)), Box((2, 3, 1), (2, 2, 4)), Box((1, 2, 5), (3, 3, 1))]
+    st = dict(st)
+    for i, bx in enumerate(boxes):
+        st["cube"] = flipped(st["cube"], f"cube3.{i}", 3, bx)
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("cube", "sparse", boxes[0]), s.overwrite("cube", "raw", boxes[1]),
+                      s.xor("cube", "dense", boxes[2])])])
+    return b
+
+
+def v_lifecycle() -> LogBuilder:
+    b = LogBuilder("lifecycle")
+    st = {"keep": det_tensor("keep0", "BF16", (4, 8)), "drop": det_tensor("drop0", "F32", (5,)),
+          "reshape": det_tensor("reshape0", "I16", (2, 6)), "retype": det_tensor("retype0", "F32", (4,)),
+          "empty.shape": zeros_tensor("U8", (0, 3))}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor(n, "raw") for n in ("keep", "drop", "reshape", "retype")])])
+
+    b.commit(b.step(dict(st)), [])  # nothing changed: a version with zero records, no segments
+
+    st = {"keep": flipped(st["keep"], "keep2", 3), "reshape": retyped(st["reshape"], "I16", (3, 4)),
+          "retype": retyped(st["retype"], "I32", (4,)), "added": det_tensor("added2", "U32", (3, 3)),
+          "empty.shape": zeros_tensor("U8", (3, 0))}
+    s = b.step(st)
+    b.commit(s, [  # two segments from two writers; "drop" is removed
+        Seg([s.xor("keep", "sparse"), s.tensor("reshape", "raw")], writer="rank-0"),
+        Seg([s.tensor("retype", "dense"), s.tensor("added", "raw")], writer="rank-1"),
+    ])
+
+    st = {k: v for k, v in st.items() if k != "keep"}
+    st["zeros"] = zeros_tensor("U8", (4,))  # created zero-filled; all zero, so no record needed
+    st["empty.f16"] = zeros_tensor("F16", (2, 0))
+    b.commit(b.step(st), [])  # removals and additions with zero records
+
+    st = dict(st)
+    st["drop"] = det_tensor("drop4", "F64", (5,))  # a removed name comes back with another dtype
+    st["retype"] = retyped(st["retype"], "F16", (8,))  # width 4 -> 2
+    st["zeros"] = with_xor(st["zeros"], [1, 3], [7, 9])
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor("drop", "raw"), s.tensor("retype", "raw", Box((0,), (4,))),
+                      s.tensor("retype", "dense", Box((4,), (4,))), s.xor("zeros", "raw")])])
+    return b
+
+
+NAMES = [
+    "model.layers.0.self_attn.q_proj.weight", "/leading/slash", "space name", "tab\tname",
+    'quote"back\\slash', "ctl\x01del\x7f", "caf\u00e9", "\uff21fullwidth", "\U0001f600emoji",
+]
+
+
+def v_names() -> LogBuilder:
+    """Names needing JSON escapes, and names whose UTF-8 order differs from UTF-16 order."""
+    b = LogBuilder("names")
+    st = {n: det_tensor(f"name0.{i}", "U8" if i % 2 else "F32", (2, 3)) for i, n in enumerate(NAMES)}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor(n, "raw") for n in sorted(st, key=str.encode)])])
+    st = {n: flipped(t, f"name1.{i}", 2) for i, (n, t) in enumerate(st.items())}
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor(n, "raw") for n in st])])
+    return b
+
+
+VALID = [
+    (v_worked_example, "one BF16 tensor; version 1 is the sparse xor record decoded in FORMAT.md"),
+    (v_kinds_and_encodings, "every record kind with every encoding it allows; gap_bytes 1, 2, 4 and "
+     "8; tensor records on existing tensors; an overwrite repair; a segment of three batches"),
+    (v_dtypes, "all 15 dtypes, each with every kind/encoding pair"),
+    (v_float_specials, "signed zeros, NaN payloads, infinities and subnormals change bit-exactly"),
+    (v_boxes, "0-d and empty tensors; interior sub-rectangles of 2-D and 3-D tensors"),
+    (v_lifecycle, "tensors added, removed, reshaped and retyped; versions with zero records; "
+     "two segments in one version"),
+    (v_names, "tensor names needing JSON escapes and sorted by UTF-8 bytes"),
+]
+
+
+# -- invalid vectors --------------------------------------------------------------------------
+
+
+def invalid_base(name: str, *, identity_kw: dict | None = None, v1_records=None, rows_hook=None,
+                 seg_kw: dict | None = None, ref_hook=None, commit_hooks: dict | None = None,
+                 v1_state=None, check: bool = True) -> LogBuilder:
+    """A 3-version log: v0 creates four tensors, v1 changes them with one record per
+    kind/encoding family, v2 changes nothing. The hooks break one thing in it."""
+    identity = None
+    if identity_kw:
+        identity = LogIdentity(**{"log_id": vector_log_id(name), "created_at": CREATED_AT, **identity_kw})
+    b = LogBuilder(name, identity)
+    hooks = commit_hooks or {}
+    st = {"n": det_tensor("n0", "I32", (2, 3)), "w": det_tensor("w0", "BF16", (4, 8)),
+          "x": det_tensor("x0", "F32", (6,))}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor("n", "raw"), s.tensor("w", "raw"), s.tensor("x", "dense")])],
+             commit_hook=hooks.get(0))
+    st = {"added": det_tensor("added1", "U8", (5,)), "n": flipped(st["n"], "n1", 6),
+          "w": flipped(st["w"], "w1", 3), "x": flipped(st["x"], "x1", 2)}
+    if v1_state:
+        st = v1_state(st)
+    s = b.step(st)
+    recs = [s.tensor("added", "raw"), s.xor("n", "dense"), s.xor("w", "sparse"), s.overwrite("x", "raw")]
+    if v1_records:
+        recs = v1_records(s, recs)
+    b.commit(s, [Seg(recs, rows_hook=rows_hook, **(seg_kw or {}))], check=check,
+             ref_hook=ref_hook, commit_hook=hooks.get(1))
+    b.commit(b.step(dict(st)), [], commit_hook=hooks.get(2))
+    return b
+
+
+def row_hook(tensor: str, fn: Callable[[dict], None]):
+    def hook(rows):
+        rows = [dict(r) for r in rows]
+        fn(next(r for r in rows if r["tensor"] == tensor))
+        return rows
+    return hook
+
+
+def v1_segment_key(b: LogBuilder) -> str:
+    return next(k for k in b.files if k.startswith("segments/1/"))
+
+
+def replace_file(b: LogBuilder, key: str, fn: Callable[[bytes], bytes]) -> None:
+    b.files[key] = fn(b.files[key])
+
+
+def replace_commit(b: LogBuilder, version: int, fn: Callable[[bytes], bytes]) -> None:
+    replace_file(b, version_key(version), fn)
+
+
+def reseal(fn: Callable[[dict], None]) -> Callable[[bytes], bytes]:
+    """Edit a sealed JSON object and seal it again (the checksum stays right)."""
+    def edit(data: bytes) -> bytes:
+        obj = json.loads(data)
+        del obj["checksum"]
+        fn(obj)
+        return seal(obj)
+    return edit
+
+
+def flip_byte(data: bytes, at: int) -> bytes:
+    out = bytearray(data)
+    out[at] ^= 0x01
+    return bytes(out)
+
+
+def _flip_last_value_byte(row):
+    row["payload"] = flip_byte(row["payload"], len(row["payload"]) - 1)  # last byte of a value
+
+
+def _swap_positions(row):
+    p = np.frombuffer(row["payload"][:16], "<u8")
+    v = np.frombuffer(row["payload"][16:], "<u4")
+    row["payload"] = p[::-1].tobytes() + v[::-1].tobytes()
+
+
+def _gap_beyond_box(row):
+    k = row["n_changed"]
+    values = np.zeros(k, dtype="<u2") + 1
+    row["payload"] = sparse_payload(np.array([32] + [0] * (k - 1)), values, 1, 3)
+
+
+def _dense_overwrite(row):
+    values = np.frombuffer(row["payload"][16:], "<u4")
+    full = np.zeros(6, dtype="<u4")
+    full[np.frombuffer(row["payload"][:16], "<u8").astype(np.int64)] = values
+    row.update(encoding="dense", params='{"level":3}', payload=zstd_frame(planes(full), 3))
+
+
+def _new_tensor_as_xor(s: Step, recs):
+    zero = zeros_tensor("U8", (5,))
+    return [s.delta("added", "xor", "raw", against=zero)] + recs[1:]
+
+
+def _record_for_ghost(s: Step, recs):
+    ghost = Record("ghost", "tensor", Box((0,), (2,)), "raw", {}, 2, 0, xxh3(np.zeros(2, "<u1")), b"\0\0")
+    return recs + [ghost]
+
+
+def _with_tensor(name: str, bits: TensorBits):
+    def edit(st):
+        return {**st, name: bits}
+    return edit
+
+
+def _lone_surrogate_table(obj):
+    name = "\ud800"
+    empty = f"{xxh3(np.zeros(0, 'u1')):016x}"
+    obj["tensors"].append({"name": name, "dtype": "U8", "shape": [0], "digest": empty})
+    obj["tensors"].sort(key=lambda t: t["name"].encode("utf-8", "surrogatepass"))
+    lines = sorted(t["name"].encode("utf-8", "surrogatepass") + b"\0" + t["dtype"].encode() + b"\0"
+                   + ",".join(map(str, t["shape"])).encode() + b"\0" + t["digest"].encode() + b"\n"
+                   for t in obj["tensors"])
+    obj["state_digest"] = f"{xxhash.xxh3_64_intdigest(b''.join(lines)):016x}"
+
+
+def _wrong_digest_for_x(c: CommitRecord) -> CommitRecord:
+    tensors = tuple(dataclasses.replace(t, digest=t.digest ^ 1) if t.name == "x" else t for t in c.tensors)
+    return dataclasses.replace(c, tensors=tensors, state_digest=state_digest(tensors))
+
+
+def _drop_v1(b: LogBuilder) -> None:
+    for key in [k for k in b.files if k.startswith("segments/1/") or k == version_key(1)]:
+        del b.files[key]
+
+
+def _move_segment_to_v2(b: LogBuilder) -> None:
+    key = v1_segment_key(b)
+    b.files[key.replace("segments/1/", "segments/2/")] = b.files.pop(key)
+
+
+def _other_log_id() -> str:
+    return hashlib.sha256(b"another log").hexdigest()[:32]
+
+
+def _schema_with_binary_payload() -> pa.Schema:
+    return pa.schema([f if f.name != "payload" else pa.field("payload", pa.binary(), nullable=False)
+                      for f in SEGMENT_SCHEMA])
+
+
+# (name, error class, stage, version, reason, build, after-build edit of the files)
+INVALID = [
+    ("identity-missing", "NotFoundError", "identity", None,
+     "the log has no dcr.json", {}, lambda b: b.files.pop(IDENTITY_KEY)),
+    ("identity-unknown-feature", "IntegrityError", "identity", None,
+     "dcr.json lists a feature this reader does not know",
+     {"identity_kw": {"features": ("x-future",)}}, None),
+    ("identity-format-version", "IntegrityError", "identity", None,
+     "dcr.json has format_version 2", {"identity_kw": {"format_version": 2}}, None),
+    ("identity-not-canonical", "IntegrityError", "identity", None,
+     "dcr.json is valid JSON with a valid checksum but has a space after a colon",
+     {}, lambda b: replace_file(b, IDENTITY_KEY, lambda d: d.replace(b'"features":', b'"features": '))),
+    ("identity-bad-checksum", "IntegrityError", "identity", None,
+     "dcr.json's created_at was edited after sealing", {},
+     lambda b: replace_file(b, IDENTITY_KEY, lambda d: d.replace(b"2025-01-01", b"2025-01-02"))),
+    ("listing-version-gap", "IntegrityError", "listing", None,
+     "versions 0 and 2 exist, version 1 does not", {}, _drop_v1),
+    ("commit-not-canonical-whitespace", "IntegrityError", "commit", 1,
+     "commit record 1 is indented JSON (its checksum is right)", {},
+     lambda b: replace_commit(b, 1, lambda d: json.dumps(json.loads(d), indent=1, sort_keys=True).encode())),
+    ("commit-not-canonical-escape", "IntegrityError", "commit", 1,
+     "commit record 1 escapes a '-' as \\u002d: same value, not the canonical bytes", {},
+     lambda b: replace_commit(b, 1, lambda d: d.replace(b"vector-writer", b"vector\\u002dwriter", 1))),
+    ("commit-not-canonical-key-order", "IntegrityError", "commit", 1,
+     "commit record 1 has its members in reverse order", {},
+     lambda b: replace_commit(b, 1, lambda d: json.dumps(
+         dict(reversed(list(json.loads(d).items()))), separators=(",", ":")).encode())),
+    ("commit-bad-checksum", "IntegrityError", "commit", 1,
+     "commit record 1's created_at was edited after sealing", {},
+     lambda b: replace_commit(b, 1, lambda d: d.replace(b"2025-01-01", b"2025-01-02"))),
+    ("commit-unknown-feature", "IntegrityError", "commit", 1,
+     "commit record 1 lists a feature this reader does not know",
+     {"commit_hooks": {1: lambda c: dataclasses.replace(c, features=("x-future",))}}, None),
+    ("commit-parent-digest", "IntegrityError", "commit", 1,
+     "commit record 1's parent_state_digest is not version 0's state_digest",
+     {"commit_hooks": {1: lambda c: dataclasses.replace(
+         c, parent_state_digest=c.parent_state_digest ^ 1)}}, None),
+    ("commit-state-digest", "IntegrityError", "commit", 1,
+     "commit record 1's state_digest does not match its tensor table",
+     {"commit_hooks": {1: lambda c: dataclasses.replace(c, state_digest=c.state_digest ^ 1)}}, None),
+    ("commit-parent-not-previous", "IntegrityError", "commit", 2,
+     "commit record 2 names version 0 as its parent",
+     {"commit_hooks": {2: lambda c: dataclasses.replace(c, parent=0)}}, None),
+    ("commit-other-log", "IntegrityError", "commit", 1,
+     "commit record 1 carries another log's log_id",
+     {"commit_hooks": {1: lambda c: dataclasses.replace(c, log_id=_other_log_id())}}, None),
+    ("commit-float-integer", "IntegrityError", "commit", 1,
+     "commit record 1 writes stats.records as 4.0, a number that is not an integer",
+     {"commit_hooks": {1: lambda c: dataclasses.replace(
+         c, stats=dataclasses.replace(c.stats, records=4.0))}}, None),
+    ("commit-unsorted-tensors", "IntegrityError", "commit", 1,
+     "commit record 1 lists its tensors in reverse order", {},
+     lambda b: replace_commit(b, 1, reseal(lambda o: o["tensors"].reverse()))),
+    ("commit-segment-key-other-version", "IntegrityError", "commit", 1,
+     "commit record 1 lists a segment under segments/2/",
+     {"ref_hook": lambda r: dataclasses.replace(r, key=r.key.replace("segments/1/", "segments/2/"))},
+     _move_segment_to_v2),
+    ("commit-tensor-name-newline", "IntegrityError", "commit", 1,
+     "a tensor name contains a line feed",
+     {"v1_state": _with_tensor("bad\nname", zeros_tensor("U8", (0,)))}, None),
+    ("commit-tensor-name-lone-surrogate", "IntegrityError", "commit", 1,
+     "a tensor name is the lone surrogate \\ud800, not a Unicode scalar value", {},
+     lambda b: replace_commit(b, 1, reseal(_lone_surrogate_table))),
+    ("commit-stats-total-elements", "IntegrityError", "commit", 1,
+     "commit record 1's stats.total_elements is not the number of elements of its tensors",
+     {"commit_hooks": {1: lambda c: dataclasses.replace(
+         c, stats=dataclasses.replace(c.stats, total_elements=c.stats.total_elements + 1))}}, None),
+    ("segment-sha256", "IntegrityError", "segment", 1,
+     "a byte of version 1's segment is flipped; the commit record still has the old sha256", {},
+     lambda b: replace_file(b, v1_segment_key(b), lambda d: flip_byte(d, 300))),
+    ("segment-missing", "IntegrityError", "segment", 1,
+     "version 1's segment file is missing", {}, lambda b: b.files.pop(v1_segment_key(b))),
+    ("segment-other-version", "IntegrityError", "segment", 1,
+     "version 1's segment says dcr.version 2 in its schema metadata",
+     {"seg_kw": {"meta": segment_meta(vector_log_id("segment-other-version"), 2)}}, None),
+    ("segment-other-log", "IntegrityError", "segment", 1,
+     "version 1's segment carries another log's dcr.log_id",
+     {"seg_kw": {"meta": segment_meta(_other_log_id(), 1)}}, None),
+    ("segment-schema", "IntegrityError", "segment", 1,
+     "the payload column is binary instead of large_binary",
+     {"seg_kw": {"schema": _schema_with_binary_payload()}}, None),
+    ("segment-stream-format", "IntegrityError", "segment", 1,
+     "version 1's segment is an Arrow IPC stream, not an IPC file", {"seg_kw": {"stream": True}}, None),
+    ("segment-record-count", "IntegrityError", "segment", 1,
+     "the commit record says the segment has 5 records; it has 4",
+     {"ref_hook": lambda r: dataclasses.replace(r, records=r.records + 1)}, None),
+    ("segment-unknown-kind", "IntegrityError", "segment", 1,
+     "a record has kind 'add'", {"rows_hook": row_hook("n", lambda r: r.update(kind="add"))}, None),
+    ("segment-params-not-canonical", "IntegrityError", "segment", 1,
+     "a record's params text has a space after the colon",
+     {"rows_hook": row_hook("n", lambda r: r.update(params='{"level": 3}'))}, None),
+    ("apply-flipped-payload-byte", "IntegrityError", "apply", 1,
+     "a value byte of a raw overwrite payload is flipped and the segment sha256 recomputed: "
+     "only the record's target digest catches it", {"rows_hook": row_hook("x", _flip_last_value_byte)}, None),
+    ("apply-positions-not-increasing", "IntegrityError", "apply", 1,
+     "a raw record lists its two positions in decreasing order",
+     {"rows_hook": row_hook("x", _swap_positions)}, None),
+    ("apply-sparse-gap-beyond-box", "IntegrityError", "apply", 1,
+     "a sparse record's first gap is 32 in a box of 32 elements",
+     {"rows_hook": row_hook("w", _gap_beyond_box)}, None),
+    ("apply-unknown-encoding", "IntegrityError", "apply", 1,
+     "a record names encoding 'lz4'", {"rows_hook": row_hook("x", lambda r: r.update(encoding="lz4"))}, None),
+    ("apply-unknown-param", "IntegrityError", "apply", 1,
+     "a sparse record has an extra parameter 'window'",
+     {"rows_hook": row_hook("w", lambda r: r.update(params='{"gap_bytes":1,"level":3,"window":8}'))}, None),
+    ("apply-missing-param", "IntegrityError", "apply", 1,
+     "a sparse record lacks its gap_bytes parameter",
+     {"rows_hook": row_hook("w", lambda r: r.update(params='{"level":3}'))}, None),
+    ("apply-param-float", "IntegrityError", "apply", 1,
+     "a sparse record's level is 3.0, not the integer 3",
+     {"rows_hook": row_hook("w", lambda r: r.update(params='{"gap_bytes":1,"level":3.0}'))}, None),
+    ("apply-encoding-not-for-kind", "IntegrityError", "apply", 1,
+     "an overwrite record uses the dense encoding, which carries only xor and tensor records",
+     {"rows_hook": row_hook("x", _dense_overwrite)}, None),
+    ("apply-zstd-declared-size", "IntegrityError", "apply", 1,
+     "a sparse record says 4 changes; its zstd frame declares the size of 3",
+     {"rows_hook": row_hook("w", lambda r: r.update(n_changed=r["n_changed"] + 1))}, None),
+    ("apply-zstd-trailing-bytes", "IntegrityError", "apply", 1,
+     "a sparse payload has a byte after its zstd frame",
+     {"rows_hook": row_hook("w", lambda r: r.update(payload=r["payload"] + b"\0"))}, None),
+    ("apply-dense-count", "IntegrityError", "apply", 1,
+     "a dense xor record says 5 changes; its mask has 6 non-zero words",
+     {"rows_hook": row_hook("n", lambda r: r.update(n_changed=r["n_changed"] - 1))}, None),
+    ("apply-raw-length", "IntegrityError", "apply", 1,
+     "a raw payload is one byte short",
+     {"rows_hook": row_hook("x", lambda r: r.update(payload=r["payload"][:-1]))}, None),
+    ("apply-tensor-count", "IntegrityError", "apply", 1,
+     "a tensor record says 4 elements for a box of 5",
+     {"rows_hook": row_hook("added", lambda r: r.update(n_changed=4, payload=r["payload"][:4]))}, None),
+    ("apply-base-digest", "IntegrityError", "apply", 1,
+     "an xor record's base digest is wrong (its precondition fails)",
+     {"rows_hook": row_hook("w", lambda r: r.update(base_digest=r["base_digest"] ^ 1))}, None),
+    ("apply-box-outside", "IntegrityError", "apply", 1,
+     "a record's box [1..7) lies outside its tensor of shape [6]",
+     {"rows_hook": row_hook("x", lambda r: r.update(box_offset=[1]))}, None),
+    ("apply-box-rank", "IntegrityError", "apply", 1,
+     "a record's box has rank 1 for a tensor of rank 2",
+     {"rows_hook": row_hook("n", lambda r: r.update(box_offset=[0], box_shape=[6]))}, None),
+    ("apply-xor-for-new-tensor", "IntegrityError", "apply", 1,
+     "a tensor created in version 1 gets an xor record (against zeros) instead of a tensor record",
+     {"v1_records": _new_tensor_as_xor, "check": False}, None),
+    ("apply-unknown-tensor", "IntegrityError", "apply", 1,
+     "a record names a tensor that is not in the commit's tensor table",
+     {"v1_records": _record_for_ghost, "check": False}, None),
+    ("apply-stats-changed", "IntegrityError", "apply", 1,
+     "commit record 1's stats.changed_elements is one more than its records' n_changed",
+     {"commit_hooks": {1: lambda c: dataclasses.replace(
+         c, stats=dataclasses.replace(c.stats, changed_elements=c.stats.changed_elements + 1))}}, None),
+    ("apply-tensor-digest", "IntegrityError", "apply", 0,
+     "version 0's tensor table has a wrong digest for 'x' (state digest recomputed to match)",
+     {"commit_hooks": {0: _wrong_digest_for_x}}, None),
+]
+
+
+def build_invalid(name, kw, edit) -> LogBuilder:
+    b = invalid_base(name, **kw)
+    if edit:
+        edit(b)
+    return b
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def write_log(files: dict[str, bytes], dest: Path) -> None:
+    for key, data in sorted(files.items()):
+        path = dest / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def dump(obj) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=True) + "\n").encode()
+
+
+README = """\
+# dcr-log test vectors
+
+Generated by `python tools/make_vectors.py` (deterministic; do not edit by hand) and checked
+by `tests/test_vectors.py`. Every log here was built record by record from the rules of
+`spec/FORMAT.md`; the expected states are the dense states the generator started from, not a
+replay of the log.
+
+## Layout
+
+```
+<name>/log/                     a complete log (dcr.json, versions/, segments/)
+<name>/expected.json            what a reader must produce from it
+invalid/<name>/log/             a log with one defect
+invalid/<name>/expected.json    the defect and the error a reader must report
+```
+
+`expected.json` of a valid vector:
+
+- `log_id`: the log's id;
+- `versions`: one entry per version, in order, with `version`, `state_digest` (16 hex digits)
+  and `tensors`, sorted by the UTF-8 bytes of their names, each with `name`, `dtype`, `shape`,
+  `sha256` (of the tensor's little-endian bytes, row-major) and `xxh3` (its tensor digest).
+
+A reader passes a valid vector when, for every version, it lists exactly these tensors with
+these dtypes, shapes and bytes, and verifies every digest on the way.
+
+`expected.json` of an invalid vector: `reason` (one line), `error` (the error class of
+FORMAT.md, section "Errors"), `stage` and `version`. `stage` names the first step of reading at
+which the defect must be reported; every earlier step must succeed:
+
+| stage | step |
+|---|---|
+| `identity` | reading `dcr.json` |
+| `listing` | listing the versions |
+| `commit` | reading and checking commit record `version` (parent chain and state digest included) |
+| `segment` | reading the segments of `version`: size, sha256, Arrow schema and metadata, record fields |
+| `apply` | decoding and applying the records of `version`: payloads, digests, stats |
+
+A reader may report a defect earlier than its stage (for example a reader that checks payloads
+while listing records); it must never accept the log.
+
+## Vectors
+
+{valid}
+
+Invalid:
+
+{invalid}
+
+## Generated with
+
+{versions}
+Segment bytes (and so the `sha256` and `size` in commit records) depend on the Arrow IPC
+writer and the zstd compressor; another version of either may produce other, equally valid
+bytes.
+"""
+
+
+def generate(out: Path) -> list[str]:
+    """Write every vector under ``out``; returns their names."""
+    out.mkdir(parents=True, exist_ok=True)
+    for child in out.iterdir():  # remove earlier output only: vector directories
+        if child.is_dir() and (child.name == "invalid" or (child / "expected.json").exists()):
+            shutil.rmtree(child)
+    names, valid_lines, invalid_lines = [], [], []
+    for build, description in VALID:
+        b = build()
+        write_log(b.files, out / b.name / "log")
+        (out / b.name / "expected.json").write_bytes(dump(expected_json(b, description)))
+        names.append(b.name)
+        valid_lines.append(f"- `{b.name}`: {description}.")
+    for name, error, stage, version, reason, kw, edit in INVALID:
+        b = build_invalid(name, kw, edit)
+        dest = out / "invalid" / name
+        write_log(b.files, dest / "log")
+        (dest / "expected.json").write_bytes(dump(
+            {"vector": name, "reason": reason, "error": error, "stage": stage, "version": version}))
+        names.append(f"invalid/{name}")
+        invalid_lines.append(f"- `{name}` ({error}, {stage}): {reason}.")
+    versions = (f"pyarrow {pa.__version__}, zstandard {zstandard.__version__} "
+                f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}), "
+                f"xxhash {xxhash.VERSION}, numpy {np.__version__}.\n")
+    (out / "README.md").write_text(README.format(
+        valid="\n".join(valid_lines), invalid="\n".join(invalid_lines), versions=versions))
+    (out / ".gitattributes").write_text("# vectors are compared byte for byte\n* -text\n*.arrow binary\n")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    args = parser.parse_args(argv)
+    names = generate(args.out)
+    total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
+    print(f"{len(names)} vectors, {total} bytes in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -207,8 +207,13 @@ class Differ:
             scratch = self._local.scratch = _Scratch()
         return scratch
 
-    def diff(self, name: str, base: TensorBits | None, new: TensorBits, kind: str = "xor") -> Iterator[Record]:
-        """Records taking ``base`` to ``new``. A new, reshaped or retyped tensor gets ``tensor`` records."""
+    def diff(self, name: str, base: TensorBits | None, new: TensorBits, kind: str = "xor",
+             changed: list | None = None) -> Iterator[Record]:
+        """Records taking ``base`` to ``new``. A new, reshaped or retyped tensor gets ``tensor`` records.
+
+        ``changed``, if given, receives (flat indices, new words) of every delta record, so a
+        caller keeping ``base`` can advance it by a scatter instead of a full copy.
+        """
         whole = base is None or base.dtype != new.dtype or base.shape != new.shape
         boxes = row_blocks(new.shape, self.policy.chunk_elements)
 
@@ -216,7 +221,8 @@ class Differ:
             new_box = box_view(new.words, new.shape, box)
             if whole:
                 return self._tensor_record(name, box, new_box)
-            return self._delta_record(name, box, box_view(base.words, base.shape, box), new_box, kind)
+            return self._delta_record(name, box, box_view(base.words, base.shape, box), new_box, kind,
+                                      None if changed is None else (changed, new.shape))
 
         workers = self.policy.workers
         if workers <= 1 or len(boxes) < 2 or new.words.size < PARALLEL_MIN_ELEMENTS:
@@ -254,7 +260,7 @@ class Differ:
             params, payload = RawEncoding().encode("tensor", changes)
         return Record(name, "tensor", box, enc, params, values.size, 0, words_digest(values), payload)
 
-    def _delta_record(self, name, box, base_box, new_box, kind) -> Record | None:
+    def _delta_record(self, name, box, base_box, new_box, kind, changed=None) -> Record | None:
         p = self.policy
         n = new_box.size
         scratch = self._scratch()
@@ -263,6 +269,9 @@ class Differ:
         if k == 0:
             return None
         values = np.bitwise_xor(base_vals, new_vals) if kind == "xor" else new_vals
+        if changed is not None:
+            out, shape = changed
+            out.append((box_to_tensor_flat(box, shape, positions), new_vals))  # list.append is atomic
         changes = ChangeSet(n, positions, values)
         w = new_box.dtype.itemsize
         cands = [("raw", {}, None)]  # raw's size is known without encoding it

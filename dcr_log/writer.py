@@ -10,7 +10,6 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
-import numpy as np
 
 from .delta import Differ, EncodePolicy
 from .errors import CommitConflict, UsageError
@@ -101,6 +100,7 @@ class LogWriter:
         builder = SegmentBuilder(log.log_id, version)
         changed = records = 0
         table: dict[str, TensorInfo] = {}
+        changed_words: dict[str, list] = {}  # per tensor: (flat indices, new words) of its deltas
 
         def flush() -> None:
             nonlocal builder
@@ -116,7 +116,8 @@ class LogWriter:
             bits = new[name]
             base = self._baseline.get(name)
             touched = False
-            for rec in self._differ.diff(name, base, bits, kind=kind):
+            changed_words[name] = []
+            for rec in self._differ.diff(name, base, bits, kind=kind, changed=changed_words[name]):
                 builder.add(rec)
                 touched = True
                 changed += rec.n_changed
@@ -150,17 +151,19 @@ class LogWriter:
             for ref in refs:  # never referenced by any commit: safe to remove
                 log.store.delete(ref.key)
             raise
-        self._advance_baseline(new, table, version)
+        self._advance_baseline(new, table, version, changed_words)
         return commit
 
-    def _advance_baseline(self, new: dict[str, TensorBits], table, version: int) -> None:
-        """Copy the committed state into the baseline, reusing its buffers where shapes match."""
+    def _advance_baseline(self, new: dict[str, TensorBits], table, version: int,
+                          changed_words: dict[str, list]) -> None:
+        """Make the baseline equal the committed state: a scatter of the changed words into
+        tensors whose dtype and shape stayed, a copy of the others (new, reshaped, retyped)."""
         baseline = {}
         for name, bits in new.items():
             old = self._baseline.get(name)
-            if old is not None and old.words.shape == bits.words.shape and old.dtype == bits.dtype \
-                    and old.shape == bits.shape:
-                np.copyto(old.words, bits.words)
+            if old is not None and old.dtype == bits.dtype and old.shape == bits.shape:
+                for flat, words in changed_words.get(name, ()):
+                    old.words[flat] = words
                 baseline[name] = old
             else:
                 baseline[name] = TensorBits(bits.dtype, bits.shape, bits.words.copy())

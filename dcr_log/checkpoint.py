@@ -67,6 +67,9 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
         if not (0 <= begin <= end and base + end <= size and end - begin == numel(shape) * DTYPE_WIDTH[dtype]):
             raise IntegrityError(f"{path}: tensor {name!r} has inconsistent offsets")
         out[name] = TensorLocation(path, dtype, shape, base + begin, base + end)
+    spans = sorted((loc.start, loc.end) for loc in out.values() if loc.end > loc.start)
+    if any(prev_end > start for (_, prev_end), (start, _) in zip(spans, spans[1:])):
+        raise IntegrityError(f"{path}: tensors share bytes")
     return out
 
 

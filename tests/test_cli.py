@@ -275,3 +275,18 @@ def test_sharded_index_must_match_files(tmp_path):
     rc, _, err = run_cli("init", tmp_path / "log2", "--from", tmp_path / "ckpt")
     assert rc == 3
     assert_one_line(err)
+
+
+def test_checkpoint_with_overlapping_tensors_is_refused(tmp_path):
+    import json as _json
+    import struct
+
+    from dcr_log.checkpoint import load_checkpoint
+    from dcr_log.errors import IntegrityError
+
+    header = _json.dumps({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                          "b": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}}).encode()
+    path = tmp_path / "overlap.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02\x03\x04")
+    with pytest.raises(IntegrityError, match="share bytes"):
+        load_checkpoint(path)

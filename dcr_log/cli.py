@@ -176,6 +176,51 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+@app.command("apply")
+def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
+              receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory updated in place"),
+              to: Optional[int] = typer.Option(None, "--to", help="stop at this version (default latest)"),
+              verify: str = typer.Option("sample", "--verify", help="none, sample or full")) -> None:
+    """Bring a checkpoint directory to a version, in place and crash-safely.
+
+    Without a journal (DIR/.dcr), a checkpoint in DIR is bound to the version with its state digest; an empty or missing DIR gets the version written out whole.
+    """
+    from .receiver import VERIFY_LEVELS, open_directory
+
+    if verify not in VERIFY_LEVELS:
+        raise UsageError(f"--verify must be one of {', '.join(VERIFY_LEVELS)}")
+    dlog = DeltaLog.open(log)
+    said = []
+
+    def say(text: str) -> None:
+        said.append(text)
+        out.print(text, markup=False)
+
+    with open_directory(dlog, receiver, to=to, say=say) as rx:
+        def line(r) -> None:
+            say(f"applied version {r.version}: {r.written} records written, {r.skipped} already applied, "
+                f"{r.repaired} repaired, {r.changed_elements} changed elements, {r.seconds:.3f} s")
+        rx.apply(dlog, to=to, verify=verify, on_version=line)
+        if not said:
+            say(f"receiver at version {rx.version}")
+
+
+@app.command("status")
+def status_cmd(receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory"),
+               as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
+    """A receiver's log, current version and digest, and the version in flight if any."""
+    from .receiver import JOURNAL_DIR, Journal
+
+    st = Journal.peek(receiver / JOURNAL_DIR)
+    row = {"receiver": str(receiver), **st.to_json()}
+    if as_json:
+        out.print(json.dumps(row), markup=False)
+        return
+    for key in ("receiver", "log_id", "version", "state_digest", "inflight", "materializing"):
+        value = row[key]
+        out.print(f"{key:<14} {'-' if value is None else value}", markup=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, standalone_mode=False)

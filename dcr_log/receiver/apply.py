@@ -1,0 +1,514 @@
+"""The receiver: applies a log's versions in place, idempotently and crash-safely.
+
+The protocol is normative in spec/RECEIVER.md; in short, applying version v+1:
+  1. lineage: the journal's log id, version and state digest must be the commit's parent,
+     else LineageError before any write (with verify=full, the storage's state digest too);
+  2. pass 1 (verify sample/full): the records' preconditions, before any write;
+  3. journal: v+1 in flight;  4. layout change (create/reshape/drop tensors);
+  5. per batch of records of a segment: one transaction with the redo images, the writes
+     (overwrites of target values, so a torn batch is finished by writing them again and an
+     xor is never applied twice), flush, one transaction marking the batch applied;
+  6. checks, then the joint commit: one transaction binding v+1 to its state digest.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import xxhash
+
+from ..coords import DTYPE_WIDTH, numel, word_dtype
+from ..delta import decode_record, flat_positions
+from ..errors import IntegrityError, LineageError, NotFoundError, UsageError
+from ..format import CommitRecord, Record, iter_segment
+from ..log import DeltaLog
+from ..state import TensorInfo, digest_hex, state_digest, words_digest
+from .journal import Journal, JournalState, SegmentProgress
+from .storage import FaultHook, Layout, Storage, open_storage, storage_state_digest
+
+VERIFY_LEVELS = ("none", "sample", "full")
+# verify=sample checks one record in SAMPLE_DIVISOR (and the first of each version), and the
+# digests of tensors totalling at most 1/SAMPLE_DIVISOR of the model's bytes.
+SAMPLE_DIVISOR = 16
+# A batch holds records up to about this many decoded bytes (positions, values, targets).
+BATCH_BYTES = 256 << 20
+# Segment bytes kept between pass 1 and the writes (and for rollback), beyond which they
+# are read again from the log.
+SEGMENT_CACHE_BYTES = 1 << 30
+JOURNAL_DIR = ".dcr"
+
+
+def _check_verify(verify: str) -> str:
+    if verify not in VERIFY_LEVELS:
+        raise UsageError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, not {verify!r}")
+    return verify
+
+
+def commit_layout(commit: CommitRecord) -> Layout:
+    return {t.name: (t.dtype, t.shape) for t in commit.tensors}
+
+
+def _sampled(version: int, segment: int, record: int) -> bool:
+    if segment == 0 and record == 0:
+        return True
+    return xxhash.xxh3_64_intdigest(b"%d/%d/%d" % (version, segment, record)) % SAMPLE_DIVISOR == 0
+
+
+def sample_tensors(tensors: tuple[TensorInfo, ...], version: int) -> list[str]:
+    """A deterministic sample of tensors holding at most 1/SAMPLE_DIVISOR of the bytes."""
+    sizes = {t.name: numel(t.shape) * DTYPE_WIDTH[t.dtype] for t in tensors}
+    budget = sum(sizes.values()) // SAMPLE_DIVISOR
+    order = sorted(sizes, key=lambda n: xxhash.xxh3_64_intdigest(b"%d\x00" % version + n.encode()))
+    picked, used = [], 0
+    for name in order:
+        if used + sizes[name] <= budget:
+            picked.append(name)
+            used += sizes[name]
+    if not picked and order:
+        picked.append(min(order, key=lambda n: (sizes[n], n)))
+    return picked
+
+
+@dataclass
+class ApplyReport:
+    """What one version's apply did."""
+
+    version: int
+    records: int = 0          # records of the version looked at in the write pass
+    written: int = 0          # records written
+    skipped: int = 0          # records found already at their target
+    repaired: int = 0         # torn records finished (redo image or rewrite)
+    changed_elements: int = 0
+    segments: int = 0
+    delta_bytes: int = 0
+    recovered: bool = False   # the version was in flight when this apply started
+    seconds: float = 0.0
+    journal_seconds: float = 0.0
+
+
+class SegmentCache:
+    """A version's segments, read once (size and sha256 checked by DeltaLog.read_segment)
+    and kept within a byte budget."""
+
+    def __init__(self, log: DeltaLog, commit: CommitRecord, budget: int = SEGMENT_CACHE_BYTES):
+        self.log = log
+        self.commit = commit
+        self.budget = budget
+        self._data: dict[int, memoryview] = {}
+        self._used = 0
+
+    def data(self, index: int) -> memoryview:
+        data = self._data.get(index)
+        if data is None:
+            data = self.log.read_segment(self.commit.segments[index])
+            if self._used + len(data) <= self.budget:
+                self._data[index] = data
+                self._used += len(data)
+        return data
+
+    def records(self, index: int) -> list[Record]:
+        ref = self.commit.segments[index]
+        records = list(iter_segment(self.data(index), self.log.log_id, self.commit.version))
+        if len(records) != ref.records:
+            raise IntegrityError(f"segment {ref.key}: {len(records)} records, commit says {ref.records}")
+        return records
+
+
+@dataclass
+class _Work:
+    index: int
+    record: Record
+    place: Any
+    target: np.ndarray
+    base: np.ndarray | None  # gathered words before the write (memory rollback)
+    redo: bool               # an xor whose target goes to the journal as a redo image
+    repaired: bool
+
+
+@dataclass
+class _Undo:
+    """Memory storage only: how to take the storage back to the journal's version."""
+
+    layout: Any = None
+    # (segment, record, base words or None); None means an xor, undone by xor-ing again.
+    records: list[tuple[int, int, np.ndarray | None]] = field(default_factory=list)
+
+
+class Receiver:
+    """One receiver: a storage and its journal. Not thread-safe; one apply at a time."""
+
+    def __init__(self, storage: Storage, journal: Journal, fault: FaultHook | None = None):
+        self.storage = storage
+        self.journal = journal
+        self.fault = fault
+
+    @property
+    def fault(self) -> FaultHook | None:
+        return self._fault_hook
+
+    @fault.setter
+    def fault(self, hook: FaultHook | None) -> None:
+        """A test hook called as ``hook(point, **info)`` at named points; it may raise."""
+        self._fault_hook = hook
+        self.storage.fault = hook
+
+    @staticmethod
+    def open(storage: Any, journal_path: str | os.PathLike | None = None,
+             fault: FaultHook | None = None, device: Any = None) -> "Receiver":
+        """Open a receiver: ``storage`` is a Storage, a dict of numpy arrays or torch tensors,
+        or a checkpoint directory (whose journal defaults to DIR/.dcr)."""
+        if journal_path is None:
+            if not isinstance(storage, (str, os.PathLike)):
+                raise UsageError("a journal path is needed for in-memory storage")
+            journal_path = Path(storage) / JOURNAL_DIR
+        journal = Journal.open(journal_path)  # the receiver lock comes before the storage
+        try:
+            return Receiver(open_storage(storage, device=device), journal, fault)
+        except BaseException:
+            journal.close()
+            raise
+
+    def close(self) -> None:
+        self.storage.close()
+        self.journal.close()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> JournalState:
+        return self.journal.state()
+
+    @property
+    def version(self) -> int | None:
+        return self.journal.state().version
+
+    @property
+    def state_digest(self) -> int | None:
+        return self.journal.state().state_digest
+
+    @property
+    def inflight(self) -> int | None:
+        return self.journal.state().inflight
+
+    def storage_digest(self) -> int:
+        """The storage's state digest, every tensor hashed."""
+        return storage_state_digest(self.storage)
+
+    def _hook(self, point: str, **info) -> None:
+        if self._fault_hook is not None:
+            self._fault_hook(point, **info)
+
+    # -- bind ------------------------------------------------------------------------------
+
+    def bind(self, log: DeltaLog, version: int, verify: str = "full") -> None:
+        """Declare that the storage holds ``version`` of ``log``. Checked by state digest
+        unless verify is "none" (sample and full both hash every tensor here)."""
+        _check_verify(verify)
+        st = self.journal.state()
+        if st.log_id is not None and st.log_id != log.log_id:
+            raise LineageError(f"receiver belongs to log {st.log_id}, not {log.log_id}")
+        commit = log.commit(version)
+        if self.storage.layout() != commit_layout(commit):
+            raise LineageError(f"storage tensors (names, dtypes, shapes) differ from version {version}'s")
+        if verify != "none" and self.storage_digest() != commit.state_digest:
+            raise LineageError(f"storage does not hold version {version} (state digest differs)")
+        self.journal.bind(log.log_id, version, commit.state_digest)
+
+    # -- apply -----------------------------------------------------------------------------
+
+    def apply(self, log: DeltaLog, to: int | None = None, verify: str = "sample",
+              on_version: Callable[[ApplyReport], None] | None = None) -> list[int]:
+        """Apply versions current+1 .. ``to`` (default: the latest) in order; returns them."""
+        _check_verify(verify)
+        st = self._lineage_state(log)
+        latest = log.latest_version()
+        if st.version > latest:
+            raise LineageError(f"receiver holds version {st.version} but the log ends at {latest}")
+        target = latest if to is None else to
+        if target > latest:
+            raise NotFoundError(f"no version {target} (latest is {latest})")
+        if target < st.version:
+            raise UsageError(f"receiver holds version {st.version}; it cannot go back to {target}")
+        if st.inflight is not None and target < st.inflight:
+            raise UsageError(f"receiver is applying version {st.inflight}; apply at least to it")
+        applied = []
+        verified_digest = None
+        for v in range(st.version + 1, target + 1):
+            report, verified_digest = self._apply_version(log, v, verify, verified_digest)
+            applied.append(v)
+            if on_version is not None:
+                on_version(report)
+        return applied
+
+    def apply_version(self, log: DeltaLog, version: int, verify: str = "sample") -> ApplyReport:
+        """Apply exactly ``version``, which must follow the journal's current version."""
+        return self._apply_version(log, version, _check_verify(verify), None)[0]
+
+    def recover(self, log: DeltaLog, verify: str = "sample") -> ApplyReport | None:
+        """Finish the version in flight, if any (durable storage)."""
+        st = self._lineage_state(log)
+        if st.inflight is None:
+            return None
+        return self._apply_version(log, st.inflight, _check_verify(verify), None)[0]
+
+    def _lineage_state(self, log: DeltaLog) -> JournalState:
+        st = self.journal.state()
+        if st.log_id is not None and st.log_id != log.log_id:
+            raise LineageError(f"receiver belongs to log {st.log_id}, not {log.log_id}")
+        if st.version is None:
+            raise UsageError("receiver is not bound to a version yet (bind it first)")
+        return st
+
+    def _apply_version(self, log: DeltaLog, version: int, verify: str,
+                       verified_digest: int | None) -> tuple[ApplyReport, int | None]:
+        t0 = time.perf_counter()
+        j0 = self.journal.txn_seconds
+        storage = self.storage
+        st = self._lineage_state(log)
+        commit = log.commit(version)
+        if commit.parent != st.version or commit.parent_state_digest != st.state_digest:
+            parent = "none" if commit.parent is None else f"{commit.parent} ({digest_hex(commit.parent_state_digest)})"
+            raise LineageError(f"version {version} follows version {parent}; the receiver holds "
+                               f"version {st.version} ({digest_hex(st.state_digest)})")
+        recovering = st.inflight is not None
+        if recovering and st.inflight != version:
+            raise IntegrityError(f"journal has version {st.inflight} in flight, not {version}")
+        if recovering and not storage.durable:
+            raise LineageError(f"receiver was interrupted while applying version {version} and its "
+                               "storage does not survive that; bind it again")
+        if state_digest(commit.tensors) != commit.state_digest:
+            raise IntegrityError(f"version {version}: state digest does not match its tensor table")
+        if sum(ref.records for ref in commit.segments) != commit.stats.records:
+            raise IntegrityError(f"version {version}: segment record counts differ from the commit's stats")
+        table = commit.tensor_map()
+        report = ApplyReport(version, segments=len(commit.segments), delta_bytes=commit.delta_bytes,
+                             recovered=recovering)
+        digest_checked = False
+        if not recovering and verify != "none":
+            if storage.layout() != commit_layout(log.commit(st.version)):
+                raise LineageError(f"storage tensors differ from version {st.version}'s: "
+                                   "changed behind the journal's back")
+            if verify == "full":
+                if verified_digest != st.state_digest and self.storage_digest() != st.state_digest:
+                    raise LineageError(f"storage does not hold version {st.version} (state digest "
+                                       "differs): changed behind the journal's back")
+                digest_checked = True
+        progress = self.journal.progress() if recovering else {}
+        cache = SegmentCache(log, commit)
+        if verify != "none" and not digest_checked:
+            self._precheck(commit, table, cache, progress, verify, recovering)
+
+        # -- writes start here --
+        if not recovering:
+            self.journal.begin(version)
+        undo = None if storage.durable else _Undo()
+        try:
+            self._hook("inflight", version=version)
+            layout_undo = storage.set_layout(commit_layout(commit))
+            if undo is not None:
+                undo.layout = layout_undo
+            created = set() if undo is None else {n for n in (layout_undo or {}) if n in table}
+            self._hook("layout", version=version)
+            for seg in range(len(commit.segments)):
+                self._apply_segment(commit, table, cache, seg, progress.get(seg, SegmentProgress()),
+                                    verify, created, undo, report)
+            if verify == "full":
+                if self.storage_digest() != commit.state_digest:
+                    raise IntegrityError(f"version {version}: storage state digest differs after apply")
+            elif verify == "sample":
+                for name in sample_tensors(commit.tensors, version):
+                    if storage.tensor_digest(name) != table[name].digest:
+                        raise IntegrityError(f"version {version}: tensor {name!r} differs from its digest")
+            storage.flush()
+            self._hook("before_commit", version=version)
+            self.journal.commit(version, commit.state_digest)
+        except (Exception, KeyboardInterrupt):
+            if undo is not None:
+                self._rollback(table, cache, undo)
+            raise
+        self._hook("committed", version=version)
+        report.seconds = time.perf_counter() - t0
+        report.journal_seconds = self.journal.txn_seconds - j0
+        return report, (commit.state_digest if verify == "full" else None)
+
+    # -- pass 1 ----------------------------------------------------------------------------
+
+    def _precheck(self, commit: CommitRecord, table: dict[str, TensorInfo], cache: SegmentCache,
+                  progress: dict[int, SegmentProgress], verify: str, recovering: bool) -> None:
+        """Check (a sample of) the records' preconditions before anything is written."""
+        layout = self.storage.layout()
+        for seg, ref in enumerate(commit.segments):
+            prog = progress.get(seg, SegmentProgress())
+            if prog.done >= ref.records:
+                continue
+            for i, rec in enumerate(cache.records(seg)):
+                if i < prog.done or rec.kind == "tensor":
+                    continue
+                if verify == "sample" and not _sampled(commit.version, seg, i):
+                    continue
+                info = self._info(table, rec, commit.version)
+                if layout.get(rec.tensor) != (info.dtype, info.shape):
+                    if recovering:
+                        continue  # the layout change is still to be finished
+                    raise IntegrityError(f"version {commit.version}: {rec.kind} record for the new "
+                                         f"or reshaped tensor {rec.tensor!r}")
+                changes = decode_record(rec, info)
+                cur = self.storage.gather(self.storage.locate(rec.tensor, flat_positions(rec, info.shape, changes)))
+                d = words_digest(cur)
+                if d in (rec.base_digest, rec.target_digest):
+                    continue
+                if recovering and prog.done <= i < prog.started_end:
+                    continue  # torn by the interrupted apply; the redo images finish it
+                raise LineageError(f"version {commit.version}: tensor {rec.tensor!r} holds neither the "
+                                   "record's base nor its target: changed behind the journal's back")
+
+    @staticmethod
+    def _info(table: dict[str, TensorInfo], rec: Record, version: int) -> TensorInfo:
+        info = table.get(rec.tensor)
+        if info is None:
+            raise IntegrityError(f"version {version}: record for unknown tensor {rec.tensor!r}")
+        return info
+
+    # -- pass 2 ----------------------------------------------------------------------------
+
+    def _apply_segment(self, commit, table, cache, seg, prog: SegmentProgress, verify,
+                       created, undo: _Undo | None, report: ApplyReport) -> None:
+        ref = commit.segments[seg]
+        if prog.done >= ref.records:
+            return
+        records = cache.records(seg)
+        # Records an interrupted apply may have left half written (redo images finish xors).
+        torn = range(prog.done, prog.started_end)
+        redo = self.journal.redo_images(seg) if len(torn) else {}
+        start = prog.done
+        while start < len(records):
+            end, budget = start, 0
+            while end < len(records) and (end == start or budget < BATCH_BYTES):
+                rec = records[end]
+                width = DTYPE_WIDTH[self._info(table, rec, commit.version).dtype]
+                budget += rec.n_changed * (8 + 3 * width)
+                end += 1
+            self._apply_batch(commit, table, seg, records, start, end, torn, redo, verify,
+                              created, undo, report)
+            start = end
+
+    def _apply_batch(self, commit, table, seg, records, start, end, torn: range, redo, verify,
+                     created, undo: _Undo | None, report: ApplyReport) -> None:
+        storage = self.storage
+        version = commit.version
+        work: list[_Work] = []
+        for i in range(start, end):
+            rec = records[i]
+            info = self._info(table, rec, version)
+            changes = decode_record(rec, info)
+            place = storage.locate(rec.tensor, flat_positions(rec, info.shape, changes))
+            report.records += 1
+            report.changed_elements += rec.n_changed
+            if rec.kind == "tensor":
+                # Whole values and no precondition: writing them again is harmless.
+                base = None
+                if undo is not None and rec.tensor not in created:
+                    base = storage.gather(place)
+                work.append(_Work(i, rec, place, changes.values, base, False, i in torn))
+                continue
+            cur = storage.gather(place)
+            d = words_digest(cur)
+            if d == rec.target_digest:
+                report.skipped += 1
+                continue
+            repaired = False
+            if d == rec.base_digest:
+                target = np.bitwise_xor(cur, changes.values) if rec.kind == "xor" else changes.values
+            elif i in torn:
+                repaired = True
+                if rec.kind == "xor":
+                    image = redo.get(i)
+                    if image is None:
+                        raise LineageError(f"version {version}: torn xor record of {rec.tensor!r} "
+                                           "has no redo image: changed behind the journal's back")
+                    target = np.frombuffer(image, dtype=word_dtype(info.dtype))
+                    if target.size != cur.size:
+                        raise IntegrityError(f"version {version}: redo image of {rec.tensor!r} has "
+                                             f"{target.size} words, expected {cur.size}")
+                else:
+                    target = changes.values
+            else:
+                raise LineageError(f"version {version}: tensor {rec.tensor!r} holds neither the record's "
+                                   "base nor its target: changed behind the journal's back")
+            if verify != "none" and words_digest(target) != rec.target_digest:
+                raise IntegrityError(f"version {version}: record of {rec.tensor!r} does not lead to "
+                                     "its target digest")
+            work.append(_Work(i, rec, place, target, cur, rec.kind == "xor", repaired))
+
+        durable = storage.durable
+        # A torn range left by an interrupted apply stays declared until passed, whatever
+        # the batch boundaries of this run.
+        started_end = max(end, torn.stop)
+        if durable and work:
+            self.journal.stage(seg, start, started_end,
+                               {w.index: memoryview(np.ascontiguousarray(w.target)).cast("B")
+                                for w in work if w.redo})
+            self._hook("redo", version=version, segment=seg, start=start, end=end)
+        for n, w in enumerate(work):
+            self._write(w, seg, undo)
+            report.written += 1
+            report.repaired += w.repaired
+            self._hook("record", version=version, segment=seg, record=w.index, written=n + 1)
+        if durable:
+            if work:
+                storage.flush()
+                self._hook("flushed", version=version, segment=seg, end=end)
+            self.journal.mark_applied(seg, end, max(end, torn.stop), range(start, end))
+            self._hook("applied", version=version, segment=seg, end=end)
+        if verify != "none":
+            for w in work:
+                if verify == "full" or _sampled(version, seg, w.index):
+                    if words_digest(storage.gather(w.place)) != w.record.target_digest:
+                        raise IntegrityError(f"version {version}: tensor {w.record.tensor!r} differs from "
+                                             "the record's target after writing")
+
+    def _write(self, w: _Work, seg: int, undo: _Undo | None) -> None:
+        if undo is None:
+            self.storage.write(w.place, w.target)
+            return
+        try:
+            self.storage.write(w.place, w.target)
+        except BaseException:
+            if w.base is not None:  # possibly half written: restore the gathered base
+                undo.records.append((seg, w.index, w.base))
+            raise
+        if w.record.kind == "xor":
+            undo.records.append((seg, w.index, None))
+        elif w.base is not None:
+            undo.records.append((seg, w.index, w.base))
+
+    def _rollback(self, table, cache: SegmentCache, undo: _Undo) -> None:
+        """Memory storage: undo the written records, newest first, then the layout change."""
+        storage = self.storage
+        records_by_seg: dict[int, list[Record]] = {}
+        for seg, i, base in reversed(undo.records):
+            recs = records_by_seg.get(seg)
+            if recs is None:
+                recs = records_by_seg[seg] = cache.records(seg)
+            rec = recs[i]
+            info = table[rec.tensor]
+            changes = decode_record(rec, info)
+            place = storage.locate(rec.tensor, flat_positions(rec, info.shape, changes))
+            if base is None:  # an xor is its own inverse
+                storage.write(place, np.bitwise_xor(storage.gather(place), changes.values))
+            else:
+                storage.write(place, base)
+        if undo.layout:
+            storage.restore_layout(undo.layout)
+        self.journal.abort()

@@ -1,0 +1,146 @@
+"""Checkpoint-directory receivers as ``dcr apply`` opens them: bind an existing checkpoint
+to the log version whose state digest it has, or write a version out whole into an empty
+directory, then hand over to the Receiver (spec/RECEIVER.md, "Checkpoint directories")."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Mapping
+
+from ..checkpoint import INDEX_NAME, save_safetensors
+from ..errors import LineageError, NotFoundError, UsageError
+from ..log import DeltaLog
+from ..state import TensorBits
+from .apply import JOURNAL_DIR, Receiver
+from .journal import Journal, JournalState
+from .storage import (CheckpointStorage, FaultHook, fsync_dir, has_checkpoint, storage_state_digest,
+                      write_file_atomic)
+
+MODEL_NAME = "model.safetensors"
+# A materialized checkpoint is split into shards only above this many bytes (Hugging Face's
+# usual shard size).
+SHARD_BYTES = 5 * 10**9
+_OURS = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|"
+                   + re.escape(INDEX_NAME) + r")$")
+_OUR_TMP = re.compile(r"^\.(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|"
+                      + re.escape(INDEX_NAME) + r")\..*\.tmp$")
+
+Say = Callable[[str], None]
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [MODEL_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_checkpoint(state: Mapping[str, TensorBits], directory: str | Path,
+                     shard_bytes: int | None = None) -> list[Path]:
+    """Write ``state`` as model.safetensors, or as Hugging Face shards plus an index when it
+    holds more than ``shard_bytes``; every file atomically, the index last."""
+    directory = Path(directory)
+    limit = SHARD_BYTES if shard_bytes is None else shard_bytes
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(state, key=str.encode):
+        nbytes = state[name].nbytes
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    names = shard_names(len(groups))
+    paths = []
+    for group, fname in zip(groups, names):
+        path = directory / fname
+        save_safetensors({n: state[n] for n in group}, path, metadata={"format": "pt"})
+        paths.append(path)
+    if len(groups) > 1:
+        index = {
+            "metadata": {"total_size": sum(b.nbytes for b in state.values())},
+            "weight_map": {n: fname for group, fname in zip(groups, names) for n in group},
+        }
+        write_file_atomic(directory / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        paths.append(directory / INDEX_NAME)
+    fsync_dir(directory)
+    return paths
+
+
+def _remove_ours(directory: Path, keep: set[str] = frozenset()) -> None:
+    """Remove files an interrupted materialization of ours may have left behind."""
+    for p in directory.iterdir():
+        if p.is_file() and p.name not in keep and (_OURS.match(p.name) or _OUR_TMP.match(p.name)):
+            p.unlink()
+
+
+def _materialize(log: DeltaLog, directory: Path, version: int, journal: Journal, say: Say) -> None:
+    state = log.materialize(version)
+    _remove_ours(directory)
+    paths = write_checkpoint(state, directory)
+    commit = log.commit(version)
+    journal.bind(log.log_id, version, commit.state_digest)
+    nbytes = sum(b.nbytes for b in state.values())
+    say(f"materialized version {version} into {', '.join(p.name for p in paths)}: "
+        f"{len(state)} tensors, {nbytes} bytes")
+
+
+def _bound_version(log: DeltaLog, digest: int, to: int | None) -> int:
+    version = log.find_state_digest(digest, upto=to)
+    if version is not None:
+        return version
+    later = log.find_state_digest(digest) if to is not None else None
+    if later is not None:
+        raise UsageError(f"the checkpoint holds version {later}, past --to {to}")
+    raise LineageError(f"the checkpoint's state digest {digest:016x} is no version of log {log.log_id}")
+
+
+def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
+                   say: Say = lambda line: None, fault: FaultHook | None = None) -> Receiver:
+    """A Receiver for a checkpoint directory, bound to a version of ``log``.
+
+    With a journal (DIR/.dcr) it is opened as is. Without one, a checkpoint in DIR is bound
+    to the newest version (at most ``to``) with its state digest (LineageError if none
+    has it); an empty or missing DIR gets version ``to`` (default latest) written out whole.
+    Nothing is written before these checks pass.
+    """
+    directory = Path(directory)
+    jpath = directory / JOURNAL_DIR
+    journal = Journal.open(jpath) if Journal.exists(jpath) else None
+    try:
+        st = journal.state() if journal is not None else JournalState(None, None, None, None, None)
+        if st.log_id is not None and st.log_id != log.log_id:
+            raise LineageError(f"receiver {directory} belongs to log {st.log_id}, not {log.log_id}")
+        if st.bound:
+            return Receiver(CheckpointStorage(directory), journal, fault)
+        if st.materializing is not None:
+            _materialize(log, directory, st.materializing, journal, say)
+            return Receiver(CheckpointStorage(directory), journal, fault)
+        if has_checkpoint(directory):
+            storage = CheckpointStorage(directory)
+            digest = storage_state_digest(storage)
+            version = _bound_version(log, digest, to)
+            if journal is None:
+                journal = Journal.open(jpath)
+            if journal.state().log_id is not None:
+                raise UsageError(f"receiver {directory} was bound by another process meanwhile")
+            journal.bind(log.log_id, version, digest)
+            say(f"bound {directory} to version {version} of log {log.log_id}")
+            return Receiver(storage, journal, fault)
+        latest = log.latest_version()
+        version = latest if to is None else to
+        if not 0 <= version <= latest:
+            raise NotFoundError(f"no version {version} (latest is {latest})")
+        directory.mkdir(parents=True, exist_ok=True)
+        if journal is None:
+            journal = Journal.open(jpath)
+        if journal.state().log_id is not None:
+            raise UsageError(f"receiver {directory} was bound by another process meanwhile")
+        journal.begin_materialize(log.log_id, version)
+        _materialize(log, directory, version, journal, say)
+        return Receiver(CheckpointStorage(directory), journal, fault)
+    except BaseException:
+        if journal is not None:
+            journal.close()
+        raise

@@ -1,0 +1,292 @@
+"""The receiver journal: one LMDB environment per receiver (spec/RECEIVER.md, "Journal").
+
+It holds the log identity, the current (version, state digest), the version in flight, per
+segment how far that version got, and the redo images of the batch being written. Every
+write is one synced LMDB transaction; the apply protocol batches them per segment.
+
+The environment is opened lazily: until the first write it is read without LMDB's lock file
+(safe because the receiver lock, taken first, keeps every writer out), so a command that
+refuses before writing leaves every byte of the journal directory as it was.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import lmdb
+
+from ..errors import IntegrityError, NotFoundError, UsageError
+from ..state import digest_hex
+
+JOURNAL_FORMAT = b"dcr-receiver-journal/1"
+LOCK_NAME = "receiver.lock"
+DATA_NAME = "data.mdb"
+# Address space only: LMDB grows the file as pages are used, and frees pages for reuse.
+MAP_SIZE = 1 << 36
+
+K_FORMAT = b"format"
+K_LOG_ID = b"log_id"
+K_CURRENT = b"current"
+K_INFLIGHT = b"inflight"
+K_MATERIALIZING = b"materializing"
+SEG_PREFIX = b"seg/"
+REDO_PREFIX = b"redo/"
+
+
+def _seg_key(segment: int) -> bytes:
+    return SEG_PREFIX + b"%08d" % segment
+
+
+def _redo_key(segment: int, record: int) -> bytes:
+    return REDO_PREFIX + b"%08d/%08d" % (segment, record)
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+@dataclass(frozen=True)
+class JournalState:
+    log_id: str | None
+    version: int | None
+    state_digest: int | None
+    inflight: int | None
+    materializing: int | None
+
+    @property
+    def bound(self) -> bool:
+        return self.version is not None
+
+    def to_json(self) -> dict:
+        return {
+            "log_id": self.log_id,
+            "version": self.version,
+            "state_digest": None if self.state_digest is None else digest_hex(self.state_digest),
+            "inflight": self.inflight,
+            "materializing": self.materializing,
+        }
+
+
+@dataclass(frozen=True)
+class SegmentProgress:
+    """Records ``[0, done)`` of a segment are applied and flushed; records ``[done,
+    started_end)`` form the batch being written, whose xor records have redo images."""
+
+    done: int = 0
+    started_end: int = 0
+
+
+def _read_state(txn) -> JournalState:
+    fmt = txn.get(K_FORMAT)
+    if fmt is not None and bytes(fmt) != JOURNAL_FORMAT:
+        raise IntegrityError(f"journal format {bytes(fmt)!r} is not {JOURNAL_FORMAT!r}")
+    log_id = txn.get(K_LOG_ID)
+    current = txn.get(K_CURRENT)
+    inflight = txn.get(K_INFLIGHT)
+    materializing = txn.get(K_MATERIALIZING)
+    try:
+        cur = json.loads(bytes(current)) if current is not None else None
+        return JournalState(
+            log_id=None if log_id is None else bytes(log_id).decode(),
+            version=None if cur is None else int(cur["version"]),
+            state_digest=None if cur is None else int(cur["state_digest"], 16),
+            inflight=None if inflight is None else int(json.loads(bytes(inflight))["version"]),
+            materializing=None if materializing is None
+            else int(json.loads(bytes(materializing))["version"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        raise IntegrityError("journal entries are not readable") from None
+
+
+class Journal:
+    """One receiver's journal. Holds the receiver lock (an exclusive flock) while open."""
+
+    def __init__(self, path: Path, lock_file):
+        self.path = path
+        self._lock_file = lock_file
+        self._env: lmdb.Environment | None = None
+        self._writable = False
+        # Time spent in write transactions (commit and sync included), for benchmarks.
+        self.txn_seconds = 0.0
+        self.txn_count = 0
+
+    # -- opening ---------------------------------------------------------------------------
+
+    @staticmethod
+    def exists(path: str | os.PathLike) -> bool:
+        return (Path(path) / DATA_NAME).is_file()
+
+    @staticmethod
+    def open(path: str | os.PathLike) -> "Journal":
+        """Open (creating the directory if needed) and take the receiver lock.
+
+        Raises UsageError when another process holds the receiver."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        lock_file = open(path / LOCK_NAME, "a+b")
+        try:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.close()
+            raise UsageError(f"receiver journal {path} is in use by another process") from None
+        return Journal(path, lock_file)
+
+    @staticmethod
+    def peek(path: str | os.PathLike) -> JournalState:
+        """The journal's state, read as an ordinary LMDB reader (safe next to a running apply)."""
+        path = Path(path)
+        if not Journal.exists(path):
+            raise NotFoundError(f"no receiver journal at {path}")
+        env = lmdb.open(str(path), readonly=True, lock=True, subdir=True, max_dbs=0)
+        try:
+            with env.begin() as txn:
+                return _read_state(txn)
+        finally:
+            env.close()
+
+    def _reader(self) -> lmdb.Environment | None:
+        if self._env is None and Journal.exists(self.path):
+            # No writer can run: this process holds the receiver lock. Opening without
+            # LMDB's lock file keeps the directory byte-for-byte unchanged.
+            self._env = lmdb.open(str(self.path), readonly=True, lock=False, subdir=True, max_dbs=0)
+        return self._env
+
+    def _writer(self) -> lmdb.Environment:
+        if not self._writable:
+            if self._env is not None:
+                self._env.close()
+            self._env = lmdb.open(str(self.path), map_size=MAP_SIZE, subdir=True, sync=True,
+                                  metasync=True, max_dbs=0)
+            self._writable = True
+        return self._env
+
+    def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+            self._writable = False
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the flock
+            self._lock_file = None
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def state(self) -> JournalState:
+        env = self._reader()
+        if env is None:
+            return JournalState(None, None, None, None, None)
+        with env.begin() as txn:
+            return _read_state(txn)
+
+    def progress(self) -> dict[int, SegmentProgress]:
+        """Per segment index, how far the version in flight got."""
+        env = self._reader()
+        out: dict[int, SegmentProgress] = {}
+        if env is None:
+            return out
+        with env.begin() as txn:
+            cur = txn.cursor()
+            if cur.set_range(SEG_PREFIX):
+                for key, value in cur:
+                    if not key.startswith(SEG_PREFIX):
+                        break
+                    obj = json.loads(bytes(value))
+                    out[int(key[len(SEG_PREFIX):])] = SegmentProgress(obj["done"], obj["started_end"])
+        return out
+
+    def redo_images(self, segment: int) -> dict[int, bytes]:
+        """Redo images (target words) of a segment's batch in flight, by record index."""
+        env = self._reader()
+        out: dict[int, bytes] = {}
+        if env is None:
+            return out
+        prefix = REDO_PREFIX + b"%08d/" % segment
+        with env.begin() as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for key, value in cur:
+                    if not key.startswith(prefix):
+                        break
+                    out[int(key[len(prefix):])] = bytes(value)
+        return out
+
+    # -- writes: each is one synced transaction ---------------------------------------------
+
+    def _write(self, fn) -> None:
+        env = self._writer()
+        t0 = time.perf_counter()
+        with env.begin(write=True) as txn:
+            if txn.get(K_FORMAT) is None:
+                txn.put(K_FORMAT, JOURNAL_FORMAT)
+            fn(txn)
+        self.txn_seconds += time.perf_counter() - t0
+        self.txn_count += 1
+
+    @staticmethod
+    def _delete_prefix(txn, prefix: bytes) -> None:
+        cur = txn.cursor()
+        if not cur.set_range(prefix):
+            return
+        while cur.key().startswith(prefix):
+            if not cur.delete():
+                break
+
+    def _clear_inflight(self, txn) -> None:
+        txn.delete(K_INFLIGHT)
+        self._delete_prefix(txn, SEG_PREFIX)
+        self._delete_prefix(txn, REDO_PREFIX)
+
+    def bind(self, log_id: str, version: int, state_digest: int) -> None:
+        """Declare that the storage holds ``version``; forgets anything in flight."""
+        def fn(txn):
+            old = txn.get(K_LOG_ID)
+            if old is not None and bytes(old).decode() != log_id:
+                raise IntegrityError("journal already belongs to another log")
+            txn.put(K_LOG_ID, log_id.encode())
+            txn.put(K_CURRENT, _json({"version": version, "state_digest": digest_hex(state_digest)}))
+            txn.delete(K_MATERIALIZING)
+            self._clear_inflight(txn)
+        self._write(fn)
+
+    def begin_materialize(self, log_id: str, version: int) -> None:
+        """Record that ``version`` is being written out whole (the receiver holds nothing yet)."""
+        def fn(txn):
+            txn.put(K_LOG_ID, log_id.encode())
+            txn.put(K_MATERIALIZING, _json({"version": version}))
+        self._write(fn)
+
+    def begin(self, version: int) -> None:
+        self._write(lambda txn: txn.put(K_INFLIGHT, _json({"version": version})))
+
+    def stage(self, segment: int, done: int, end: int, redo: Mapping[int, memoryview | bytes]) -> None:
+        """Before a batch is written: its redo images and its extent, in one transaction."""
+        def fn(txn):
+            for record, image in redo.items():
+                txn.put(_redo_key(segment, record), image)
+            txn.put(_seg_key(segment), _json({"done": done, "started_end": end}))
+        self._write(fn)
+
+    def mark_applied(self, segment: int, done: int, started_end: int, redo_records: Iterable[int]) -> None:
+        """After a batch is written and flushed: advance the segment, drop its redo images."""
+        def fn(txn):
+            for record in redo_records:
+                txn.delete(_redo_key(segment, record))
+            txn.put(_seg_key(segment), _json({"done": done, "started_end": started_end}))
+        self._write(fn)
+
+    def commit(self, version: int, state_digest: int) -> None:
+        """The joint commit: the new version bound to its state digest, nothing in flight."""
+        def fn(txn):
+            txn.put(K_CURRENT, _json({"version": version, "state_digest": digest_hex(state_digest)}))
+            self._clear_inflight(txn)
+        self._write(fn)
+
+    def abort(self) -> None:
+        """Forget the version in flight (the storage was rolled back to the current version)."""
+        self._write(self._clear_inflight)

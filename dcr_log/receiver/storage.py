@@ -1,0 +1,514 @@
+"""Receiver storage: where a receiver's weights live, seen as flat little-endian words.
+
+Three backends share one small interface (spec/RECEIVER.md, "Storage"):
+- ``NumpyStorage``: a dict of numpy arrays (or TensorBits), updated in place;
+- ``TorchStorage``: a dict of torch tensors on any device, updated in place through
+  same-width signed integer views; positions and values go to the device, never whole tensors
+  to the host;
+- ``CheckpointStorage``: a safetensors checkpoint directory (one file or the sharded layout)
+  updated in place through writable memory maps; durable.
+
+A ``where`` is what ``dcr_log.delta.flat_positions`` returns: int64 flat indices or a slice.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable, Mapping, MutableMapping
+
+import numpy as np
+
+from ..checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
+from ..coords import DTYPE_WIDTH, numel, word_dtype
+from ..errors import IntegrityError, NotFoundError, UsageError
+from ..state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits, TensorInfo, state_digest, words_digest
+
+Layout = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape)
+Where = np.ndarray | slice
+FaultHook = Callable[..., None]
+
+_MISSING = object()
+
+
+class Storage(ABC):
+    """A receiver's tensors as flat words. ``durable`` storage survives the process."""
+
+    durable = False
+    # Set by the Receiver: called at named points so tests can inject faults.
+    fault: FaultHook | None = None
+
+    @abstractmethod
+    def layout(self) -> Layout:
+        """Every tensor's safetensors dtype and shape."""
+
+    @abstractmethod
+    def locate(self, name: str, where: Where) -> Any:
+        """A handle on some words of a tensor, reused by gather and write."""
+
+    @abstractmethod
+    def gather(self, place: Any) -> np.ndarray:
+        """A host copy of the words at ``place`` (unsigned words of the tensor's width)."""
+
+    @abstractmethod
+    def write(self, place: Any, values: np.ndarray) -> None:
+        """Store ``values`` (unsigned words) at ``place``."""
+
+    @abstractmethod
+    def set_layout(self, layout: Layout) -> Any:
+        """Create (zero-filled) or reshape tensors to match ``layout`` and drop the others;
+        tensors whose dtype and shape already match keep their bits and identity.
+        Returns what ``restore_layout`` needs to undo it (memory storage) or None."""
+
+    def restore_layout(self, undo: Any) -> None:
+        """Undo ``set_layout`` (memory storage only)."""
+        raise UsageError(f"{type(self).__name__} cannot undo a layout change")
+
+    @abstractmethod
+    def tensor_digest(self, name: str) -> int:
+        """xxh3 of the tensor's words."""
+
+    def flush(self) -> None:
+        """Make every write so far durable (no-op in memory)."""
+
+    def close(self) -> None:
+        pass
+
+    def _fault(self, point: str, **info) -> None:
+        if self.fault is not None:
+            self.fault(point, **info)
+
+
+def storage_state_digest(storage: Storage) -> int:
+    """The state digest of what the storage holds, every tensor hashed."""
+    return state_digest([TensorInfo(n, d, s, storage.tensor_digest(n)) for n, (d, s) in storage.layout().items()])
+
+
+def _signed(width: int) -> np.dtype:
+    return np.dtype(f"<i{width}")
+
+
+# -- numpy ---------------------------------------------------------------------------------
+
+_NUMPY_NATIVE = {v: k for k, v in _NUMPY_TO_DTYPE.items() if k != "bfloat16"}
+_NUMPY_NATIVE.pop("F8_E4M3", None)
+_NUMPY_NATIVE.pop("F8_E5M2", None)
+
+
+class NumpyStorage(Storage):
+    """A mutable mapping of numpy arrays or TensorBits, updated in place.
+
+    Each value's safetensors dtype comes from ``dtypes`` when given, else from TensorBits or
+    the array's numpy dtype (so uint16 arrays holding bf16 bits need ``dtypes`` or TensorBits).
+    New tensors are created as the same kind of value as the others (TensorBits if the
+    mapping holds TensorBits, else arrays; bf16 and fp8 arrays as unsigned words).
+    """
+
+    def __init__(self, tensors: MutableMapping[str, Any], dtypes: Mapping[str, str] | None = None):
+        self.tensors = tensors
+        self.dtypes = dict(dtypes or {})
+        self._as_bits = any(isinstance(v, TensorBits) for v in tensors.values())
+        self._bits: dict[str, TensorBits] = {name: self._view(name, x) for name, x in tensors.items()}
+
+    def _view(self, name: str, x: Any) -> TensorBits:
+        if isinstance(x, TensorBits):
+            if not x.words.flags.writeable:
+                raise UsageError(f"tensor {name!r}: words are read-only")
+            return x
+        if not isinstance(x, np.ndarray):
+            raise UsageError(f"tensor {name!r}: expected a numpy array, got {type(x).__name__}")
+        if not x.flags.c_contiguous or not x.flags.writeable or x.dtype.byteorder == ">":
+            raise UsageError(f"tensor {name!r}: arrays must be C-contiguous, writable and little-endian")
+        dtype = self.dtypes.get(name) or _NUMPY_TO_DTYPE.get(x.dtype.name)
+        if dtype is None:
+            raise UsageError(f"tensor {name!r}: unsupported numpy dtype {x.dtype}")
+        if DTYPE_WIDTH[dtype] != x.dtype.itemsize:
+            raise UsageError(f"tensor {name!r}: {x.dtype} is not {DTYPE_WIDTH[dtype]} bytes wide")
+        return TensorBits(dtype, tuple(int(s) for s in x.shape), x.reshape(-1).view(word_dtype(dtype)))
+
+    def layout(self) -> Layout:
+        return {name: (b.dtype, b.shape) for name, b in self._bits.items()}
+
+    def locate(self, name: str, where: Where) -> Any:
+        return self._bits[name].words, where
+
+    def gather(self, place) -> np.ndarray:
+        words, where = place
+        return words[where].copy() if isinstance(where, slice) else words[where]
+
+    def write(self, place, values: np.ndarray) -> None:
+        words, where = place
+        words[where] = values
+
+    def _new(self, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
+        words = np.zeros(numel(shape), dtype=word_dtype(dtype))
+        if self._as_bits:
+            return TensorBits(dtype, shape, words)
+        native = _NUMPY_NATIVE.get(dtype)
+        if native is None:
+            self.dtypes[name] = dtype  # bf16/fp8 held as unsigned words
+            return words.reshape(shape)
+        self.dtypes.pop(name, None)
+        return words.view(native).reshape(shape)
+
+    def set_layout(self, layout: Layout) -> Any:
+        undo: dict[str, Any] = {}
+        for name in list(self._bits):
+            if name not in layout:
+                undo[name] = (self.tensors[name], self.dtypes.get(name))
+                del self.tensors[name], self._bits[name]
+        for name, (dtype, shape) in layout.items():
+            old = self._bits.get(name)
+            if old is not None and old.dtype == dtype and old.shape == shape:
+                continue
+            undo[name] = (_MISSING, None) if old is None else (self.tensors[name], self.dtypes.get(name))
+            self.tensors[name] = self._new(name, dtype, shape)
+            self._bits[name] = self._view(name, self.tensors[name])
+        return undo
+
+    def restore_layout(self, undo: Any) -> None:
+        for name, (value, dtype) in undo.items():
+            if value is _MISSING:
+                self.tensors.pop(name, None)
+                self._bits.pop(name, None)
+                self.dtypes.pop(name, None)
+                continue
+            if dtype is None:
+                self.dtypes.pop(name, None)
+            else:
+                self.dtypes[name] = dtype
+            self.tensors[name] = value
+            self._bits[name] = self._view(name, value)
+
+    def tensor_digest(self, name: str) -> int:
+        return words_digest(self._bits[name].words)
+
+
+# -- torch ---------------------------------------------------------------------------------
+
+class TorchStorage(Storage):
+    """A mutable mapping of torch tensors (CPU or any accelerator), updated in place.
+
+    Each tensor is viewed as same-width signed integers, which support indexing and
+    index_put on every device; tensors keep their identity unless their dtype or shape
+    changes. New tensors go to ``device`` (default: the device of the existing tensors).
+    """
+
+    def __init__(self, tensors: MutableMapping[str, Any], device: Any = None):
+        import torch
+
+        self._torch = torch
+        self.tensors = tensors
+        self._signed = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        devices = {t.device for t in tensors.values()}
+        if device is None:
+            device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        self.device = torch.device(device)
+        self._flat: dict[str, Any] = {}
+        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for name, t in tensors.items():
+            self._register(name, t)
+
+    def _register(self, name: str, t: Any) -> None:
+        dtype = _TORCH_TO_DTYPE.get(str(t.dtype))
+        if dtype is None:
+            raise UsageError(f"tensor {name!r}: unsupported torch dtype {t.dtype}")
+        if not t.is_contiguous():
+            raise UsageError(f"tensor {name!r}: torch receivers need contiguous tensors")
+        signed = self._signed[DTYPE_WIDTH[dtype]]
+        if t.numel() == 0:  # empty tensors may carry strides that view() refuses
+            self._flat[name] = self._torch.empty(0, dtype=signed, device=t.device)
+        else:
+            self._flat[name] = t.detach().view(-1).view(signed)
+        self._meta[name] = (dtype, tuple(int(s) for s in t.shape))
+
+    def layout(self) -> Layout:
+        return dict(self._meta)
+
+    def _host_to_device(self, arr: np.ndarray, device) -> Any:
+        if not arr.flags.writeable or not arr.flags.c_contiguous:
+            arr = np.array(arr, copy=True)
+        t = self._torch.from_numpy(arr)
+        return t if device.type == "cpu" else t.to(device, non_blocking=False)
+
+    def locate(self, name: str, where: Where) -> Any:
+        flat = self._flat[name]
+        if isinstance(where, slice):
+            return flat, where
+        return flat, self._host_to_device(np.asarray(where, dtype=np.int64), flat.device)
+
+    def gather(self, place) -> np.ndarray:
+        flat, where = place
+        picked = flat[where]
+        if picked.device.type == "cpu":
+            picked = picked.clone() if isinstance(where, slice) else picked
+        else:
+            picked = picked.cpu()
+        arr = picked.numpy()
+        return arr.view(arr.dtype.str.replace("i", "u"))
+
+    def write(self, place, values: np.ndarray) -> None:
+        flat, where = place
+        width = flat.element_size()
+        src = self._host_to_device(values.view(_signed(width)), flat.device)
+        if isinstance(where, slice):
+            flat[where].copy_(src)
+        else:
+            flat.index_put_((where,), src)
+
+    def set_layout(self, layout: Layout) -> Any:
+        torch = self._torch
+        from ..state import _DTYPE_TO_TORCH
+
+        undo: dict[str, Any] = {}
+        for name in list(self._meta):
+            if name not in layout:
+                undo[name] = self.tensors[name]
+                del self.tensors[name], self._meta[name], self._flat[name]
+        for name, (dtype, shape) in layout.items():
+            if self._meta.get(name) == (dtype, shape):
+                continue
+            undo[name] = self.tensors.get(name, _MISSING)
+            t = torch.zeros(shape, dtype=getattr(torch, _DTYPE_TO_TORCH[dtype]), device=self.device)
+            self.tensors[name] = t
+            self._register(name, t)
+        return undo
+
+    def restore_layout(self, undo: Any) -> None:
+        for name, value in undo.items():
+            if value is _MISSING:
+                self.tensors.pop(name, None)
+                self._meta.pop(name, None)
+                self._flat.pop(name, None)
+            else:
+                self.tensors[name] = value
+                self._register(name, value)
+
+    def tensor_digest(self, name: str) -> int:
+        flat = self._flat[name]
+        host = flat if flat.device.type == "cpu" else flat.cpu()
+        arr = host.numpy()
+        return words_digest(arr.view(arr.dtype.str.replace("i", "u")))
+
+
+# -- safetensors checkpoint directory ------------------------------------------------------
+
+def _file_metadata(path: Path) -> dict[str, str] | None:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        try:
+            meta = json.loads(f.read(n)).get("__metadata__")
+        except ValueError:
+            raise IntegrityError(f"{path}: header is not JSON") from None
+    return meta if isinstance(meta, dict) else None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """tmp + fsync + rename + fsync of the directory."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def checkpoint_file_names(directory: Path) -> tuple[list[str], bool]:
+    """The .safetensors files of a checkpoint directory and whether it has an index."""
+    index = directory / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise IntegrityError(f"{index}: not a safetensors index") from None
+        return files, True
+    return sorted(p.name for p in directory.glob("*.safetensors") if p.is_file()), False
+
+
+def has_checkpoint(directory: Path) -> bool:
+    return directory.is_dir() and bool(checkpoint_file_names(directory)[0])
+
+
+class CheckpointStorage(Storage):
+    """A safetensors checkpoint directory updated in place through memory maps.
+
+    The tensor locations come from the files' headers (the union over the files the index
+    names, or every ``*.safetensors`` file without an index), so a directory caught between
+    the rewrite of a file and of the index by a crash still opens. A layout change rewrites
+    the affected files whole (tmp + fsync + rename) and then the index; tensors never move
+    between files, and new tensors go to the file with the fewest bytes.
+    """
+
+    durable = True
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise NotFoundError(f"no checkpoint directory at {self.directory}")
+        self._maps: dict[Path, np.memmap] = {}
+        self._dirty: set[Path] = set()
+        self._open()
+
+    def _open(self) -> None:
+        files, self.sharded = checkpoint_file_names(self.directory)
+        if not files:
+            raise NotFoundError(f"{self.directory} holds no .safetensors file")
+        self.files = [self.directory / f for f in files]
+        self.locations: dict[str, TensorLocation] = {}
+        for path in self.files:
+            if not path.is_file():
+                raise NotFoundError(f"{path} is missing")
+            for name, loc in read_header(path).items():
+                if name in self.locations:
+                    raise IntegrityError(f"{self.directory}: tensor {name!r} appears in two files")
+                self.locations[name] = loc
+        # In-place writes need each byte to belong to one tensor (read_header allows overlaps).
+        spans = sorted((loc.file, loc.start, loc.end, name) for name, loc in self.locations.items()
+                       if loc.end > loc.start)
+        for (f1, _, end1, n1), (f2, start2, _, n2) in zip(spans, spans[1:]):
+            if f1 == f2 and start2 < end1:
+                raise IntegrityError(f"{f1}: tensors {n1!r} and {n2!r} share bytes")
+        self._maps = {p: np.memmap(p, dtype=np.uint8, mode="r+") for p in self.files}
+        self._words = {
+            name: self._maps[loc.file][loc.start:loc.end].view(word_dtype(loc.dtype))
+            for name, loc in self.locations.items()
+        }
+
+    def close(self) -> None:
+        # Views keep the maps alive; dropping every reference unmaps them.
+        self._words = {}
+        self._maps = {}
+
+    def layout(self) -> Layout:
+        return {name: (loc.dtype, loc.shape) for name, loc in self.locations.items()}
+
+    def words(self, name: str) -> np.ndarray:
+        return self._words[name]
+
+    def locate(self, name: str, where: Where) -> Any:
+        return self._words[name], where, self.locations[name].file
+
+    def gather(self, place) -> np.ndarray:
+        words, where, _ = place
+        return np.array(words[where]) if isinstance(where, slice) else words[where]
+
+    def write(self, place, values: np.ndarray) -> None:
+        words, where, file = place
+        self._dirty.add(file)
+        if self.fault is not None and values.size > 1:
+            # Fault injection: the "torn" point lies between the two halves of one write.
+            half = values.size // 2
+            if isinstance(where, slice):
+                words[where.start:where.start + half] = values[:half]
+                self._fault("torn", file=file.name)
+                words[where.start + half:where.stop] = values[half:]
+            else:
+                words[where[:half]] = values[:half]
+                self._fault("torn", file=file.name)
+                words[where[half:]] = values[half:]
+            return
+        words[where] = values
+
+    def flush(self) -> None:
+        # msync(MS_SYNC) of each written file: its data is on disk before any journal marker.
+        for path in sorted(self._dirty):
+            self._maps[path].flush()
+        self._dirty.clear()
+
+    def tensor_digest(self, name: str) -> int:
+        return words_digest(self._words[name])
+
+    def _plan(self, layout: Layout) -> dict[Path, list[str]]:
+        """Which tensors each file holds after the change (deterministic, tensors never move)."""
+        plan: dict[Path, list[str]] = {p: [] for p in self.files}
+        sizes = dict.fromkeys(self.files, 0)
+        new = []
+        for name in sorted(layout, key=str.encode):
+            loc = self.locations.get(name)
+            if loc is None:
+                new.append(name)
+                continue
+            plan[loc.file].append(name)
+            sizes[loc.file] += numel(layout[name][1]) * DTYPE_WIDTH[layout[name][0]]
+        for name in new:
+            target = min(self.files, key=lambda p: (sizes[p], p.name))
+            plan[target].append(name)
+            sizes[target] += numel(layout[name][1]) * DTYPE_WIDTH[layout[name][0]]
+        return plan
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary files of rewrites a crash interrupted (``.<file>.<random>.tmp``)."""
+        for name in [p.name for p in self.files] + [INDEX_NAME]:
+            for stale in self.directory.glob(f".{glob.escape(name)}.*.tmp"):
+                stale.unlink(missing_ok=True)
+
+    def set_layout(self, layout: Layout) -> None:
+        plan = self._plan(layout)
+        self._remove_stale_temporaries()
+        rewritten = False
+        for path, names in plan.items():
+            current = {n: (loc.dtype, loc.shape) for n, loc in self.locations.items() if loc.file == path}
+            wanted = {n: layout[n] for n in names}
+            if current == wanted:
+                continue
+            self.flush()  # bytes carried into the new file are copied from the maps
+            state = {}
+            for n in names:
+                dtype, shape = layout[n]
+                keep = current.get(n) == (dtype, shape)
+                state[n] = TensorBits(dtype, shape, self._words[n] if keep
+                                      else np.zeros(numel(shape), dtype=word_dtype(dtype)))
+            save_safetensors(state, path, metadata=_file_metadata(path))
+            rewritten = True
+            self._fault("layout_file", file=path.name)
+        if rewritten:
+            fsync_dir(self.directory)
+        if self.sharded:
+            self._write_index({n: p.name for p, names in plan.items() for n in names}, layout)
+        if rewritten:
+            self.close()
+            self._open()
+
+    def _write_index(self, weight_map: dict[str, str], layout: Layout) -> None:
+        index_path = self.directory / INDEX_NAME
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError):
+            index = {}
+        meta = dict(index.get("metadata") or {})
+        meta["total_size"] = sum(numel(s) * DTYPE_WIDTH[d] for d, s in layout.values())
+        new = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+        if index.get("weight_map") == new["weight_map"] and index.get("metadata") == meta:
+            return
+        write_file_atomic(index_path, (json.dumps(new, indent=2) + "\n").encode())
+
+
+def open_storage(storage: Any, device: Any = None) -> Storage:
+    """A Storage for a Storage, a checkpoint directory path, or a dict of numpy / torch tensors."""
+    if isinstance(storage, Storage):
+        return storage
+    if isinstance(storage, (str, os.PathLike)):
+        return CheckpointStorage(storage)
+    if isinstance(storage, MutableMapping):
+        if any(type(v).__module__.startswith("torch") for v in storage.values()):
+            return TorchStorage(storage, device=device)
+        return NumpyStorage(storage)
+    raise UsageError(f"cannot use a {type(storage).__name__} as receiver storage")

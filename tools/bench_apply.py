@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Receiver apply throughput: GB/s of model bytes for numpy, torch (CPU) and checkpoint-
+directory receivers at ~1% and ~3% changed bf16 values, next to ``np.copyto`` of the whole
+model in the same process, and the journal's share of the apply time (LMDB transactions,
+synced, over the whole apply).
+
+    python tools/bench_apply.py [--gib 0.25] [--reps 3] [--verify none,sample,full] [--dir DIR]
+
+The steps come from dcr_log.synthetic (Adam on an fp32 master, stored as bf16): one log per
+rate holding version 0 (the base) and version 1 (one step). Each timed apply takes a receiver
+holding version 0 to version 1 (reading and checking the segments, decoding, gathering,
+writing, flushing and journaling); the receiver is reset between repetitions, untimed.
+The best of ``--reps`` is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dcr_log import DeltaLog, TensorBits
+from dcr_log.receiver import Receiver, write_checkpoint
+from dcr_log.state import to_torch
+from dcr_log.synthetic import adam_step_pair, lr_for_rate, rate_of, specs_for_params
+from dcr_log.writer import LogWriter
+
+
+def carve(flat: np.ndarray, specs) -> dict[str, TensorBits]:
+    """Tensors of a transformer's names and shapes over one flat bf16 word array (views)."""
+    out, start = {}, 0
+    for spec in specs:
+        n = math.prod(spec.shape)
+        out[spec.name] = TensorBits("BF16", spec.shape, flat[start:start + n])
+        start += n
+    return out
+
+
+def copy_state(state: dict[str, TensorBits]) -> dict[str, TensorBits]:
+    return {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in state.items()}
+
+
+def reset(target: dict[str, TensorBits], base: dict[str, TensorBits]) -> None:
+    for k, v in base.items():
+        np.copyto(target[k].words, v.words)
+
+
+def timed_apply(rx: Receiver, log: DeltaLog, verify: str) -> tuple[float, float]:
+    j0 = rx.journal.txn_seconds
+    t0 = time.perf_counter()
+    applied = rx.apply(log, to=1, verify=verify)
+    seconds = time.perf_counter() - t0
+    assert applied == [1], applied
+    return seconds, rx.journal.txn_seconds - j0
+
+
+def bench_memory(kind: str, log: DeltaLog, base, expected, verify: str, reps: int, work: Path):
+    if kind == "numpy":
+        tensors = copy_state(base)
+        words = {k: v.words for k, v in tensors.items()}
+    else:
+        import torch
+
+        tensors = {k: to_torch(TensorBits(v.dtype, v.shape, v.words.copy())) for k, v in base.items()}
+        words = {k: t.view(torch.int16).numpy().reshape(-1).view(np.uint16) for k, t in tensors.items()}
+    best = None
+    for r in range(reps):
+        for k, v in base.items():
+            np.copyto(words[k], v.words)
+        with Receiver.open(tensors, work / f"journal-{log.log_id}-{kind}-{verify}-{r}") as rx:
+            rx.bind(log, 0, verify="none")
+            seconds, journal = timed_apply(rx, log, verify)
+        if best is None or seconds < best[0]:
+            best = (seconds, journal)
+    for k, v in expected.items():  # the benchmark measured a correct apply
+        assert np.array_equal(words[k], v.words), k
+    return best
+
+
+def bench_checkpoint(log: DeltaLog, base, expected, verify: str, reps: int, work: Path):
+    best = None
+    for r in range(reps):
+        directory = work / f"ckpt-{verify}-{r}"
+        directory.mkdir()
+        write_checkpoint(base, directory)
+        with Receiver.open(directory) as rx:
+            rx.bind(log, 0, verify="none")
+            seconds, journal = timed_apply(rx, log, verify)
+            if r == reps - 1:
+                for k, v in expected.items():
+                    assert np.array_equal(rx.storage.words(k), v.words), k
+        shutil.rmtree(directory)
+        if best is None or seconds < best[0]:
+            best = (seconds, journal)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=0.25, help="model size in GiB of bf16 (default 0.25)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--verify", default="none,sample", help="comma-separated verify levels")
+    ap.add_argument("--receivers", default="numpy,torch,ckpt")
+    ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    args = ap.parse_args()
+    work = args.dir or Path(tempfile.mkdtemp(prefix="dcr-bench-apply-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        return run(args, work)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args, work: Path) -> int:
+    specs = specs_for_params(int(args.gib * (1 << 30) / 2))
+    n = sum(math.prod(s.shape) for s in specs)
+    model_bytes = 2 * n
+    print(f"model: {len(specs)} bf16 tensors, {model_bytes / (1 << 20):.0f} MiB; "
+          f"verify levels {args.verify}; best of {args.reps}")
+    lrs = (lr_for_rate(0.01), lr_for_rate(0.03))
+    base_flat, new1, new3 = adam_step_pair(n, seed=7, lrs=lrs)
+    base = carve(base_flat, specs)
+
+    # Baseline: copying the whole model once, in this process.
+    dst = np.empty_like(base_flat)
+    copy_s = min(_time(lambda: np.copyto(dst, base_flat)) for _ in range(3))
+    del dst
+    copy_gbs = model_bytes / copy_s / 1e9
+    print(f"np.copyto of the whole model: {copy_s * 1e3:.1f} ms, {copy_gbs:.2f} GB/s")
+
+    rows = []
+    for label, new in (("1%", new1), ("3%", new3)):
+        root = work / f"log-{label.rstrip('%')}"
+        writer = LogWriter.create(root, base)
+        commit = writer.append(carve(new, specs))
+        log = DeltaLog.open(root)
+        expected = carve(new, specs)
+        rate = rate_of(base_flat, new)
+        print(f"log {label}: {rate * 100:.2f}% changed, delta {commit.delta_bytes / (1 << 20):.2f} MiB, "
+              f"{len(commit.segments)} segments, {commit.stats.records} records")
+        for verify in args.verify.split(","):
+            for kind in args.receivers.split(","):
+                if kind == "ckpt":
+                    seconds, journal = bench_checkpoint(log, base, expected, verify, args.reps, work)
+                else:
+                    seconds, journal = bench_memory(kind, log, base, expected, verify, args.reps, work)
+                gbs = model_bytes / seconds / 1e9
+                rows.append((kind, label, verify, seconds, gbs, gbs / copy_gbs, journal / seconds))
+        shutil.rmtree(root)
+
+    header = ("receiver", "changed", "verify", "apply s", "GB/s", "x copyto", "journal %")
+    print()
+    print("  ".join(f"{h:>9}" for h in header))
+    for kind, label, verify, seconds, gbs, ratio, share in rows:
+        print("  ".join(f"{c:>9}" for c in (kind, label, verify, f"{seconds:.3f}", f"{gbs:.2f}",
+                                             f"{ratio:.2f}", f"{share * 100:.1f}")))
+    return 0
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,6 +19,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) tools/bench_delta.py
+	$(PY) tools/bench_apply.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -171,13 +171,14 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _diff_pool(workers: int) -> ThreadPoolExecutor:
-    """One process-wide pool per size, shared by every Differ (writers come and go; their
-    threads should not pile up). Tasks never wait on other tasks, so sharing cannot deadlock."""
+def shared_pool(workers: int) -> ThreadPoolExecutor:
+    """One process-wide pool per size, shared by every Differ and replay (writers and readers
+    come and go; their threads should not pile up). Tasks never wait on other tasks, so
+    sharing cannot deadlock."""
     with _POOLS_LOCK:
         pool = _POOLS.get(workers)
         if pool is None:
-            pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="dcr-diff")
+            pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="dcr")
         return pool
 
 
@@ -231,7 +232,7 @@ class Differ:
                 if rec is not None:
                     yield rec
             return
-        pool = _diff_pool(workers)
+        pool = shared_pool(workers)
         pending: deque = deque()
         try:
             for box in boxes:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
-from .delta import apply_to_words, decode_record, empty_words
+from .delta import apply_to_words, decode_record, empty_words, shared_pool
 from .errors import CommitConflict, CommitStateUnknown, IntegrityError, NotFoundError, UsageError
 from .format import (
     IDENTITY_KEY,
@@ -139,8 +138,10 @@ class DeltaLog:
             raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
         return data
 
-    def segment_records(self, version: int, ref: SegmentRef) -> Iterator[Record]:
-        data = self.read_segment(ref)
+    def segment_records(self, version: int, ref: SegmentRef, data=None) -> Iterator[Record]:
+        """The records of one segment; ``data``, if given, are its bytes already read and
+        checked by read_segment. The record count is checked against the commit record."""
+        data = self.read_segment(ref) if data is None else data
         count = 0
         for rec in iter_segment(data, self.log_id, version):
             count += 1
@@ -263,27 +264,6 @@ class DeltaLog:
 REPLAY_WORKERS = max(1, min(4, os.cpu_count() or 1))
 # Records of boxes smaller than this are applied on the calling thread: a hop costs more.
 PARALLEL_MIN_ELEMENTS = 1 << 16
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _replay_pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(REPLAY_WORKERS, thread_name_prefix="dcr-replay")
-        return _POOL
-
-
-def _forget_pool() -> None:
-    global _POOL, _POOL_LOCK
-    _POOL = None  # a forked child has none of the parent's threads
-    _POOL_LOCK = threading.Lock()  # nor a lock another thread held at the fork
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
 def _decode_and_apply(rec: Record, info, bits: TensorBits) -> None:
     apply_to_words(rec, decode_record(rec, info), bits.words, bits.shape)
 
@@ -315,7 +295,7 @@ class _ParallelApply:
         if rec.box.size < PARALLEL_MIN_ELEMENTS:
             _decode_and_apply(rec, info, bits)
             return
-        self._pending.append(_replay_pool().submit(_decode_and_apply, rec, info, bits))
+        self._pending.append(shared_pool(REPLAY_WORKERS).submit(_decode_and_apply, rec, info, bits))
         while len(self._pending) > self._window:
             self._pending.popleft().result()
 

@@ -182,10 +182,6 @@ def state_digest(table: list[TensorInfo] | Mapping[str, TensorInfo]) -> int:
     return xxhash.xxh3_64_intdigest(b"".join(lines))
 
 
-def tensor_table(state: State) -> dict[str, TensorInfo]:
-    return {name: TensorInfo.of(name, bits) for name, bits in state.items()}
-
-
 _DTYPE_TO_TORCH = {v: k.removeprefix("torch.") for k, v in _TORCH_TO_DTYPE.items()}
 
 

@@ -239,7 +239,7 @@ def test_threads_work_again_in_a_forked_child():
     rng = np.random.default_rng(9)
     base, new = _pair(rng, 40, 1 << 16, 0.02)
     parent = [r.payload for r in Differ().diff("w", base, new)]  # starts the parent's diff pool
-    assert log_module._replay_pool().submit(int, 3).result() == 3
+    assert log_module.shared_pool(log_module.REPLAY_WORKERS).submit(int, 3).result() == 3
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as child:
         result = child.apply_async(_child_diffs, (base, new))
@@ -249,5 +249,5 @@ def test_threads_work_again_in_a_forked_child():
 def _child_diffs(base, new) -> list[bytes]:
     from dcr_log import log as log_module
 
-    assert log_module._replay_pool().submit(int, 4).result() == 4
+    assert log_module.shared_pool(log_module.REPLAY_WORKERS).submit(int, 4).result() == 4
     return [bytes(r.payload) for r in Differ().diff("w", base, new)]

@@ -25,7 +25,7 @@ import xxhash
 from ..coords import DTYPE_WIDTH, numel, word_dtype
 from ..delta import decode_record, flat_positions
 from ..errors import IntegrityError, LineageError, NotFoundError, UsageError
-from ..format import CommitRecord, Record, iter_segment
+from ..format import CommitRecord, Record
 from ..log import DeltaLog
 from ..state import TensorInfo, digest_hex, state_digest, words_digest
 from .journal import Journal, JournalState, SegmentProgress
@@ -112,11 +112,8 @@ class SegmentCache:
         return data
 
     def records(self, index: int) -> list[Record]:
-        ref = self.commit.segments[index]
-        records = list(iter_segment(self.data(index), self.log.log_id, self.commit.version))
-        if len(records) != ref.records:
-            raise IntegrityError(f"segment {ref.key}: {len(records)} records, commit says {ref.records}")
-        return records
+        return list(self.log.segment_records(self.commit.version, self.commit.segments[index],
+                                             self.data(index)))
 
 
 @dataclass

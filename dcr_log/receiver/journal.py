@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import lmdb
 
@@ -191,13 +191,9 @@ class Journal:
         if env is None:
             return out
         with env.begin() as txn:
-            cur = txn.cursor()
-            if cur.set_range(SEG_PREFIX):
-                for key, value in cur:
-                    if not key.startswith(SEG_PREFIX):
-                        break
-                    obj = json.loads(bytes(value))
-                    out[int(key[len(SEG_PREFIX):])] = SegmentProgress(obj["done"], obj["started_end"])
+            for suffix, value in _scan(txn, SEG_PREFIX):
+                obj = json.loads(value)
+                out[int(suffix)] = SegmentProgress(obj["done"], obj["started_end"])
         return out
 
     def redo_images(self, segment: int) -> dict[int, bytes]:
@@ -208,12 +204,8 @@ class Journal:
             return out
         prefix = REDO_PREFIX + b"%08d/" % segment
         with env.begin() as txn:
-            cur = txn.cursor()
-            if cur.set_range(prefix):
-                for key, value in cur:
-                    if not key.startswith(prefix):
-                        break
-                    out[int(key[len(prefix):])] = bytes(value)
+            for suffix, value in _scan(txn, prefix):
+                out[int(suffix)] = value
         return out
 
     # -- writes: each is one synced transaction ---------------------------------------------
@@ -290,3 +282,14 @@ class Journal:
     def abort(self) -> None:
         """Forget the version in flight (the storage was rolled back to the current version)."""
         self._write(self._clear_inflight)
+
+
+def _scan(txn, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(key without prefix, value) of every key starting with ``prefix``, in key order."""
+    cur = txn.cursor()
+    if not cur.set_range(prefix):
+        return
+    for key, value in cur:
+        if not key.startswith(prefix):
+            return
+        yield bytes(key[len(prefix):]), bytes(value)

@@ -76,6 +76,13 @@ class Box:
             if o < 0 or s < 0 or o + s > t:
                 raise IntegrityError(f"box {self} lies outside a tensor of shape {tensor_shape}")
 
+    def check_inside_or_usage(self, tensor_shape: tuple[int, ...], name: str) -> None:
+        """As check_inside, for boxes a caller gave (a UsageError, not damage)."""
+        try:
+            self.check_inside(tensor_shape)
+        except IntegrityError as exc:
+            raise UsageError(f"tensor {name!r}: {exc}") from None
+
     def is_row_block(self, tensor_shape: tuple[int, ...]) -> bool:
         """True when the box is contiguous in the tensor's flat row-major order."""
         return tuple(self.offset[1:]) == (0,) * (len(tensor_shape) - 1) and tuple(
@@ -141,3 +148,67 @@ def box_view(words: np.ndarray, tensor_shape: tuple[int, ...], box: Box) -> np.n
     nd = words.reshape(tensor_shape)
     sl = tuple(slice(o, o + s) for o, s in zip(box.offset, box.shape))
     return nd[sl].reshape(-1)
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """The flat row-major range ``[start, stop)`` of a tensor as few boxes, in flat order.
+
+    Each box is contiguous in the tensor's flat order (a partial innermost run, whole rows,
+    and so on up), so ``[start, stop)`` of a flat buffer fills the boxes one after another:
+    an FSDP flat shard becomes at most 2 x rank - 1 boxes.
+    """
+    shape = tuple(int(s) for s in shape)
+    total = numel(shape)
+    if not 0 <= start <= stop <= total:
+        raise UsageError(f"flat range [{start}, {stop}) lies outside a tensor of {total} elements")
+    if start == stop:
+        return []
+    if not shape:
+        return [Box((), ())]
+    inner = numel(shape[1:])
+    tail = shape[1:]
+    zeros = (0,) * len(tail)
+    if inner == 0:
+        return []
+    r0, r1 = start // inner, (stop - 1) // inner
+    if start % inner == 0 and stop % inner == 0:
+        return [Box((r0,) + zeros, ((stop - start) // inner,) + tail)]
+    if r0 == r1:
+        return [Box((r0,) + b.offset, (1,) + b.shape)
+                for b in flat_range_boxes(tail, start - r0 * inner, stop - r0 * inner)]
+    boxes: list[Box] = []
+    first_full = r0
+    if start % inner:
+        boxes += [Box((r0,) + b.offset, (1,) + b.shape)
+                  for b in flat_range_boxes(tail, start - r0 * inner, inner)]
+        first_full = r0 + 1
+    last_full = r1 + 1 if stop % inner == 0 else r1
+    if last_full > first_full:
+        boxes.append(Box((first_full,) + zeros, (last_full - first_full,) + tail))
+    if stop % inner:
+        boxes += [Box((r1,) + b.offset, (1,) + b.shape)
+                  for b in flat_range_boxes(tail, 0, stop - r1 * inner)]
+    return boxes
+
+
+def box_end(box: Box) -> tuple[int, ...]:
+    return tuple(o + s for o, s in zip(box.offset, box.shape))
+
+
+def boxes_intersect(a: Box, b: Box) -> bool:
+    if a.size == 0 or b.size == 0:
+        return False
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape))
+
+
+def flat_inside(box: Box, tensor_shape: tuple[int, ...], flat: np.ndarray) -> np.ndarray:
+    """A boolean mask: which of the tensor flat indices ``flat`` lie inside ``box``."""
+    flat = np.asarray(flat, dtype=np.int64)
+    if box.is_row_block(tensor_shape):
+        start = box.flat_start(tensor_shape)
+        return (flat >= start) & (flat < start + box.size)
+    idx = np.unravel_index(flat, tensor_shape)
+    inside = np.ones(flat.shape, dtype=bool)
+    for i, o, s in zip(idx, box.offset, box.shape):
+        inside &= (i >= o) & (i < o + s)
+    return inside

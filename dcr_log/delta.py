@@ -24,7 +24,8 @@ from .codec.sparse import SparseEncoding
 from .coords import Box, box_to_tensor_flat, box_view, numel, row_blocks, word_dtype
 from .errors import IntegrityError
 from .format import Record
-from .state import TensorBits, TensorInfo, words_digest
+from .digest import MASK64, XXH3, DigestScheme
+from .state import TensorBits, TensorInfo
 
 # A record covers at most this many elements, so that encode and apply stream in chunks and
 # the chunks of a large tensor are encoded in parallel. 4 Mi elements (8 MiB of bf16) keep the
@@ -191,15 +192,56 @@ def _forget_pools() -> None:
 os.register_at_fork(after_in_child=_forget_pools)
 
 
-class Differ:
-    """Turns (base, new) tensor pairs into records, reusing scratch buffers across calls.
+@dataclass
+class BoxDelta:
+    """One box's record plus what a caller keeping the base needs to follow it.
 
-    The boxes of a large tensor are encoded by ``policy.workers`` threads, each with its own
-    scratch buffers; records come out in box order.
+    ``positions`` and ``new_values`` are the changed box-local positions and their new words
+    (None for ``tensor`` records, which replace the whole box); ``digest_delta`` is what the
+    record adds to its tensor's digest under a composable scheme (target minus base), else None.
     """
 
-    def __init__(self, policy: EncodePolicy | None = None):
+    record: Record
+    positions: np.ndarray | None
+    new_values: np.ndarray
+    digest_delta: int | None
+
+
+def map_ordered(fn, items: list, workers: int, parallel: bool = True) -> Iterator:
+    """``fn(item)`` for each item, on ``workers`` threads of the shared pool, yielded in order,
+    with at most ``workers + 1`` results in flight."""
+    if workers <= 1 or len(items) < 2 or not parallel:
+        for item in items:
+            yield fn(item)
+        return
+    pool = shared_pool(workers)
+    pending: deque = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        # Abandoned early (an error, or the consumer stopped): let running items finish so
+        # that no thread still reads the caller's arrays after we return.
+        for f in pending:
+            f.cancel()
+        wait(pending)
+
+
+class Differ:
+    """Turns (base, new) box pairs into records, reusing scratch buffers across calls.
+
+    Record digests follow ``digests`` (the log's scheme). The boxes of a large tensor are
+    encoded by ``policy.workers`` threads, each with its own scratch buffers; records come out
+    in box order.
+    """
+
+    def __init__(self, policy: EncodePolicy | None = None, digests: DigestScheme = XXH3):
         self.policy = policy or EncodePolicy()
+        self.digests = digests
         self._local = threading.local()
 
     def _scratch(self) -> _Scratch:
@@ -218,50 +260,40 @@ class Differ:
         whole = base is None or base.dtype != new.dtype or base.shape != new.shape
         boxes = row_blocks(new.shape, self.policy.chunk_elements)
 
-        def record(box: Box) -> Record | None:
-            new_box = box_view(new.words, new.shape, box)
-            if whole:
-                return self._tensor_record(name, box, new_box)
-            return self._delta_record(name, box, box_view(base.words, base.shape, box), new_box, kind,
-                                      None if changed is None else (changed, new.shape))
+        def record(box: Box) -> BoxDelta | None:
+            base_box = None if whole else box_view(base.words, base.shape, box)
+            return self.diff_box(name, box, new.shape, base_box, box_view(new.words, new.shape, box), kind)
 
-        workers = self.policy.workers
-        if workers <= 1 or len(boxes) < 2 or new.words.size < PARALLEL_MIN_ELEMENTS:
-            for box in boxes:
-                rec = record(box)
-                if rec is not None:
-                    yield rec
-            return
-        pool = shared_pool(workers)
-        pending: deque = deque()
-        try:
-            for box in boxes:
-                pending.append(pool.submit(record, box))
-                if len(pending) > workers:
-                    rec = pending.popleft().result()
-                    if rec is not None:
-                        yield rec
-            while pending:
-                rec = pending.popleft().result()
-                if rec is not None:
-                    yield rec
-        finally:
-            # Abandoned early (an error, or the consumer stopped): let running boxes finish
-            # so that no thread still reads the caller's arrays after we return.
-            for f in pending:
-                f.cancel()
-            wait(pending)
+        parallel = new.words.size >= PARALLEL_MIN_ELEMENTS
+        for delta in map_ordered(record, boxes, self.policy.workers, parallel):
+            if delta is None:
+                continue
+            if changed is not None and delta.positions is not None:
+                changed.append((box_to_tensor_flat(delta.record.box, new.shape, delta.positions),
+                                delta.new_values))
+            yield delta.record
 
-    def _tensor_record(self, name: str, box: Box, values: np.ndarray) -> Record:
+    def diff_box(self, name: str, box: Box, shape: tuple[int, ...], base: np.ndarray | None,
+                 new: np.ndarray, kind: str = "xor") -> BoxDelta | None:
+        """The record taking one box of tensor ``name`` (canonical ``shape``) from ``base`` to
+        ``new`` (the box's words, box-local row-major); a ``tensor`` record when ``base`` is
+        None; None when nothing changed."""
+        if base is None:
+            return self._tensor_record(name, box, shape, new)
+        return self._delta_record(name, box, shape, base, new, kind)
+
+    def _tensor_record(self, name: str, box: Box, shape, values: np.ndarray) -> BoxDelta:
         changes = ChangeSet(values.size, None, values)
         enc = "dense"
         params, payload = DenseEncoding(self.policy.dense_level).encode("tensor", changes)
         if len(payload) >= values.nbytes:  # raw's size is known: copy the words only if it wins
             enc = "raw"
             params, payload = RawEncoding().encode("tensor", changes)
-        return Record(name, "tensor", box, enc, params, values.size, 0, words_digest(values), payload)
+        target = self.digests.box(box, shape, values)
+        rec = Record(name, "tensor", box, enc, params, values.size, 0, target, payload)
+        return BoxDelta(rec, None, values, target if self.digests.composable else None)
 
-    def _delta_record(self, name, box, base_box, new_box, kind, changed=None) -> Record | None:
+    def _delta_record(self, name, box, shape, base_box, new_box, kind) -> BoxDelta | None:
         p = self.policy
         n = new_box.size
         scratch = self._scratch()
@@ -270,9 +302,6 @@ class Differ:
         if k == 0:
             return None
         values = np.bitwise_xor(base_vals, new_vals) if kind == "xor" else new_vals
-        if changed is not None:
-            out, shape = changed
-            out.append((box_to_tensor_flat(box, shape, positions), new_vals))  # list.append is atomic
         changes = ChangeSet(n, positions, values)
         w = new_box.dtype.itemsize
         cands = [("raw", {}, None)]  # raw's size is known without encoding it
@@ -286,10 +315,12 @@ class Differ:
         enc, params, payload = min(cands, key=lambda c: raw_size if c[2] is None else len(c[2]))
         if payload is None:
             params, payload = RawEncoding().encode(kind, changes)
-        return Record(
-            name, kind, box, enc, params, k,
-            words_digest(base_vals), words_digest(new_vals), payload,
-        )
+        digests = self.digests
+        flat = box_to_tensor_flat(box, shape, positions) if digests.composable else positions
+        base_d, target_d = digests.at(flat, base_vals), digests.at(flat, new_vals)
+        rec = Record(name, kind, box, enc, params, k, base_d, target_d, payload)
+        delta = (target_d - base_d) & MASK64 if digests.composable else None
+        return BoxDelta(rec, positions, new_vals, delta)
 
 
 def decode_record(record: Record, info: TensorInfo) -> ChangeSet:
@@ -313,7 +344,7 @@ def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -
 
 
 def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape: tuple[int, ...],
-                   check: bool = True) -> None:
+                   digests: DigestScheme = XXH3, check: bool = True) -> None:
     """Apply one decoded record to a tensor's flat words in place.
 
     With ``check`` the base digest (of the values found) and the target digest (of the values
@@ -325,13 +356,13 @@ def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape:
         target = changes.values
     else:
         current = words[where]  # a copy: ``where`` is an index array for xor and overwrite
-        if check and words_digest(current) != record.base_digest:
+        if check and digests.at(where, current) != record.base_digest:
             raise IntegrityError(f"{record.tensor}: base values differ from the record's precondition")
         if record.kind == "xor":
             target = np.bitwise_xor(current, changes.values, out=None if isinstance(where, slice) else current)
         else:
             target = changes.values
-    if check and words_digest(target) != record.target_digest:
+    if check and digests.at(where, target) != record.target_digest:
         raise IntegrityError(f"{record.tensor}: values to write differ from the record's target")
     words[where] = target
 

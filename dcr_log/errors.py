@@ -44,3 +44,10 @@ class CommitStateUnknown(DcrError):
     """
 
     exit_code = 1
+
+
+class AppendAborted(DcrError):
+    """A sharded append was aborted on every rank (another rank failed or died): the version
+    was not committed by this call; the next append can try again."""
+
+    exit_code = 1

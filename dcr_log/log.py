@@ -24,7 +24,8 @@ from .format import (
     version_key,
 )
 from .format.keys import VERSIONS_PREFIX
-from .state import TensorBits, state_digest, words_digest
+from .digest import DigestScheme, scheme_for
+from .state import TensorBits, state_digest
 from .store import AlreadyExists, Store
 
 Progress = Callable[[int], None]
@@ -44,6 +45,8 @@ class DeltaLog:
     def __init__(self, store: Store, identity: LogIdentity):
         self.store = store
         self.identity = identity
+        # The log's tensor and record digests: xxh3, or sums of element hashes (sum-digests).
+        self.digests: DigestScheme = scheme_for(identity.features)
         self._commits: dict[int, CommitRecord] = {}
 
     @property
@@ -90,6 +93,9 @@ class DeltaLog:
         record = CommitRecord.from_bytes(data, expect_version=version)
         if record.log_id != self.log_id:
             raise IntegrityError(f"commit record {version} belongs to log {record.log_id}")
+        if record.features != self.identity.features:
+            raise IntegrityError(f"commit record {version}: features {list(record.features)} differ "
+                                 f"from dcr.json's {list(self.identity.features)}")
         self._commits[version] = record
         return record
 
@@ -99,6 +105,12 @@ class DeltaLog:
             if (upto is None or v <= upto) and self.commit(v).state_digest == digest:
                 return v
         return None
+
+    def remember_commit(self, record: CommitRecord) -> None:
+        """Cache a commit record this process read or wrote elsewhere (checked like a read)."""
+        if record.log_id != self.log_id or record.features != self.identity.features:
+            raise IntegrityError(f"commit record {record.version} does not belong to this log")
+        self._commits.setdefault(record.version, record)
 
     def write_commit(self, record: CommitRecord) -> None:
         """Create the commit record with put-if-absent: exactly one writer wins a version."""
@@ -156,47 +168,52 @@ class DeltaLog:
 
     # -- replay ---------------------------------------------------------------------------
 
-    def apply_version(self, state: dict[str, TensorBits], version: int, check_all: bool = False) -> None:
+    def apply_version(self, state: dict[str, TensorBits], version: int, check_all: bool = False,
+                      tensors: set[str] | None = None) -> None:
         """Advance ``state`` (the parent's state, mutated in place) to ``version``.
 
         Records are checked against their pre/postconditions; tensors created whole and, with
         ``check_all``, every tensor are checked against the commit's tensor digests. Large
         records are decoded and applied on a few threads, with the result of applying them in
-        order. After an error ``state`` is partly advanced and must be discarded.
+        order. After an error ``state`` is partly advanced and must be discarded. With
+        ``tensors``, only those tensors are built (the others' records are read and counted).
         """
         commit = self.commit(version)
         table = commit.tensor_map()
+        wanted = table if tensors is None else {n: i for n, i in table.items() if n in tensors}
         if state_digest(commit.tensors) != commit.state_digest:
             raise IntegrityError(f"version {version}: state digest does not match its tensor table")
         created = set()
         for name in list(state):
-            if name not in table:
+            if name not in wanted:
                 del state[name]
-        for name, info in table.items():
+        for name, info in wanted.items():
             old = state.get(name)
             if old is None or old.dtype != info.dtype or old.shape != info.shape:
                 state[name] = TensorBits(info.dtype, info.shape, empty_words(info))
                 created.add(name)
         records = 0
         changed = 0
-        with _ParallelApply() as applier:
+        with _ParallelApply(self.digests) as applier:
             for rec in self.records(version):
                 info = table.get(rec.tensor)
                 if info is None:
                     raise IntegrityError(f"version {version}: record for unknown tensor {rec.tensor!r}")
                 if rec.tensor in created and rec.kind != "tensor":
                     raise IntegrityError(f"version {version}: {rec.kind} record for new tensor {rec.tensor!r}")
-                applier.submit(rec, info, state[rec.tensor])
+                if rec.tensor in wanted:
+                    applier.submit(rec, info, state[rec.tensor])
                 records += 1
                 changed += rec.n_changed
         if records != commit.stats.records or changed != commit.stats.changed_elements:
             raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
-        for name in (table if check_all else created):
-            if words_digest(state[name].words) != table[name].digest:
+        for name in (wanted if check_all else created):
+            if self.digests.tensor(state[name].words, state[name].shape) != table[name].digest:
                 raise IntegrityError(f"version {version}: tensor {name!r} does not match its digest")
 
     def replay(self, upto: int | None = None, check_all: bool = False,
-               progress: Progress | None = None) -> Iterator[tuple[int, dict[str, TensorBits]]]:
+               progress: Progress | None = None,
+               tensors: set[str] | None = None) -> Iterator[tuple[int, dict[str, TensorBits]]]:
         """Yield (version, state) for 0..upto; the same state dict is advanced in place."""
         latest = self.latest_version()
         upto = latest if upto is None else upto
@@ -208,21 +225,25 @@ class DeltaLog:
             commit = self.commit(v)
             if previous is not None and commit.parent_state_digest != previous.state_digest:
                 raise IntegrityError(f"version {v}: parent digest does not match version {v - 1}")
-            self.apply_version(state, v, check_all=check_all)
+            self.apply_version(state, v, check_all=check_all, tensors=tensors)
             previous = commit
             if progress:
                 progress(v)
             yield v, state
 
-    def materialize(self, version: int | None = None, progress: Progress | None = None) -> dict[str, TensorBits]:
-        """The bit-exact state of ``version`` (default latest), every tensor digest checked."""
+    def materialize(self, version: int | None = None, progress: Progress | None = None,
+                    tensors: set[str] | None = None) -> dict[str, TensorBits]:
+        """The bit-exact state of ``version`` (default latest), every tensor digest checked;
+        with ``tensors``, only those tensors."""
         target = self.latest_version() if version is None else version
         state: dict[str, TensorBits] = {}
-        for v, state in self.replay(target, progress=progress):
+        for v, state in self.replay(target, progress=progress, tensors=tensors):
             pass
         commit = self.commit(target)
         for info in commit.tensors:
-            if words_digest(state[info.name].words) != info.digest:
+            if tensors is not None and info.name not in tensors:
+                continue
+            if self.digests.tensor(state[info.name].words, info.shape) != info.digest:
                 raise IntegrityError(f"version {target}: tensor {info.name!r} does not match its digest")
         return state
 
@@ -264,8 +285,8 @@ class DeltaLog:
 REPLAY_WORKERS = max(1, min(4, os.cpu_count() or 1))
 # Records of boxes smaller than this are applied on the calling thread: a hop costs more.
 PARALLEL_MIN_ELEMENTS = 1 << 16
-def _decode_and_apply(rec: Record, info, bits: TensorBits) -> None:
-    apply_to_words(rec, decode_record(rec, info), bits.words, bits.shape)
+def _decode_and_apply(rec: Record, info, bits: TensorBits, digests: DigestScheme) -> None:
+    apply_to_words(rec, decode_record(rec, info), bits.words, bits.shape, digests)
 
 
 class _ParallelApply:
@@ -278,7 +299,8 @@ class _ParallelApply:
     error is raised.
     """
 
-    def __init__(self, window: int = 2 * REPLAY_WORKERS):
+    def __init__(self, digests: DigestScheme, window: int = 2 * REPLAY_WORKERS):
+        self._digests = digests
         self._window = window
         self._pending: deque[Future] = deque()
         self._span_end: dict[str, int] = {}  # per tensor: end of the flat spans submitted
@@ -293,9 +315,10 @@ class _ParallelApply:
             self._span_end.clear()
         self._span_end[rec.tensor] = max(end, self._span_end.get(rec.tensor, 0))
         if rec.box.size < PARALLEL_MIN_ELEMENTS:
-            _decode_and_apply(rec, info, bits)
+            _decode_and_apply(rec, info, bits, self._digests)
             return
-        self._pending.append(shared_pool(REPLAY_WORKERS).submit(_decode_and_apply, rec, info, bits))
+        self._pending.append(shared_pool(REPLAY_WORKERS).submit(_decode_and_apply, rec, info, bits,
+                                                                self._digests))
         while len(self._pending) > self._window:
             self._pending.popleft().result()
 

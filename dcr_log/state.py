@@ -13,6 +13,7 @@ import numpy as np
 import xxhash
 
 from .coords import DTYPE_WIDTH, check_dtype, numel, word_dtype
+from .digest import XXH3, DigestScheme, xxh3_words
 from .errors import UsageError
 
 _NUMPY_TO_DTYPE = {
@@ -71,8 +72,8 @@ class TensorBits:
     def nbytes(self) -> int:
         return self.words.size * DTYPE_WIDTH[self.dtype]
 
-    def digest(self) -> int:
-        return words_digest(self.words)
+    def digest(self, scheme: DigestScheme = XXH3) -> int:
+        return scheme.tensor(self.words, self.shape)
 
     def same_bits(self, other: "TensorBits") -> bool:
         return (
@@ -118,6 +119,19 @@ def to_bits(x: Any) -> TensorBits:
     return TensorBits(dtype, shape, arr.reshape(-1).view(word_dtype(dtype)))
 
 
+def dtype_of(x: Any) -> str:
+    """The safetensors dtype of a numpy array, a torch tensor or TensorBits."""
+    if isinstance(x, TensorBits):
+        return x.dtype
+    if _is_torch(x):
+        dtype = _TORCH_TO_DTYPE.get(str(x.dtype))
+    else:
+        dtype = _NUMPY_TO_DTYPE.get(np.asarray(x).dtype.name) if hasattr(x, "dtype") else None
+    if dtype is None:
+        raise UsageError(f"unsupported tensor dtype {getattr(x, 'dtype', type(x).__name__)}")
+    return dtype
+
+
 def to_state(tensors: Mapping[str, Any]) -> dict[str, TensorBits]:
     state = {}
     for name, x in tensors.items():
@@ -132,9 +146,7 @@ def check_name(name: str) -> str:
     return name
 
 
-def words_digest(words: np.ndarray) -> int:
-    """xxh3_64 (seed 0) of the words' little-endian bytes."""
-    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(words)).cast("B"))
+words_digest = xxh3_words  # xxh3_64 (seed 0) of the words' little-endian bytes
 
 
 def digest_hex(d: int) -> str:
@@ -159,8 +171,8 @@ class TensorInfo:
         }
 
     @staticmethod
-    def of(name: str, bits: TensorBits) -> "TensorInfo":
-        return TensorInfo(name, bits.dtype, bits.shape, bits.digest())
+    def of(name: str, bits: TensorBits, scheme: DigestScheme = XXH3) -> "TensorInfo":
+        return TensorInfo(name, bits.dtype, bits.shape, bits.digest(scheme))
 
 
 def state_digest(table: list[TensorInfo] | Mapping[str, TensorInfo]) -> int:

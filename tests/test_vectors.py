@@ -2,9 +2,9 @@
 
 Every valid log reads back, version by version, to the tensors its expected.json lists, both
 through dcr_log.DeltaLog and through a small independent reader written from spec/FORMAT.md
-alone (pyarrow, zstandard, xxhash and numpy; nothing from dcr_log). Every invalid log fails
-with the stated error class at the stated stage and not before. The generator reproduces the
-committed files byte for byte.
+alone (pyarrow, zstandard, xxhash and numpy; nothing from dcr_log), feature sum-digests
+(section 7.1) included. Every invalid log fails with the stated error class at the stated
+stage and not before. The generator reproduces the committed files byte for byte.
 """
 
 from __future__ import annotations
@@ -93,6 +93,45 @@ def xxh3(words: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(words.tobytes())
 
 
+# Feature sum-digests, FORMAT.md section 7.1.
+SUM_DIGESTS = "sum-digests"
+MASK64 = (1 << 64) - 1
+G, M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def e_plain(f: int, w: int) -> int:
+    z = (((f + 1) * G) & MASK64) ^ w
+    z ^= z >> 30
+    z = (z * M1) & MASK64
+    z ^= z >> 27
+    z = (z * M2) & MASK64
+    return z ^ (z >> 31)
+
+
+def e_hashes(flat: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """e(flat[i], words[i]) as uint64 (numpy's uint64 arithmetic is mod 2^64)."""
+    z = (np.asarray(flat, dtype=np.int64).astype(np.uint64) + np.uint64(1)) * np.uint64(G)
+    z ^= words.astype(np.uint64)  # words are unsigned: zero-extended
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(M1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(M2)
+    return z ^ (z >> np.uint64(31))
+
+
+def sum_digest(flat: np.ndarray, words: np.ndarray) -> int:
+    return int(np.sum(e_hashes(flat, words), dtype=np.uint64)) if words.size else 0
+
+
+def digest_of(features: list[str], flat: np.ndarray, words: np.ndarray) -> int:
+    """A record digest (words at tensor flat indices ``flat``) under the log's scheme."""
+    return sum_digest(flat, words) if SUM_DIGESTS in features else xxh3(words)
+
+
+def tensor_digest(features: list[str], words: np.ndarray) -> int:
+    return digest_of(features, np.arange(words.size), words)
+
+
 def unplane(buf: bytes, count: int, width: int) -> np.ndarray:
     assert len(buf) == count * width
     planes = np.frombuffer(buf, dtype=np.uint8).reshape(width, count)
@@ -172,16 +211,24 @@ def spec_replay(root: Path, facts: set[str]) -> list[tuple[dict, dict]]:
 def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, dict]]:
     identity = spec_unseal((root / "dcr.json").read_bytes())
     assert set(identity) == {"format_version", "log_id", "created_at", "features"}
-    assert identity["format_version"] == 1 and identity["features"] == []
+    features = identity["features"]
+    # format 1 defines one feature; a name is never listed twice
+    assert identity["format_version"] == 1 and features in ([], [SUM_DIGESTS]), features
+    if features:
+        facts.add(SUM_DIGESTS)
     keys = sorted(p.name for p in (root / "versions").iterdir())
     assert keys == [f"{v:020d}.json" for v in range(len(keys))], "versions are not contiguous"
     state: dict[str, tuple[str, tuple, np.ndarray]] = {}
+    # sum-digests: each tensor's digest followed in O(changes) from the records alone (section
+    # 7.1, informative), checked below against a full pass and the table
+    running: dict[str, int] = {}
     out, previous = [], None
     for v, key in enumerate(keys):
         where["version"] = v
         c = spec_unseal((root / "versions" / key).read_bytes())
         assert all("\0" not in t["name"] and "\n" not in t["name"] and t["name"] for t in c["tensors"])
-        assert c["version"] == v and c["log_id"] == identity["log_id"] and c["features"] == []
+        assert c["version"] == v and c["log_id"] == identity["log_id"]
+        assert c["features"] == features, "commit features differ from dcr.json's"
         assert c["parent"] == (None if v == 0 else v - 1)
         assert c["parent_state_digest"] == (None if previous is None else previous["state_digest"])
         assert spec_state_digest(c["tensors"]) == c["state_digest"]
@@ -191,6 +238,7 @@ def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, d
         for name in list(state):
             if name not in table:
                 del state[name]
+                running.pop(name, None)
                 facts.add("removed")
         for name, t in table.items():
             old = state.get(name)
@@ -202,6 +250,7 @@ def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, d
                 state[name] = (t["dtype"], tuple(t["shape"]),
                                np.zeros(math.prod(t["shape"]), dtype=word(WIDTH[t["dtype"]])))
                 created.add(name)
+                running[name] = tensor_digest(features, state[name][2])
         records = changed = 0
         if not c["segments"]:
             facts.add("zero-records")
@@ -225,7 +274,7 @@ def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, d
                 if not rows:
                     facts.add("empty-batch")
                 for row in rows:
-                    apply_row(row, state, created, facts)
+                    apply_row(row, state, created, facts, features, running)
                     in_segment += 1
                     changed += row["n_changed"]
             assert in_segment == ref["records"]
@@ -233,15 +282,20 @@ def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, d
         assert (records, changed) == (c["stats"]["records"], c["stats"]["changed_elements"])
         assert c["stats"]["total_elements"] == sum(w.size for _, _, w in state.values())
         for name, (dtype, shape, words) in state.items():
-            assert f"{xxh3(words):016x}" == table[name]["digest"], f"version {v}: {name}"
+            digest = f"{tensor_digest(features, words):016x}"
+            assert digest == table[name]["digest"], f"version {v}: {name}"
+            if SUM_DIGESTS in features:
+                assert running[name] == int(table[name]["digest"], 16), f"version {v}: {name}"
             facts.add(f"dtype:{dtype}")
+            facts.add(f"width:{WIDTH[dtype]}")
             facts.add("0-d" if shape == () else "empty" if words.size == 0 else "n-d")
         out.append((c, {n: (d, s, w.copy()) for n, (d, s, w) in state.items()}))
         previous = c
     return out
 
 
-def apply_row(row: dict, state: dict, created: set, facts: set) -> None:
+def apply_row(row: dict, state: dict, created: set, facts: set, features: list[str],
+              running: dict[str, int]) -> None:
     dtype, shape, words = state[row["tensor"]]
     kind, offset, box = row["kind"], row["box_offset"], row["box_shape"]
     assert kind in ("xor", "overwrite", "tensor") and len(offset) == len(box) == len(shape)
@@ -258,8 +312,10 @@ def apply_row(row: dict, state: dict, created: set, facts: set) -> None:
         flat = np.ravel_multi_index(tuple(i + o for i, o in zip(local, offset)), shape)
     else:
         flat = positions  # a 0-d tensor: one element, position 0
+    flat = np.asarray(flat, dtype=np.int64)
+    old = digest_of(features, flat, words[flat])  # for a tensor record: the box's old words
     if kind != "tensor":
-        assert xxh3(words[flat]) == row["base_digest"], "precondition"
+        assert old == row["base_digest"], "precondition"
     else:
         assert row["base_digest"] == 0
     if kind == "xor":
@@ -270,7 +326,9 @@ def apply_row(row: dict, state: dict, created: set, facts: set) -> None:
         if kind == "tensor" and row["tensor"] not in created:
             facts.add("tensor-on-existing")
         words[flat] = values
-    assert xxh3(words[flat]) == row["target_digest"], "postcondition"
+    assert digest_of(features, flat, words[flat]) == row["target_digest"], "postcondition"
+    if SUM_DIGESTS in features:  # the tensor's digest changes by target minus the old words' digest
+        running[row["tensor"]] = (running[row["tensor"]] + row["target_digest"] - old) & MASK64
     facts.add(f"{kind}/{row['encoding']}")
     if row["encoding"] == "sparse":
         facts.add(f"gap_bytes:{json.loads(row['params'])['gap_bytes']}")
@@ -281,13 +339,22 @@ def apply_row(row: dict, state: dict, created: set, facts: set) -> None:
 # -- valid vectors -----------------------------------------------------------------------------
 
 
-def check_tensors(state_words: dict[str, tuple[str, tuple, np.ndarray]], expected: dict) -> None:
+def log_features(name: str) -> list[str]:
+    return json.loads((VECTORS / name / "log" / "dcr.json").read_bytes())["features"]
+
+
+def check_tensors(state_words: dict[str, tuple[str, tuple, np.ndarray]], expected: dict,
+                  features: list[str]) -> None:
+    """``digest`` (the tensor digest under the log's scheme) is given by vectors whose scheme is
+    not xxh3; otherwise it is ``xxh3``."""
     assert utf8_sorted(state_words) == [t["name"] for t in expected["tensors"]]
     for t in expected["tensors"]:
         dtype, shape, words = state_words[t["name"]]
         assert (dtype, list(shape)) == (t["dtype"], t["shape"]), t["name"]
         assert hashlib.sha256(words.tobytes()).hexdigest() == t["sha256"], t["name"]
         assert f"{xxh3(words):016x}" == t["xxh3"], t["name"]
+        assert ("digest" in t) == (SUM_DIGESTS in features), t["name"]
+        assert f"{tensor_digest(features, words):016x}" == t.get("digest", t["xxh3"]), t["name"]
 
 
 @pytest.mark.parametrize("name", VALID)
@@ -296,10 +363,15 @@ def test_valid_vector_reads_back(name):
     log = DeltaLog.open(VECTORS / name / "log")
     assert log.log_id == expected["log_id"]
     assert log.versions() == [v["version"] for v in expected["versions"]]
+    features = log_features(name)
     for v in expected["versions"]:
         state = log.materialize(v["version"])
-        check_tensors({n: (b.dtype, b.shape, b.words) for n, b in state.items()}, v)
-        assert f"{log.commit(v['version']).state_digest:016x}" == v["state_digest"]
+        check_tensors({n: (b.dtype, b.shape, b.words) for n, b in state.items()}, v, features)
+        commit = log.commit(v["version"])
+        assert f"{commit.state_digest:016x}" == v["state_digest"]
+        assert list(commit.features) == features
+        assert [(t.name, f"{t.digest:016x}") for t in commit.tensors] == [
+            (t["name"], t.get("digest", t["xxh3"])) for t in v["tensors"]]
     report = log.verify(deep=True)
     assert report.versions == len(expected["versions"])
 
@@ -312,7 +384,7 @@ def test_valid_vector_spec_reader(name):
     assert len(versions) == len(expected["versions"])
     for (commit, state), v in zip(versions, expected["versions"]):
         assert commit["state_digest"] == v["state_digest"]
-        check_tensors(state, v)
+        check_tensors(state, v, commit["features"])
 
 
 def test_vectors_cover_the_format():
@@ -327,6 +399,33 @@ def test_vectors_cover_the_format():
         "overwrite-repair",
     }
     assert wanted <= facts, sorted(wanted - facts)
+
+
+def test_sum_digest_vectors_cover_the_format():
+    """The logs with feature sum-digests exercise every digest path on their own."""
+    facts: set[str] = set()
+    names = [n for n in VALID if SUM_DIGESTS in log_features(n)]
+    for name in names:
+        spec_replay(VECTORS / name / "log", facts)
+    wanted = {SUM_DIGESTS, "width:1", "width:2", "width:4", "width:8",
+              "xor/raw", "xor/sparse", "xor/dense", "overwrite/raw", "overwrite/sparse", "tensor/raw",
+              "tensor/dense", "0-d", "empty", "interior-box-2d", "interior-box-3d", "added", "removed",
+              "reshaped", "retyped", "zero-records", "tensor-on-existing", "overwrite-repair"}
+    assert wanted <= facts, sorted(wanted - facts)
+
+
+def test_sum_digest_reference_values():
+    """FORMAT.md section 7.1's reference values, and the vectorised e() against the plain one."""
+    assert e_plain(0, 0) == 0xE220A8397B1DCDAF
+    assert e_plain(1, 0) == 0x6E789E6AA1B965F4
+    assert e_plain(0, 0x3F80) == 0x2F4107AE02771311
+    flat = np.array([0, 1, 0, 5, 2**40 + 7, 2**63 - 1])
+    words = np.array([0, 0, 0x3F80, MASK64, 1 << 63, 0xABCD], dtype=np.uint64)
+    assert e_hashes(flat, words).tolist() == [e_plain(int(f), int(w)) for f, w in zip(flat, words)]
+    text = (REPO / "spec" / "FORMAT.md").read_text()
+    for value in ("e(0, 0) = 0xe220a8397b1dcdaf", "e(1, 0) = 0x6e789e6aa1b965f4",
+                  "e(0, 0x3f80) = 0x2f4107ae02771311"):
+        assert value in text, value
 
 
 def test_float_specials_are_present():
@@ -365,6 +464,26 @@ def test_worked_example_matches_format_md():
     root = VECTORS / "worked-example" / "log"
     for key in ("dcr.json", "versions/00000000000000000001.json"):
         assert (root / key).read_text() in text, key
+
+
+def test_sum_digests_worked_example_matches_format_md():
+    """The sum-digests record worked through in FORMAT.md section 18.1 is the one in the vector:
+    its bytes, its digests and the element hashes that make them up (read without dcr_log)."""
+    root = VECTORS / "sum-digests-worked" / "log"
+    text = (REPO / "spec" / "FORMAT.md").read_text()
+    for key in ("dcr.json", "versions/00000000000000000001.json"):
+        assert (root / key).read_text() in text, key
+    commit = spec_unseal((root / "versions" / "00000000000000000001.json").read_bytes())
+    (ref,) = commit["segments"]
+    (row,) = pa.ipc.open_file(pa.py_buffer((root / ref["key"]).read_bytes())).get_batch(0).to_pylist()
+    assert f"payload: {row['payload'].hex()}" in text
+    for name in ("base_digest", "target_digest"):
+        assert f"`{name}` = `0x{row[name]:016x}`" in text, name
+    (_, before), (_, after) = spec_replay(root, set())
+    elements = [(f, int(w)) for f, w in enumerate(before["w"][2])]  # version 0's tensor digest
+    elements += [(f, int(after["w"][2][f])) for f in (2, 6)]  # the changed words' new values
+    for f, w in elements:
+        assert f"e({f}, 0x{w:04x}) = 0x{e_plain(f, w):016x}" in text, (f, w)
 
 
 # -- invalid vectors ---------------------------------------------------------------------------

@@ -5,8 +5,10 @@ Every log is built by hand, record by record, with the format-level API (LogIden
 CommitRecord, SegmentRef, Record, encode_segment, the codec encoders) rather than with
 LogWriter, so that each record kind, encoding, dtype and box shape appears on purpose.
 Each payload and segment is also re-encoded here from the rules of spec/FORMAT.md and must
-come out byte-identical to the library's, so the spec text and the code are checked against
-each other. Expected states are the dense states generated here, never a replay of the log.
+come out byte-identical to the library's, and every digest of the feature `sum-digests` is
+computed here from FORMAT.md section 7.1 and must equal dcr_log.digest's, so the spec text and
+the code are checked against each other. Expected states are the dense states generated here,
+never a replay of the log.
 
 The output is byte-for-byte reproducible: fixed log ids, timestamps, writer ids and segment
 ids, and data drawn from SHAKE-256 (not a seeded RNG, whose stream may change between numpy
@@ -38,6 +40,7 @@ from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.coords import DTYPE_WIDTH, Box, numel, word_dtype
+from dcr_log.digest import SUM
 from dcr_log.format import (
     IDENTITY_KEY,
     SEGMENT_SCHEMA,
@@ -130,11 +133,96 @@ def xxh3(words: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(words).tobytes())
 
 
-def spec_state_digest(state: dict[str, TensorBits]) -> int:
+# Feature sum-digests (FORMAT.md section 7.1): e(f, w) = mix64(((f + 1) * G mod 2^64) XOR w),
+# a digest is the sum mod 2^64 of e over the elements it covers.
+SUM_DIGESTS = "sum-digests"
+MASK64 = (1 << 64) - 1
+GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def mix64(z: int) -> int:
+    z ^= z >> 30
+    z = (z * MIX1) & MASK64
+    z ^= z >> 27
+    z = (z * MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def element_hash(f: int, w: int) -> int:
+    """e(f, w) in plain integers, as FORMAT.md section 7.1 writes it."""
+    return mix64((((f + 1) * GOLDEN) & MASK64) ^ w)
+
+
+def element_hashes(flat, words: np.ndarray) -> np.ndarray:
+    """e(flat[i], words[i]) for every i, vectorised (numpy's uint64 arithmetic wraps mod 2^64)."""
+    f = np.asarray(flat, dtype=np.int64).astype(np.uint64)
+    w = np.ascontiguousarray(words).view(np.dtype(f"<u{words.dtype.itemsize}")).astype(np.uint64)
+    z = ((f + np.uint64(1)) * np.uint64(GOLDEN)) ^ w
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(MIX1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(MIX2)
+    return z ^ (z >> np.uint64(31))
+
+
+def sum_digest(flat, words: np.ndarray) -> int:
+    return int(element_hashes(flat, words).sum(dtype=np.uint64)) if np.size(flat) else 0
+
+
+def _check_element_hash() -> None:
+    """The reference values of FORMAT.md section 7.1, and the vectorised form against them."""
+    assert element_hash(0, 0) == 0xE220A8397B1DCDAF
+    assert element_hash(1, 0) == 0x6E789E6AA1B965F4
+    assert element_hash(0, 0x3F80) == 0x2F4107AE02771311
+    flat = np.array([0, 1, 0, 7, 2**40 + 3, 2**63 - 1], dtype=np.int64)
+    words = np.array([0, 0, 0x3F80, MASK64, 0x8000000000000000, 12345], dtype="<u8")
+    plain = [element_hash(int(f), int(w)) for f, w in zip(flat, words)]
+    assert element_hashes(flat, words).tolist() == plain
+    assert sum_digest(flat, words) == sum(plain) & MASK64
+
+
+_check_element_hash()
+
+
+@dataclass(frozen=True)
+class Digests:
+    """A log's digest scheme (FORMAT.md sections 7 and 7.1), from its features. Sum digests are
+    computed here from the spec and cross-checked against dcr_log.digest.SUM."""
+
+    features: tuple[str, ...] = ()
+
+    @property
+    def sum(self) -> bool:
+        return SUM_DIGESTS in self.features
+
+    def tensor(self, bits: TensorBits) -> int:
+        if not self.sum:
+            return xxh3(bits.words)
+        mine = sum_digest(np.arange(bits.words.size), bits.words)
+        assert mine == SUM.tensor(bits.words, bits.shape), "library and spec tensor digests differ"
+        return mine
+
+    def at(self, flat: np.ndarray, words: np.ndarray, box: Box | None = None,
+           shape: tuple[int, ...] | None = None) -> int:
+        """Digest of ``words`` at tensor flat indices ``flat``; with ``box`` (``words`` are then
+        the whole box, box-local row-major) the library's box digest is checked as well."""
+        if not self.sum:
+            return xxh3(words)
+        mine = sum_digest(flat, words)
+        assert mine == SUM.at(np.asarray(flat, dtype=np.int64), words), "library and spec digests differ"
+        if box is not None:
+            assert mine == SUM.box(box, shape, words), "library and spec box digests differ"
+        return mine
+
+
+XXH3_DIGESTS = Digests()
+
+
+def spec_state_digest(state: dict[str, TensorBits], digests: Digests = XXH3_DIGESTS) -> int:
     lines = sorted(
         name.encode("utf-8") + b"\x00" + bits.dtype.encode() + b"\x00"
         + ",".join(str(d) for d in bits.shape).encode() + b"\x00"
-        + f"{xxh3(bits.words):016x}".encode() + b"\n"
+        + f"{digests.tensor(bits):016x}".encode() + b"\n"
         for name, bits in state.items()
     )
     return xxhash.xxh3_64_intdigest(b"".join(lines))
@@ -200,9 +288,11 @@ def encode(kind, encoding, n, positions, values, level=3, gap_bytes=None) -> tup
 class Step:
     """One version being built: the previous state, the new dense state and record builders."""
 
-    def __init__(self, base: dict[str, TensorBits], new: dict[str, TensorBits]):
+    def __init__(self, base: dict[str, TensorBits], new: dict[str, TensorBits],
+                 digests: Digests = XXH3_DIGESTS):
         self.base = base
         self.new = new
+        self.digests = digests
 
     def _box(self, name: str, box) -> Box:
         if box is None:
@@ -224,8 +314,9 @@ class Step:
         positions = np.union1d(np.flatnonzero(b != t), np.asarray(extra, dtype=np.int64))
         values = (b ^ t)[positions] if kind == "xor" else t[positions]
         params, payload = encode(kind, encoding, box.size, positions, values, level, gap_bytes)
+        at = flat[positions]  # record digests hash tensor flat indices, not box-local positions
         return Record(name, kind, box, encoding, params, int(positions.size),
-                      xxh3(b[positions]), xxh3(t[positions]), payload)
+                      self.digests.at(at, b[positions]), self.digests.at(at, t[positions]), payload)
 
     def xor(self, name, encoding, box=None, **kw) -> Record:
         return self.delta(name, "xor", encoding, box, **kw)
@@ -236,9 +327,11 @@ class Step:
     def tensor(self, name: str, encoding: str, box=None, *, level: int = 3) -> Record:
         new = self.new[name]
         box = self._box(name, box)
-        values = new.words[box_flat(new.shape, box)]
+        flat = box_flat(new.shape, box)
+        values = new.words[flat]
         params, payload = encode("tensor", encoding, box.size, None, values, level)
-        return Record(name, "tensor", box, encoding, params, box.size, 0, xxh3(values), payload)
+        target = self.digests.at(flat, values, box, new.shape)
+        return Record(name, "tensor", box, encoding, params, box.size, 0, target, payload)
 
 
 def rows_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
@@ -307,16 +400,21 @@ def segment_id(vector: str, version: int, index: int) -> str:
 class LogBuilder:
     """A log under construction: its files (key -> bytes), dense states and commit records."""
 
-    def __init__(self, name: str, identity: LogIdentity | None = None):
+    def __init__(self, name: str, identity: LogIdentity | None = None, features: tuple[str, ...] = ()):
+        """``features`` go into every commit record (and into dcr.json unless ``identity`` is
+        given) and choose the digest scheme."""
         self.name = name
         self.log_id = vector_log_id(name)
-        self.identity = identity or LogIdentity(log_id=self.log_id, created_at=CREATED_AT)
+        self.identity = identity or LogIdentity(log_id=self.log_id, created_at=CREATED_AT,
+                                                features=tuple(features))
+        self.features = tuple(features)
+        self.digests = Digests(self.features)
         self.files: dict[str, bytes] = {IDENTITY_KEY: self.identity.to_bytes()}
         self.states: list[dict[str, TensorBits]] = []
         self.commits: list[CommitRecord] = []
 
     def step(self, new: dict[str, TensorBits]) -> Step:
-        return Step(self.states[-1] if self.states else {}, new)
+        return Step(self.states[-1] if self.states else {}, new, self.digests)
 
     def commit(self, step: Step, segments: list[Seg], *, check: bool = True,
                commit_hook: Callable[[CommitRecord], CommitRecord] | None = None,
@@ -344,8 +442,8 @@ class LogBuilder:
             changed += sum(r["n_changed"] for r in rows)
             nrecords += len(rows)
         new = step.new
-        digest = spec_state_digest(new)
-        table = tuple(TensorInfo(n, b.dtype, b.shape, xxh3(b.words)) for n, b in new.items())
+        digest = spec_state_digest(new, self.digests)
+        table = tuple(TensorInfo(n, b.dtype, b.shape, self.digests.tensor(b)) for n, b in new.items())
         assert state_digest(table) == digest, "library and spec state digests differ"
         parent = self.commits[-1] if self.commits else None
         commit = CommitRecord(
@@ -356,6 +454,7 @@ class LogBuilder:
             stats=CommitStats(changed, sum(b.words.size for b in new.values()), nrecords),
             created_at=f"2025-01-01T00:{version // 60:02d}:{version % 60:02d}.000000Z",
             writer_id=segments[0].writer if segments else WRITER,
+            features=self.features,
         )
         if commit_hook:
             commit = commit_hook(commit)
@@ -383,14 +482,17 @@ def check_records(step: Step, records: list[Record]) -> None:
 
 
 def expected_json(b: LogBuilder, description: str) -> dict:
+    """Vectors with a digest scheme other than xxh3 also give each tensor's ``digest``."""
     versions = []
     for v, state in enumerate(b.states):
-        tensors = [
-            {"name": n, "dtype": t.dtype, "shape": list(t.shape),
-             "sha256": hashlib.sha256(t.words.tobytes()).hexdigest(), "xxh3": f"{xxh3(t.words):016x}"}
-            for n, t in sorted(state.items(), key=lambda kv: kv[0].encode())
-        ]
-        versions.append({"version": v, "state_digest": f"{spec_state_digest(state):016x}",
+        tensors = []
+        for n, t in sorted(state.items(), key=lambda kv: kv[0].encode()):
+            entry = {"name": n, "dtype": t.dtype, "shape": list(t.shape),
+                     "sha256": hashlib.sha256(t.words.tobytes()).hexdigest(), "xxh3": f"{xxh3(t.words):016x}"}
+            if b.digests.sum:
+                entry["digest"] = f"{b.digests.tensor(t):016x}"
+            tensors.append(entry)
+        versions.append({"version": v, "state_digest": f"{spec_state_digest(state, b.digests):016x}",
                          "tensors": tensors})
     return {"vector": b.name, "description": description, "log_id": b.log_id, "versions": versions}
 
@@ -650,6 +752,95 @@ def v_names() -> LogBuilder:
     return b
 
 
+def v_sum_digests_worked() -> LogBuilder:
+    """The sum-digests example of FORMAT.md section 18: the worked example's tensor, then one
+    raw xor record on an interior box, so that box-local positions and flat indices differ."""
+    b = LogBuilder("sum-digests-worked", features=(SUM_DIGESTS,))
+    w0 = words_tensor("BF16", (2, 4), [BF16[k] for k in
+                                       ("one", "m2", "half", "three", "quarter", "m1", "eight", "zero")])
+    s = b.step({"w": w0})
+    b.commit(s, [Seg([s.tensor("w", "raw")])])
+    # the box rows 0..2, columns 1..3 holds flat indices 1, 2, 5, 6; change 2 and 6
+    s = b.step({"w": with_xor(w0, [2, 6], [0x0003, 0x8000])})
+    b.commit(s, [Seg([s.xor("w", "raw", Box((0, 1), (2, 2)))])])
+    return b
+
+
+def v_sum_digests() -> LogBuilder:
+    """Feature sum-digests with every kind and encoding, 0-d, empty and large tensors, interior
+    boxes, tensor records on existing tensors, and tensors added, removed, reshaped, retyped."""
+    b = LogBuilder("sum-digests", features=(SUM_DIGESTS,))
+    big = zeros_tensor("U8", (260, 250))  # 65000 elements: more than one piece of the library
+    big = with_words(big, det_positions("sbig0", np.arange(65000), 40), np.arange(1, 41))
+    st = {"grid": det_tensor("sgrid0", "F32", (6, 7)), "cube": det_tensor("scube0", "U16", (4, 5, 6)),
+          "scalar": det_tensor("sscalar0", "F64", ()), "empty": zeros_tensor("I32", (0, 3)),
+          "vec": det_tensor("svec0", "BF16", (10,)), "wide": det_tensor("swide0", "U64", (3, 4)),
+          "bytes": det_tensor("sbytes0", "I8", (5, 6)), "flags": det_tensor("sflags0", "BOOL", (9,)),
+          "big": big, "reshape": det_tensor("sreshape0", "I16", (2, 6)),
+          "retype": det_tensor("sretype0", "F32", (4,))}
+    s = b.step(st)
+    b.commit(s, [Seg([
+        s.tensor("grid", "raw", rows_box((6, 7), 0, 3)), s.tensor("grid", "dense", rows_box((6, 7), 3, 6)),
+        s.tensor("cube", "raw"), s.tensor("scalar", "raw"), s.tensor("vec", "dense"),
+        s.tensor("wide", "raw"), s.tensor("bytes", "dense"), s.tensor("flags", "raw"),
+        s.tensor("big", "dense", rows_box((260, 250), 0, 140)),  # 35000 elements
+        s.tensor("big", "dense", rows_box((260, 250), 140, 260)),
+        s.tensor("reshape", "raw"), s.tensor("retype", "raw"),
+    ])])  # the empty tensor has no elements and so no record; its digest is 0
+
+    interior = Box((1, 2), (3, 4))
+    column = Box((0, 6), (6, 1))
+    cube_in = Box((1, 1, 2), (2, 3, 3))
+    cube_rows = Box((3, 0, 0), (1, 5, 6))
+    big_in = Box((40, 25), (200, 200))  # 40000 elements in runs of 200
+    bytes_in = Box((1, 1), (3, 4))
+    st = dict(st)
+    st["grid"] = flipped(flipped(st["grid"], "sgrid1", 5, interior), "sgrid1c", 3, column)
+    st["cube"] = flipped(flipped(st["cube"], "scube1", 7, cube_in), "scube1r", 12, cube_rows)
+    st["scalar"] = with_xor(st["scalar"], [0], [1 << 63])
+    st["vec"] = flipped(st["vec"], "svec1", 2, Box((2,), (5,)))
+    st["wide"] = with_xor(st["wide"], [1, 5, 6, 11], [1 << 63, 0xFFFFFFFF00000000, 1, 0x0123456789ABCDEF])
+    st["big"] = flipped(st["big"], "sbig1", 30, big_in, xor=(1, 0x80, 0xFF))
+    st["bytes"] = with_words(st["bytes"], box_flat((5, 6), bytes_in), np.arange(12) + 100)
+    st["flags"] = flipped(st["flags"], "sflags1", 3)
+    s = b.step(st)
+    fpos = np.flatnonzero(s.base["flags"].words != st["flags"].words)
+    repair = np.setdiff1d(np.arange(9), fpos)[:1]  # rewritten with the value it already holds
+    b.commit(s, [Seg([
+        s.xor("grid", "raw", interior), s.overwrite("grid", "sparse", column),
+        s.overwrite("cube", "sparse", cube_in), s.xor("cube", "dense", cube_rows),
+        s.xor("scalar", "raw"), s.xor("vec", "sparse", Box((2,), (5,))), s.xor("wide", "dense"),
+        s.xor("big", "sparse", big_in), s.tensor("bytes", "dense", bytes_in),
+        s.overwrite("flags", "raw", extra=repair),
+    ])])
+
+    b.commit(b.step(dict(st)), [])  # nothing changed: a version with zero records
+
+    g_box = Box((2, 1), (2, 3))
+    c_box = Box((0, 1, 1), (2, 2, 2))
+    st = {k: v for k, v in st.items() if k != "flags"}  # removed
+    st["grid"] = with_words(st["grid"], box_flat((6, 7), g_box), np.arange(6) + 0x40000000)
+    st["cube"] = with_words(st["cube"], box_flat((4, 5, 6), c_box), np.arange(8) * 257)
+    st["scalar"] = words_tensor("F64", (), [0x8000000000000000])  # -0.0
+    st["wide"] = with_words(st["wide"], [4, 5, 6, 7], [0, MASK64, 1 << 32, 7])
+    big_box = Box((10, 5), (180, 200))  # 36000 elements in runs of 200
+    st["big"] = with_words(with_xor(st["big"], [0, 64999], [0x01, 0x80]),
+                           det_positions("sbig3", box_flat((260, 250), big_box), 25), np.arange(25) + 200)
+    st["reshape"] = retyped(st["reshape"], "I16", (3, 4))
+    st["retype"] = retyped(st["retype"], "I32", (4,))
+    st["added"] = det_tensor("sadded3", "U32", (3, 3))
+    s = b.step(st)
+    b.commit(s, [Seg([
+        s.tensor("grid", "raw", g_box), s.tensor("cube", "dense", c_box), s.overwrite("scalar", "raw"),
+        s.tensor("wide", "raw", rows_box((3, 4), 1, 2)),  # a tensor record on an existing tensor
+        s.xor("big", "sparse", rows_box((260, 250), 0, 10)),
+        s.xor("big", "raw", rows_box((260, 250), 190, 260)),
+        s.tensor("big", "dense", big_box), s.tensor("reshape", "dense"), s.tensor("retype", "raw"),
+        s.tensor("added", "raw"),
+    ])])
+    return b
+
+
 VALID = [
     (v_worked_example, "one BF16 tensor; version 1 is the sparse xor record decoded in FORMAT.md"),
     (v_kinds_and_encodings, "every record kind with every encoding it allows; gap_bytes 1, 2, 4 and "
@@ -660,6 +851,12 @@ VALID = [
     (v_lifecycle, "tensors added, removed, reshaped and retyped; versions with zero records; "
      "two segments in one version"),
     (v_names, "tensor names needing JSON escapes and sorted by UTF-8 bytes"),
+    (v_sum_digests_worked, "feature sum-digests: the worked example's BF16 tensor, then one raw "
+     "xor record on an interior box, the sum-digests example of FORMAT.md section 18.1"),
+    (v_sum_digests, "feature sum-digests: 0-d, empty, 64-bit and large tensors; every kind with "
+     "every encoding it allows; interior boxes of 2-D and 3-D tensors; tensor records on existing "
+     "tensors; an overwrite repair; a version with zero records; tensors added, removed, reshaped "
+     "and retyped"),
 ]
 
 
@@ -668,13 +865,15 @@ VALID = [
 
 def invalid_base(name: str, *, identity_kw: dict | None = None, v1_records=None, rows_hook=None,
                  seg_kw: dict | None = None, ref_hook=None, commit_hooks: dict | None = None,
-                 v1_state=None, check: bool = True) -> LogBuilder:
-    """A 3-version log: v0 creates four tensors, v1 changes them with one record per
-    kind/encoding family, v2 changes nothing. The hooks break one thing in it."""
+                 v1_state=None, check: bool = True, features: tuple[str, ...] = ()) -> LogBuilder:
+    """A 3-version log: v0 creates three tensors, v1 adds one and changes the others with one
+    record per kind/encoding family, v2 changes nothing. ``features`` are the log's (dcr.json's
+    and every commit record's). The hooks break one thing in it."""
     identity = None
     if identity_kw:
-        identity = LogIdentity(**{"log_id": vector_log_id(name), "created_at": CREATED_AT, **identity_kw})
-    b = LogBuilder(name, identity)
+        identity = LogIdentity(**{"log_id": vector_log_id(name), "created_at": CREATED_AT,
+                                  "features": tuple(features), **identity_kw})
+    b = LogBuilder(name, identity, features)
     hooks = commit_hooks or {}
     st = {"n": det_tensor("n0", "I32", (2, 3)), "w": det_tensor("w0", "BF16", (4, 8)),
           "x": det_tensor("x0", "F32", (6,))}
@@ -784,6 +983,44 @@ def _lone_surrogate_table(obj):
 def _wrong_digest_for_x(c: CommitRecord) -> CommitRecord:
     tensors = tuple(dataclasses.replace(t, digest=t.digest ^ 1) if t.name == "x" else t for t in c.tensors)
     return dataclasses.replace(c, tensors=tensors, state_digest=state_digest(tensors))
+
+
+def _xxh3_record_digests(s: Step, recs):
+    """The sparse xor record of w with the digests an xxh3 writer would give it."""
+    w = next(r for r in recs if r.tensor == "w")
+    flat = np.flatnonzero(s.base["w"].words != s.new["w"].words)
+    fixed = dataclasses.replace(w, base_digest=xxh3(s.base["w"].words[flat]),
+                                target_digest=xxh3(s.new["w"].words[flat]))
+    return [fixed if r is w else r for r in recs]
+
+
+def _box_local_digests(s: Step, recs):
+    """n's changes as two row records; the one on row 1 hashes box-local positions 0..2 instead
+    of the tensor flat indices 3..5 (the digests of a writer that forgot the box's offset)."""
+    top, bottom = rows_box((2, 3), 0, 1), rows_box((2, 3), 1, 2)
+    r1 = s.xor("n", "dense", bottom)
+    local = np.arange(3)
+    wrong = dataclasses.replace(r1, base_digest=sum_digest(local, s.base["n"].words[3:]),
+                                target_digest=sum_digest(local, s.new["n"].words[3:]))
+    assert r1.n_changed == 3 and wrong.base_digest != r1.base_digest
+    return [recs[0], s.xor("n", "dense", top), wrong] + recs[2:]
+
+
+def _xxh3_table(b: LogBuilder) -> None:
+    """Commit 1's tensor table gets xxh3 tensor digests and the state digest computed from
+    them; commit 2's parent_state_digest follows, so the parent chain holds."""
+    state = b.states[1]
+    new_digest = {}
+
+    def table(obj):
+        for t in obj["tensors"]:
+            t["digest"] = f"{xxh3(state[t['name']].words):016x}"
+        tensors = [TensorInfo(t["name"], t["dtype"], tuple(t["shape"]), int(t["digest"], 16))
+                   for t in obj["tensors"]]
+        obj["state_digest"] = new_digest["v1"] = f"{state_digest(tensors):016x}"
+
+    replace_commit(b, 1, reseal(table))
+    replace_commit(b, 2, reseal(lambda obj: obj.update(parent_state_digest=new_digest["v1"])))
 
 
 def _drop_v1(b: LogBuilder) -> None:
@@ -956,6 +1193,31 @@ INVALID = [
     ("apply-tensor-digest", "IntegrityError", "apply", 0,
      "version 0's tensor table has a wrong digest for 'x' (state digest recomputed to match)",
      {"commit_hooks": {0: _wrong_digest_for_x}}, None),
+    # feature sum-digests
+    ("identity-duplicate-feature", "IntegrityError", "identity", None,
+     "dcr.json lists sum-digests twice",
+     {"features": (SUM_DIGESTS,), "identity_kw": {"features": (SUM_DIGESTS, SUM_DIGESTS)}}, None),
+    ("identity-sum-digests-and-unknown-feature", "IntegrityError", "identity", None,
+     "dcr.json lists sum-digests and a feature this reader does not know (so does every commit record)",
+     {"features": (SUM_DIGESTS, "x-future")}, None),
+    ("commit-features-missing", "IntegrityError", "commit", 1,
+     "in a sum-digests log, commit record 1 lists no features: they differ from dcr.json's",
+     {"features": (SUM_DIGESTS,),
+      "commit_hooks": {1: lambda c: dataclasses.replace(c, features=())}}, None),
+    ("commit-features-added", "IntegrityError", "commit", 1,
+     "in a log without features, commit record 1 lists sum-digests: they differ from dcr.json's",
+     {"commit_hooks": {1: lambda c: dataclasses.replace(c, features=(SUM_DIGESTS,))}}, None),
+    ("apply-sum-record-xxh3-digests", "IntegrityError", "apply", 1,
+     "in a sum-digests log, an xor record carries xxh3 base and target digests: its precondition fails",
+     {"features": (SUM_DIGESTS,), "v1_records": _xxh3_record_digests}, None),
+    ("apply-sum-box-local-index", "IntegrityError", "apply", 1,
+     "in a sum-digests log, an xor record on row 1 hashes box-local positions instead of tensor "
+     "flat indices: its precondition fails",
+     {"features": (SUM_DIGESTS,), "v1_records": _box_local_digests}, None),
+    ("apply-sum-table-xxh3", "IntegrityError", "apply", 1,
+     "in a sum-digests log, commit record 1's tensor table has xxh3 tensor digests (state digest "
+     "computed from them, so it matches): only the tensor digest check catches it",
+     {"features": (SUM_DIGESTS,)}, _xxh3_table),
 ]
 
 
@@ -1002,7 +1264,10 @@ invalid/<name>/expected.json    the defect and the error a reader must report
 - `log_id`: the log's id;
 - `versions`: one entry per version, in order, with `version`, `state_digest` (16 hex digits)
   and `tensors`, sorted by the UTF-8 bytes of their names, each with `name`, `dtype`, `shape`,
-  `sha256` (of the tensor's little-endian bytes, row-major) and `xxh3` (its tensor digest).
+  `sha256` (of the tensor's little-endian bytes, row-major) and `xxh3` (`xxh3_64` of those
+  bytes: the tensor digest of a log without features); in a log with the feature
+  `sum-digests`, also `digest` (its tensor digest under the log's scheme, FORMAT.md
+  section 7.1).
 
 A reader passes a valid vector when, for every version, it lists exactly these tensors with
 these dtypes, shapes and bytes, and verifies every digest on the way.

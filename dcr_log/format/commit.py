@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..coords import DTYPE_WIDTH, numel
+from ..digest import SUM_DIGESTS
 from ..errors import IntegrityError, UsageError
 from ..state import TensorInfo, digest_hex
 from .canonical import seal, unseal
@@ -14,7 +15,7 @@ from .keys import check_segment_key
 FORMAT_VERSION = 1
 # Features this implementation reads and writes. A reader MUST refuse a log or commit that
 # lists a feature it does not know.
-KNOWN_FEATURES: frozenset[str] = frozenset()
+KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS})
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -61,6 +62,7 @@ def check_features(features, what: str) -> tuple[str, ...]:
     unknown = sorted(set(features) - KNOWN_FEATURES)
     if unknown:
         raise IntegrityError(f"{what}: unsupported features {unknown}; upgrade dcr-log")
+    _expect(len(set(features)) == len(features), what, "a feature is listed twice")
     return tuple(features)
 
 

@@ -27,7 +27,8 @@ from ..delta import decode_record, flat_positions
 from ..errors import IntegrityError, LineageError, NotFoundError, UsageError
 from ..format import CommitRecord, Record
 from ..log import DeltaLog
-from ..state import TensorInfo, digest_hex, state_digest, words_digest
+from ..digest import XXH3, DigestScheme
+from ..state import TensorInfo, digest_hex, state_digest
 from .journal import Journal, JournalState, SegmentProgress
 from .storage import FaultHook, Layout, Storage, open_storage, storage_state_digest
 
@@ -121,6 +122,7 @@ class _Work:
     index: int
     record: Record
     place: Any
+    where: Any               # flat indices or a slice: what the record digests are keyed by
     target: np.ndarray
     base: np.ndarray | None  # gathered words before the write (memory rollback)
     redo: bool               # an xor whose target goes to the journal as a redo image
@@ -143,6 +145,8 @@ class Receiver:
         self.storage = storage
         self.journal = journal
         self.fault = fault
+        # The digest scheme of the log being applied (set by bind and apply).
+        self.digests: DigestScheme = XXH3
 
     @property
     def fault(self) -> FaultHook | None:
@@ -199,8 +203,8 @@ class Receiver:
         return self.journal.state().inflight
 
     def storage_digest(self) -> int:
-        """The storage's state digest, every tensor hashed."""
-        return storage_state_digest(self.storage)
+        """The storage's state digest under the log's scheme, every tensor hashed."""
+        return storage_state_digest(self.storage, self.digests)
 
     def _hook(self, point: str, **info) -> None:
         if self._fault_hook is not None:
@@ -215,6 +219,7 @@ class Receiver:
         st = self.journal.state()
         if st.log_id is not None and st.log_id != log.log_id:
             raise LineageError(f"receiver belongs to log {st.log_id}, not {log.log_id}")
+        self.digests = log.digests
         commit = log.commit(version)
         if self.storage.layout() != commit_layout(commit):
             raise LineageError(f"storage tensors (names, dtypes, shapes) differ from version {version}'s")
@@ -265,6 +270,7 @@ class Receiver:
             raise LineageError(f"receiver belongs to log {st.log_id}, not {log.log_id}")
         if st.version is None:
             raise UsageError("receiver is not bound to a version yet (bind it first)")
+        self.digests = log.digests
         return st
 
     def _apply_version(self, log: DeltaLog, version: int, verify: str,
@@ -325,7 +331,7 @@ class Receiver:
                     raise IntegrityError(f"version {version}: storage state digest differs after apply")
             elif verify == "sample":
                 for name in sample_tensors(commit.tensors, version):
-                    if storage.tensor_digest(name) != table[name].digest:
+                    if storage.tensor_digest(name, self.digests) != table[name].digest:
                         raise IntegrityError(f"version {version}: tensor {name!r} differs from its digest")
             storage.flush()
             self._hook("before_commit", version=version)
@@ -361,8 +367,9 @@ class Receiver:
                     raise IntegrityError(f"version {commit.version}: {rec.kind} record for the new "
                                          f"or reshaped tensor {rec.tensor!r}")
                 changes = decode_record(rec, info)
-                cur = self.storage.gather(self.storage.locate(rec.tensor, flat_positions(rec, info.shape, changes)))
-                d = words_digest(cur)
+                where = flat_positions(rec, info.shape, changes)
+                cur = self.storage.gather(self.storage.locate(rec.tensor, where))
+                d = self.digests.at(where, cur)
                 if d in (rec.base_digest, rec.target_digest):
                     continue
                 if recovering and prog.done <= i < prog.started_end:
@@ -409,7 +416,8 @@ class Receiver:
             rec = records[i]
             info = self._info(table, rec, version)
             changes = decode_record(rec, info)
-            place = storage.locate(rec.tensor, flat_positions(rec, info.shape, changes))
+            where = flat_positions(rec, info.shape, changes)
+            place = storage.locate(rec.tensor, where)
             report.records += 1
             report.changed_elements += rec.n_changed
             if rec.kind == "tensor":
@@ -417,10 +425,10 @@ class Receiver:
                 base = None
                 if undo is not None and rec.tensor not in created:
                     base = storage.gather(place)
-                work.append(_Work(i, rec, place, changes.values, base, False, i in torn))
+                work.append(_Work(i, rec, place, where, changes.values, base, False, i in torn))
                 continue
             cur = storage.gather(place)
-            d = words_digest(cur)
+            d = self.digests.at(where, cur)
             if d == rec.target_digest:
                 report.skipped += 1
                 continue
@@ -443,10 +451,10 @@ class Receiver:
             else:
                 raise LineageError(f"version {version}: tensor {rec.tensor!r} holds neither the record's "
                                    "base nor its target: changed behind the journal's back")
-            if verify != "none" and words_digest(target) != rec.target_digest:
+            if verify != "none" and self.digests.at(where, target) != rec.target_digest:
                 raise IntegrityError(f"version {version}: record of {rec.tensor!r} does not lead to "
                                      "its target digest")
-            work.append(_Work(i, rec, place, target, cur, rec.kind == "xor", repaired))
+            work.append(_Work(i, rec, place, where, target, cur, rec.kind == "xor", repaired))
 
         durable = storage.durable
         # A torn range left by an interrupted apply stays declared until passed, whatever
@@ -471,7 +479,7 @@ class Receiver:
         if verify != "none":
             for w in work:
                 if verify == "full" or _sampled(version, seg, w.index):
-                    if words_digest(storage.gather(w.place)) != w.record.target_digest:
+                    if self.digests.at(w.where, storage.gather(w.place)) != w.record.target_digest:
                         raise IntegrityError(f"version {version}: tensor {w.record.tensor!r} differs from "
                                              "the record's target after writing")
 

@@ -119,7 +119,7 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
             return Receiver(CheckpointStorage(directory), journal, fault)
         if has_checkpoint(directory):
             storage = CheckpointStorage(directory)
-            digest = storage_state_digest(storage)
+            digest = storage_state_digest(storage, log.digests)
             version = _bound_version(log, digest, to)
             if journal is None:
                 journal = Journal.open(jpath)

@@ -26,7 +26,8 @@ import numpy as np
 from ..checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
 from ..coords import DTYPE_WIDTH, numel, word_dtype
 from ..errors import IntegrityError, NotFoundError, UsageError
-from ..state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits, TensorInfo, state_digest, words_digest
+from ..digest import XXH3, DigestScheme
+from ..state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits, TensorInfo, state_digest
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape)
 Where = np.ndarray | slice
@@ -69,8 +70,12 @@ class Storage(ABC):
         raise UsageError(f"{type(self).__name__} cannot undo a layout change")
 
     @abstractmethod
-    def tensor_digest(self, name: str) -> int:
-        """xxh3 of the tensor's words."""
+    def tensor_words(self, name: str) -> np.ndarray:
+        """The tensor's flat words on the host (a view where the storage allows it)."""
+
+    def tensor_digest(self, name: str, digests: DigestScheme = XXH3) -> int:
+        """The tensor's digest under the log's scheme."""
+        return digests.tensor(self.tensor_words(name), self.layout()[name][1])
 
     def flush(self) -> None:
         """Make every write so far durable (no-op in memory)."""
@@ -83,9 +88,10 @@ class Storage(ABC):
             self.fault(point, **info)
 
 
-def storage_state_digest(storage: Storage) -> int:
+def storage_state_digest(storage: Storage, digests: DigestScheme = XXH3) -> int:
     """The state digest of what the storage holds, every tensor hashed."""
-    return state_digest([TensorInfo(n, d, s, storage.tensor_digest(n)) for n, (d, s) in storage.layout().items()])
+    return state_digest([TensorInfo(n, d, s, storage.tensor_digest(n, digests))
+                         for n, (d, s) in storage.layout().items()])
 
 
 def _signed(width: int) -> np.dtype:
@@ -184,8 +190,8 @@ class NumpyStorage(Storage):
             self.tensors[name] = value
             self._bits[name] = self._view(name, value)
 
-    def tensor_digest(self, name: str) -> int:
-        return words_digest(self._bits[name].words)
+    def tensor_words(self, name: str) -> np.ndarray:
+        return self._bits[name].words
 
 
 # -- torch ---------------------------------------------------------------------------------
@@ -288,11 +294,11 @@ class TorchStorage(Storage):
                 self.tensors[name] = value
                 self._register(name, value)
 
-    def tensor_digest(self, name: str) -> int:
+    def tensor_words(self, name: str) -> np.ndarray:
         flat = self._flat[name]
         host = flat if flat.device.type == "cpu" else flat.cpu()
         arr = host.numpy()
-        return words_digest(arr.view(arr.dtype.str.replace("i", "u")))
+        return arr.view(arr.dtype.str.replace("i", "u"))
 
 
 # -- safetensors checkpoint directory ------------------------------------------------------
@@ -433,8 +439,8 @@ class CheckpointStorage(Storage):
             self._maps[path].flush()
         self._dirty.clear()
 
-    def tensor_digest(self, name: str) -> int:
-        return words_digest(self._words[name])
+    def tensor_words(self, name: str) -> np.ndarray:
+        return self._words[name]
 
     def _plan(self, layout: Layout) -> dict[Path, list[str]]:
         """Which tensors each file holds after the change (deterministic, tensors never move)."""

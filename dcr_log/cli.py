@@ -43,25 +43,40 @@ def _version_progress(log: DeltaLog, label: str, upto: int | None = None):
     return progress_bar(label, total)
 
 
+CACHE_HELP = ("baseline cache directory (default $DCR_CACHE_DIR or ~/.cache/dcr-log); "
+              "'none' keeps no cache")
+
+
+def _cache_dir(cache: str | None):
+    if cache is None:
+        return None
+    return False if cache == "none" else Path(cache)
+
+
 @app.command()
 def init(log: str = typer.Argument(..., help="log directory or URL"),
-         from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory")) -> None:
+         from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
+         cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP)) -> None:
     """Create LOG; version 0 is the full state of the checkpoint."""
     state = load_checkpoint(from_)
     with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
-        writer = LogWriter.create(log, state, progress=advance)
+        writer = LogWriter.create(log, state, progress=advance, cache_dir=_cache_dir(cache))
     commit = writer.log.commit(0)
     out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes")
 
 
 @app.command()
 def append(log: str = typer.Argument(..., help="log directory or URL"),
-           from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory")) -> None:
-    """Append the checkpoint's state as the next version, stored as a delta."""
+           from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
+           cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP)) -> None:
+    """Append the checkpoint's state as the next version, stored as a delta.
+
+    The baseline (the latest version's state) comes from the local cache that init and append
+    keep, checked against the commit's digests; without one the log is replayed.
+    """
     dlog = DeltaLog.open(log)
     state = load_checkpoint(from_)
-    with _version_progress(dlog, "rebuild latest") as advance:
-        writer = LogWriter.open(dlog, progress=lambda v: advance())
+    writer = LogWriter.open(dlog, cache_dir=_cache_dir(cache))
     with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
         commit = writer.append(state, progress=advance)
     pct = 100.0 * commit.stats.changed_elements / max(commit.stats.total_elements, 1)

@@ -152,3 +152,13 @@ def snapshot_files(root: Path) -> dict[str, bytes]:
     """Every regular file under ``root`` (relative path -> bytes)."""
     root = Path(root)
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _baseline_cache_dir(tmp_path_factory, monkeypatch):
+    """Writers keep their baseline cache in a temporary directory, never in the home directory
+    (subprocesses inherit the variable)."""
+    monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path_factory.mktemp("dcr-cache")))

@@ -1,0 +1,319 @@
+"""A writer rank's baseline: the words of the pieces it owns at the version it last committed.
+
+Kept in memory, or memory-mapped from a local cache directory so that a writer that restarts
+resumes without replaying the log. The cache is an optimisation that never decides
+correctness: it is used only when every piece's words hash to the digest recorded with it,
+and those digests add up (across the ranks) to the commit record's tensor digests; anything
+else is rebuilt from the log.
+
+Cache layout, per log and per rank: ``<cache>/<log id>/r<rank>-<16 hex of the piece set>/``
+holding ``meta.json`` and ``words-<version>.bin`` (the pieces' words, 64-byte aligned).
+An append advances it in place: ``meta.json`` first records the version being written and
+the pieces' digests after it ("pending"), then the changed words are scattered into the map,
+then ``meta.json`` records the new version. A kill in between leaves words that match one
+of the two digest lists, or neither (then the pieces are rebuilt). Nothing is fsynced: a
+SIGKILL loses no page-cache write, and a power loss is caught by the digest check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+import xxhash
+
+from .coords import DTYPE_WIDTH, Box, box_view, numel, word_dtype
+from .digest import MASK64
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .log import DeltaLog
+
+PieceKey = tuple  # (name, offset tuple, shape tuple)
+CACHE_FORMAT = "dcr-baseline/1"
+ALIGN = 64
+
+
+def piece_key(name: str, box: Box) -> PieceKey:
+    return (name, tuple(int(o) for o in box.offset), tuple(int(s) for s in box.shape))
+
+
+def _key_json(key: PieceKey) -> list:
+    return [key[0], list(key[1]), list(key[2])]
+
+
+def _key_of(obj: list) -> PieceKey:
+    return (obj[0], tuple(obj[1]), tuple(obj[2]))
+
+
+def default_cache_root() -> Path:
+    env = os.environ.get("DCR_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "dcr-log"
+
+
+class BaselineCache:
+    """Where one rank keeps its baseline files for one log."""
+
+    def __init__(self, root: Path, log_id: str):
+        self.dir = Path(root) / log_id
+
+    @staticmethod
+    def resolve(cache_dir: Any, store, log_id: str) -> "BaselineCache | None":
+        """None (no cache) for ``cache_dir=False`` and for logs in memory; else the given
+        directory or the default one."""
+        if cache_dir is False:
+            return None
+        if cache_dir is None:
+            if store.url.startswith("memory://"):
+                return None
+            cache_dir = default_cache_root()
+        return BaselineCache(Path(cache_dir), log_id)
+
+    def slot(self, rank: int, keys: list[PieceKey]) -> Path:
+        sig = xxhash.xxh3_64_hexdigest(json.dumps(sorted(_key_json(k) for k in keys)).encode())
+        return self.dir / f"r{rank}-{sig}"
+
+    def drop_other_slots(self, rank: int, keep: Path) -> None:
+        if not self.dir.is_dir():
+            return
+        for p in self.dir.glob(f"r{rank}-*"):
+            if p != keep and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Baseline:
+    """Piece words (flat, box row-major) and their digests at ``version``."""
+
+    version: int
+    arrays: dict
+    dtypes: dict
+    digests: dict
+    slot: Path | None = None  # the cache slot whose file maps ``arrays``, if any
+    _file: str = ""
+    _layout: list = field(default_factory=list)  # (key, byte offset) in the slot's file
+
+    @staticmethod
+    def empty(version: int) -> "Baseline":
+        return Baseline(version, {}, {}, {})
+
+    def has(self, key: PieceKey) -> bool:
+        return key in self.arrays
+
+    def words(self, key: PieceKey) -> np.ndarray:
+        return self.arrays[key]
+
+    def advance(self, version: int, commit, pending, mine: list, cache: BaselineCache | None) -> "Baseline":
+        """The baseline after ``commit``: changed words scattered into kept pieces, new words
+        for new pieces, pieces no longer owned dropped; persisted to the cache if there is one."""
+        table = commit.tensor_map()
+        digests = {}
+        for p in mine:
+            if not (p.key in self.arrays and p.key not in pending.fresh):
+                continue
+            d = self.digests.get(p.key, 0)
+            digests[p.key] = (d + pending.contrib.get(p.key, 0)) & MASK64
+        for p in mine:
+            if p.key not in digests:
+                digests[p.key] = pending.contrib.get(p.key, 0) & MASK64
+        if not pending.composable:
+            for p in mine:  # whole tensors: the tensor digest is the piece's
+                digests[p.key] = table[p.name].digest
+        same_pieces = (set(self.arrays) == {p.key for p in mine} and not pending.fresh
+                       and all(self.dtypes.get(p.key) == p.dtype for p in mine))
+        if same_pieces:
+            if self.slot is not None:
+                _write_meta(self.slot, self, digests, pending_version=version)
+            for key, parts in pending.scatters.items():
+                arr = self.arrays[key]
+                for pos, values in parts:
+                    arr[pos] = values
+            out = Baseline(version, self.arrays, self.dtypes, digests, self.slot, self._file, self._layout)
+            if self.slot is not None:
+                _write_meta(self.slot, out, digests)
+            return out
+        arrays, dtypes = {}, {}
+        for p in mine:
+            word = word_dtype(p.dtype)
+            if p.key in self.arrays and p.key not in pending.fresh:
+                arr = self.arrays[p.key]
+                arr = np.array(arr, copy=True) if self.slot is not None else arr
+                for pos, values in pending.scatters.get(p.key, ()):
+                    arr[pos] = values
+            else:
+                arr = np.empty(p.box.size, dtype=word)
+                for start, values in pending.fresh.get(p.key, ()):
+                    arr[start:start + values.size] = values
+            arrays[p.key] = arr
+            dtypes[p.key] = p.dtype
+        out = Baseline(version, arrays, dtypes, digests)
+        return out.persist(cache, pending.rank) if cache is not None else out
+
+    def persist(self, cache: BaselineCache, rank: int) -> "Baseline":
+        """Write this baseline as a new cache slot and map it from there."""
+        keys = sorted(self.arrays, key=lambda k: (k[0].encode(), k[1]))
+        slot = cache.slot(rank, keys)
+        slot.mkdir(parents=True, exist_ok=True)
+        name = f"words-{self.version}.bin"
+        tmp = slot / f".{name}.{os.getpid()}.tmp"
+        layout, at = [], 0
+        with open(tmp, "wb") as f:
+            for key in keys:
+                arr = np.ascontiguousarray(self.arrays[key])
+                f.seek(at)
+                f.write(memoryview(arr).cast("B") if arr.size else b"")
+                layout.append((key, at))
+                at += -(-arr.nbytes // ALIGN) * ALIGN
+            f.truncate(max(at, 1))
+        os.replace(tmp, slot / name)
+        out = Baseline(self.version, {}, dict(self.dtypes), dict(self.digests), slot)
+        out._map(name, layout)
+        _write_meta(slot, out, out.digests, file=name)
+        for old in slot.glob("words-*.bin"):
+            if old.name != name:
+                old.unlink(missing_ok=True)
+        cache.drop_other_slots(rank, slot)
+        return out
+
+    def _map(self, file: str, layout: list) -> None:
+        self._file = file
+        self._layout = layout
+        mm = np.memmap(self.slot / file, dtype=np.uint8, mode="r+")
+        for key, at in layout:
+            n = numel(key[2]) * DTYPE_WIDTH[self.dtypes[key]]
+            self.arrays[key] = mm[at:at + n].view(word_dtype(self.dtypes[key]))
+
+
+def _write_meta(slot: Path, base: Baseline, digests: Mapping, file: str | None = None,
+                pending_version: int | None = None) -> None:
+    file = file or base._file
+    meta = {
+        "format": CACHE_FORMAT,
+        "version": base.version,
+        "file": file,
+        "pieces": [[_key_json(k), base.dtypes[k], at, f"{base.digests.get(k, 0):016x}"]
+                   for k, at in base._layout],
+        "pending": None if pending_version is None else {
+            "version": pending_version,
+            "digests": [f"{digests[k]:016x}" for k, _ in base._layout],
+        },
+    }
+    _write_json_atomic(slot / "meta.json", meta)
+
+
+def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_box) -> Baseline | None:
+    """The cached baseline of exactly these pieces, if its words match the digests recorded
+    for one version (``digest_box(key, words) -> int``); None otherwise."""
+    slot = cache.slot(rank, sorted(keys, key=lambda k: (k[0].encode(), k[1])))
+    try:
+        meta = json.loads((slot / "meta.json").read_text())
+        if meta.get("format") != CACHE_FORMAT:
+            return None
+        layout = [(_key_of(k), int(at)) for k, _, at, _ in meta["pieces"]]
+        dtypes = {_key_of(k): dt for k, dt, _, _ in meta["pieces"]}
+        recorded = [int(d, 16) for _, _, _, d in meta["pieces"]]
+        if {k for k, _ in layout} != set(keys):
+            return None
+        base = Baseline(int(meta["version"]), {}, dtypes, {}, slot)
+        base._map(meta["file"], layout)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    actual = [digest_box(k, base.arrays[k]) for k, _ in layout]
+    if actual == recorded:
+        base.digests = {k: d for (k, _), d in zip(layout, actual)}
+        return base
+    pend = meta.get("pending")
+    if pend and [int(d, 16) for d in pend["digests"]] == actual:
+        base.version = int(pend["version"])
+        base.digests = {k: d for (k, _), d in zip(layout, actual)}
+        return base
+    return None
+
+
+def load_baseline(log: "DeltaLog", version: int, needed: list, cache: BaselineCache | None, group,
+                  layout, current: Baseline | None = None) -> Baseline:
+    """This rank's baseline of ``needed`` pieces at ``version`` (collective).
+
+    Each rank offers what it has (its current in-memory baseline, else its cache) with the
+    pieces' digests; the ranks exchange per-tensor sums, and a tensor is trusted only when
+    every owner has all its pieces and the sums equal the commit's tensor digest. Everything
+    else is rebuilt from the log by the ranks that own pieces of it.
+    """
+    digests = log.digests
+    commit = log.commit(version)
+    table = commit.tensor_map()
+    keys = [p.key for p in needed]
+    dtypes = {p.key: p.dtype for p in needed}
+    shapes = {p.key: layout.tensors[p.name][1] for p in needed}
+
+    def digest_box(key, words):
+        return digests.box(Box(key[1], key[2]), shapes.get(key, key[2]), words)
+
+    have: Baseline | None = None
+    if current is not None and all(current.has(k) for k in keys):
+        have = current
+    elif cache is not None and keys:
+        cached = open_cached(cache, group.rank, keys, digest_box)
+        if cached is not None and cached.version == version:
+            have = cached
+    offer: dict[str, int | None] = {}
+    for p in needed:
+        if have is None or not have.has(p.key):
+            offer[p.name] = None
+            continue
+        d = have.digests.get(p.key)
+        if d is None:
+            d = digest_box(p.key, have.words(p.key))
+        if p.name in offer and offer[p.name] is None:
+            continue
+        offer[p.name] = (offer.get(p.name, 0) + d) & MASK64 if digests.composable else d
+    offers = group.all_gather(offer)
+    rebuild: set[str] = set()
+    names = {n for o in offers for n in o}
+    for name in names:
+        parts = [o[name] for o in offers if name in o]
+        if any(v is None for v in parts):
+            rebuild.add(name)
+        elif digests.composable:
+            if sum(parts) & MASK64 != table[name].digest:
+                rebuild.add(name)
+        elif any(v != table[name].digest for v in parts):
+            rebuild.add(name)
+    arrays, pdigests = {}, {}
+    mine_rebuild = sorted({p.name for p in needed if p.name in rebuild}, key=str.encode)
+    state = log.materialize(version, tensors=set(mine_rebuild)) if mine_rebuild else {}
+    for p in needed:
+        if p.name in rebuild:
+            bits = state[p.name]
+            arrays[p.key] = np.array(box_view(bits.words, bits.shape, p.box), copy=True)
+            pdigests[p.key] = digest_box(p.key, arrays[p.key])
+        else:
+            arrays[p.key] = have.words(p.key)
+            d = have.digests.get(p.key)
+            pdigests[p.key] = digest_box(p.key, arrays[p.key]) if d is None else d
+    del state
+    reuse = have is not None and have.slot is not None and not mine_rebuild and set(have.arrays) == set(keys)
+    out = Baseline(version, arrays, dtypes, pdigests, *((have.slot, have._file, have._layout) if reuse else ()))
+    if out.slot is None and cache is not None:
+        out = out.persist(cache, group.rank)
+    return out
+
+
+def check_cache_root(path: Any) -> Path:
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"cache directory {p} is not a directory")
+    return p

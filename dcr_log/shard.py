@@ -1,0 +1,758 @@
+"""Sharded trainers: every rank diffs and logs its own shards, in canonical coordinates, and
+the ranks commit one version per step together (spec/FORMAT.md section 12, "Sharded writers").
+
+A rank describes what it holds as ``{canonical_name: [Shard, ...]}``: each Shard is a box of a
+canonical tensor (a tensor-parallel slice, one of the views of a fused local buffer, an
+expert of a stacked MoE parameter), a contiguous range of its row-major order (an FSDP flat
+shard), or the output of a converter (a canonical tensor the local layout cannot reach by a
+box map). Nothing is gathered: each rank compares its shards with its own baseline of them,
+writes the records of the changed boxes to segments of its own, and adds up its part of each
+tensor digest (composable ``sum-digests``). One coordinator writes the commit record only after
+every rank reported success; every rank learns the outcome.
+
+The collectives go through a small ``Group`` interface: ``LocalGroup`` (one process, no torch)
+or ``TorchGroup`` (any ``torch.distributed`` process group: gloo in the tests, nccl on GPUs;
+object collectives, so the group's timeout turns a dead rank into an error, not a hang).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import xxhash
+
+from .baseline import Baseline, BaselineCache, PieceKey, load_baseline, piece_key
+from .coords import DTYPE_WIDTH, Box, box_view, flat_range_boxes, numel
+from .delta import Differ, EncodePolicy, map_ordered
+from .digest import MASK64, SUM_DIGESTS, scheme_for
+from .errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, UsageError
+from .format import (
+    IDENTITY_KEY,
+    CommitRecord,
+    CommitStats,
+    LogIdentity,
+    SegmentBuilder,
+    SegmentRef,
+    segment_key,
+)
+from .format.keys import check_writer_id
+from .log import DeltaLog
+from .state import TensorBits, TensorInfo, check_name, dtype_of, state_digest, to_bits
+from .store import AlreadyExists, Store
+
+# A segment file is closed and uploaded once it holds this many payload bytes.
+DEFAULT_SEGMENT_BYTES = 256 << 20
+
+
+def utc_now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def default_writer_id() -> str:
+    import re
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}"
+
+
+# -- shards ---------------------------------------------------------------------------------
+
+
+class Shard:
+    """Part of one canonical tensor held by this rank.
+
+    ``Shard(tensor, offset)``: ``tensor`` (numpy, torch on any device, or TensorBits; possibly a
+    view into a larger local buffer) is the box of the canonical tensor that starts at
+    ``offset`` (default: the origin) and has ``tensor.shape``.
+    """
+
+    __slots__ = ("tensor", "offset", "start", "convert", "kind")
+
+    def __init__(self, tensor: Any, offset: Sequence[int] | None = None):
+        rank = len(tuple(tensor.shape))
+        self.tensor = tensor
+        self.offset = (0,) * rank if offset is None else tuple(int(o) for o in offset)
+        if len(self.offset) != rank:
+            raise UsageError(f"shard offset {self.offset} has rank {len(self.offset)}, its tensor {rank}")
+        self.start: int | None = None
+        self.convert: Callable[[], Any] | None = None
+        self.kind = "xor"
+
+    @staticmethod
+    def flat(tensor1d: Any, start: int) -> "Shard":
+        """Elements ``start .. start + numel`` of the canonical tensor's row-major order (an
+        FSDP flat shard): ``tensor1d`` is one-dimensional."""
+        if len(tuple(tensor1d.shape)) != 1:
+            raise UsageError("Shard.flat takes a one-dimensional tensor")
+        shard = Shard(tensor1d, (0,))
+        shard.offset = None
+        shard.start = int(start)
+        return shard
+
+    @staticmethod
+    def converted(fn: Callable[[], Any], offset: Sequence[int] | None = None) -> "Shard":
+        """A residual: ``fn()`` returns, at every append, the canonical box (a tensor) that
+        starts at ``offset``: a rotary permutation, a transposed or requantised export, a
+        tensor that exists only after a conversion. Its changes are logged as ``overwrite``
+        records (the path from local state does not preserve bits), or ``tensor`` records
+        when its dtype or shape changes."""
+        shard = Shard.__new__(Shard)
+        shard.tensor = None
+        shard.offset = None if offset is None else tuple(int(o) for o in offset)
+        shard.start = None
+        shard.convert = fn
+        shard.kind = "overwrite"
+        return shard
+
+    def __repr__(self) -> str:
+        if self.convert is not None:
+            return f"Shard.converted({self.convert!r}, offset={self.offset})"
+        if self.start is not None:
+            return f"Shard.flat(<{tuple(self.tensor.shape)}>, start={self.start})"
+        return f"Shard(<{tuple(self.tensor.shape)}>, offset={self.offset})"
+
+
+@dataclass
+class Piece:
+    """One box of a canonical tensor with the local tensor that holds it (shape == box.shape)."""
+
+    name: str
+    box: Box
+    dtype: str
+    source: Any
+    kind: str
+
+    @property
+    def key(self) -> PieceKey:
+        return piece_key(self.name, self.box)
+
+    @property
+    def row(self) -> int:
+        return numel(self.box.shape[1:]) if self.box.shape else 1
+
+    def chunks(self, chunk_elements: int) -> list[tuple[int, int]]:
+        """Row ranges [r0, r1) of at most ``chunk_elements`` elements (a row is never split)."""
+        if self.box.size == 0:
+            return []
+        if not self.box.shape:
+            return [(0, 1)]
+        rows = max(1, chunk_elements // max(self.row, 1))
+        return [(r, min(r + rows, self.box.shape[0])) for r in range(0, self.box.shape[0], rows)]
+
+    def words(self, r0: int, r1: int) -> np.ndarray:
+        """Host words of rows [r0, r1) in row-major order (copied only when the source is not
+        a contiguous host array: a strided view, a torch tensor on a device)."""
+        if isinstance(self.source, _TypedWords):
+            bits = self.source.rows(r0, r1)
+        else:
+            bits = to_bits(self.source if not self.box.shape else self.source[r0:r1])
+        if bits.dtype != self.dtype:
+            raise UsageError(f"{self.name}: a shard changed dtype from {self.dtype} to {bits.dtype}")
+        return bits.words
+
+    def sub_box(self, r0: int, r1: int) -> Box:
+        if not self.box.shape:
+            return self.box
+        return Box((self.box.offset[0] + r0,) + self.box.offset[1:], (r1 - r0,) + self.box.shape[1:])
+
+
+def _pieces(name: str, shard: Shard, shape: tuple[int, ...] | None) -> list[Piece]:
+    tensor, kind = shard.tensor, shard.kind
+    if shard.convert is not None:
+        tensor = shard.convert()
+        if tensor is None or not hasattr(tensor, "shape"):
+            raise UsageError(f"{name}: the converter returned {type(tensor).__name__}, not a tensor")
+    dtype = dtype_of(tensor)
+    local_shape = tuple(int(s) for s in tensor.shape)
+    if shard.start is not None:
+        if shape is None:
+            raise UsageError(f"{name}: a flat shard needs the tensor's canonical shape (shapes=)")
+        n = local_shape[0]
+        pieces, at = [], 0
+        for box in flat_range_boxes(shape, shard.start, shard.start + n):
+            part = tensor[at:at + box.size].reshape(box.shape)
+            pieces.append(Piece(name, box, dtype, part, kind))
+            at += box.size
+        return pieces
+    offset = shard.offset if shard.offset is not None else (0,) * len(local_shape)
+    if len(offset) != len(local_shape):
+        raise UsageError(f"{name}: offset {offset} does not match a tensor of rank {len(local_shape)}")
+    if isinstance(tensor, TensorBits):
+        tensor = tensor.words.reshape(tensor.shape) if tensor.shape else tensor.words.reshape(())
+        tensor = _TypedWords(tensor, dtype)
+    return [Piece(name, Box(offset, local_shape), dtype, tensor, kind)]
+
+
+class _TypedWords:
+    """TensorBits' words with their dtype, sliceable by rows like an array."""
+
+    def __init__(self, words: np.ndarray, dtype: str):
+        self.words, self.dtype, self.shape = words, dtype, words.shape
+
+    def rows(self, r0: int, r1: int) -> TensorBits:
+        w = self.words[r0:r1] if self.words.ndim else self.words
+        return TensorBits(self.dtype, tuple(w.shape), np.ascontiguousarray(w).reshape(-1))
+
+
+def resolve_pieces(shards: Mapping[str, Sequence[Shard] | Shard],
+                   shapes: Mapping[str, tuple[int, ...]]) -> list[Piece]:
+    """This rank's shards as pieces, checked against the canonical shapes it knows."""
+    if not isinstance(shards, Mapping):
+        raise UsageError("shards must map canonical names to lists of Shard")
+    out: list[Piece] = []
+    for name, lst in shards.items():
+        check_name(name)
+        if isinstance(lst, Shard):
+            lst = [lst]
+        for shard in lst:
+            if not isinstance(shard, Shard):
+                raise UsageError(f"{name}: expected Shard objects, got {type(shard).__name__}")
+            shape = shapes.get(name)
+            for piece in _pieces(name, shard, None if shape is None else tuple(shape)):
+                if shape is not None:
+                    piece.box.check_inside_or_usage(tuple(shape), name)
+                out.append(piece)
+    return out
+
+
+# -- collectives ----------------------------------------------------------------------------
+
+
+class CollectiveFailed(DcrError):
+    """A collective operation failed: a rank died, timed out or left the group."""
+
+
+class Group:
+    """The collectives a sharded writer needs. Rank 0 is the coordinator."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's object at the coordinator (None elsewhere)."""
+        raise NotImplementedError
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's object on every rank."""
+        raise NotImplementedError
+
+
+class LocalGroup(Group):
+    """One process: collectives are identities (no torch needed)."""
+
+    def all_gather(self, obj):
+        return [obj]
+
+    def gather(self, obj):
+        return [obj]
+
+    def broadcast(self, obj):
+        return obj
+
+
+class TorchGroup(Group):
+    """A torch.distributed process group (default: the world). Object collectives: every
+    failure (a rank that died, the group's timeout) becomes CollectiveFailed."""
+
+    def __init__(self, group: Any = None):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise UsageError("torch.distributed is not initialised: call init_process_group first")
+        self._dist = dist
+        self._group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._root = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def _call(self, what: str, fn):
+        try:
+            return fn()
+        except DcrError:
+            raise
+        except Exception as exc:  # gloo/nccl raise RuntimeError subclasses on a lost peer or timeout
+            raise CollectiveFailed(f"{what} failed on rank {self.rank}: {' '.join(str(exc).split())[:300]}") from exc
+
+    def all_gather(self, obj):
+        out = [None] * self.size
+        self._call("all_gather", lambda: self._dist.all_gather_object(out, obj, group=self._group))
+        return out
+
+    def gather(self, obj):
+        out = [None] * self.size if self.rank == 0 else None
+        self._call("gather", lambda: self._dist.gather_object(obj, out, dst=self._root, group=self._group))
+        return out
+
+    def broadcast(self, obj):
+        box = [obj]
+        self._call("broadcast", lambda: self._dist.broadcast_object_list(box, src=self._root, group=self._group))
+        return box[0]
+
+
+def as_group(group: Any) -> Group:
+    """A Group: given one, a torch process group, or None (the world when torch.distributed is
+    initialised, else this process alone)."""
+    if isinstance(group, Group):
+        return group
+    if group is None:
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return LocalGroup()
+        if not dist.is_available() or not dist.is_initialized():
+            return LocalGroup()
+    return TorchGroup(group)
+
+
+# -- layout ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The validated layout of one version: every tensor's dtype and shape, and which rank
+    owns (writes) each piece. The same on every rank."""
+
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    owner: dict[PieceKey, int]
+    signature: tuple
+
+    def owned(self, rank: int) -> set[PieceKey]:
+        return {k for k, r in self.owner.items() if r == rank}
+
+
+def _summary(pieces: list[Piece], shapes: Mapping[str, tuple[int, ...]], names: Sequence[str]) -> dict:
+    return {
+        "names": sorted(names),
+        "pieces": sorted((p.name, p.dtype, p.box.offset, p.box.shape) for p in pieces),
+        "shapes": {k: tuple(int(s) for s in v) for k, v in shapes.items() if k in set(names)},
+    }
+
+
+def validate_layout(summaries: list[dict], previous: Mapping[str, tuple[str, tuple[int, ...]]]) -> Layout:
+    """Check that the ranks' pieces cover every canonical element exactly once (identical
+    boxes on several ranks are replicas, written by the lowest rank) with one dtype per
+    tensor and shapes the ranks agree on. Deterministic: every rank reaches the same verdict."""
+    for rank, s in enumerate(summaries):
+        if s.get("error"):
+            raise UsageError(f"rank {rank}: {s['error']}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank, s in enumerate(summaries):
+        for name, shape in s["shapes"].items():
+            if shapes.setdefault(name, shape) != shape:
+                raise UsageError(f"tensor {name!r}: ranks disagree on its shape ({shapes[name]} vs "
+                                 f"{shape} on rank {rank})")
+    names = sorted({n for s in summaries for n in s["names"]}, key=str.encode)
+    dtypes: dict[str, str] = {}
+    owner: dict[PieceKey, int] = {}
+    boxes: dict[str, list[Box]] = {n: [] for n in names}
+    for rank, s in enumerate(summaries):
+        seen: set[PieceKey] = set()
+        for name, dtype, offset, shape in s["pieces"]:
+            if dtypes.setdefault(name, dtype) != dtype:
+                raise UsageError(f"tensor {name!r}: shards of dtypes {dtypes[name]} and {dtype}")
+            box = Box(tuple(offset), tuple(shape))
+            key = piece_key(name, box)
+            if key in seen:
+                raise UsageError(f"tensor {name!r}: rank {rank} holds box {box} twice")
+            seen.add(key)
+            if key not in owner:
+                owner[key] = rank
+                boxes[name].append(box)
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name in names:
+        shape = shapes.get(name)
+        if shape is None and name in previous:
+            shape = previous[name][1]
+        if shape is None:
+            raise UsageError(f"tensor {name!r} is new: give its canonical shape in shapes=")
+        if name not in dtypes:
+            if numel(shape):
+                raise UsageError(f"tensor {name!r}: no rank holds any of its {numel(shape)} elements")
+            dtypes[name] = previous.get(name, ("U8", ()))[0] if name in previous else None
+            if dtypes[name] is None:
+                raise UsageError(f"tensor {name!r} is empty and new: give it as an empty shard")
+        check_cover(name, shape, boxes[name])
+        tensors[name] = (dtypes[name], shape)
+    signature = tuple((n, tensors[n][0], tensors[n][1]) for n in names) + tuple(
+        sorted((k, r) for k, r in owner.items()))
+    return Layout(tensors, owner, signature)
+
+
+def check_cover(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
+    """The boxes lie inside ``shape``, do not overlap, and cover all of it (vectorised)."""
+    for b in boxes:
+        b.check_inside_or_usage(shape, name)
+    live = [b for b in boxes if b.size]
+    covered = sum(b.size for b in live)
+    n = numel(shape)
+    if len(live) > 1 and shape:
+        lo = np.array([b.offset for b in live], dtype=np.int64)
+        hi = lo + np.array([b.shape for b in live], dtype=np.int64)
+        for i in range(0, len(live), 512):
+            # box i overlaps box j when they overlap along every dimension
+            meet = np.all((lo[i:i + 512, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[i:i + 512, None, :]),
+                          axis=2)
+            idx = np.arange(i, min(i + 512, len(live)))
+            meet[np.arange(len(idx)), idx] = False
+            if meet.any():
+                a, b = np.argwhere(meet)[0]
+                raise UsageError(f"tensor {name!r}: boxes {live[i + a]} and {live[b]} overlap")
+    elif len(live) > 1:
+        raise UsageError(f"tensor {name!r}: a 0-d tensor is held by two different boxes")
+    if covered != n:
+        raise UsageError(f"tensor {name!r}: shards cover {covered} of its {n} elements (a gap)")
+
+
+# -- the writer -----------------------------------------------------------------------------
+
+
+@dataclass
+class _RankReport:
+    ok: bool
+    error: str = ""
+    error_type: str = ""
+    segments: list = field(default_factory=list)
+    contrib: dict = field(default_factory=dict)   # sum-digests: per tensor, its digest change
+    whole: dict = field(default_factory=dict)     # xxh3 logs: per tensor, the new tensor digest
+    changed: int = 0
+    records: int = 0
+
+
+class ShardedWriter:
+    """Appends versions to one log from every rank of a process group (collectively).
+
+    Each rank keeps a baseline of the pieces it owns: in memory, or memory-mapped from a local
+    cache directory (``cache_dir``, default ``$DCR_CACHE_DIR`` or ``~/.cache/dcr-log``;
+    ``False`` for none) so that ``open`` resumes without replaying the log.
+    """
+
+    def __init__(self, log: DeltaLog, group: Group, version: int, cache: BaselineCache | None,
+                 writer_id: str | None = None, policy: EncodePolicy | None = None,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES):
+        self.log = log
+        self.group = group
+        self.writer_id = check_writer_id(writer_id or default_writer_id())
+        self.segment_bytes = segment_bytes
+        self._differ = Differ(policy, log.digests)
+        self._version = version
+        self._cache = cache
+        self._baseline: Baseline | None = None
+        self._layout: Layout | None = None
+
+    @property
+    def version(self) -> int:
+        """The last version this writer committed or started from."""
+        return self._version
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    # -- create / open ----------------------------------------------------------------------
+
+    @staticmethod
+    def create(location: str | os.PathLike | Store, shards: Mapping[str, Sequence[Shard]],
+               shapes: Mapping[str, Sequence[int]], group: Any = None, *, cache_dir: Any = None,
+               features: Sequence[str] = (SUM_DIGESTS,), writer_id: str | None = None,
+               policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+               progress: Callable[[int], None] | None = None) -> "ShardedWriter":
+        """Create a new log whose version 0 is the ranks' shards (collective)."""
+        g = as_group(group)
+        store = location if isinstance(location, Store) else Store.open(location, create=True)
+        outcome = None
+        if g.rank == 0:
+            identity = LogIdentity(log_id=uuid.uuid4().hex, created_at=utc_now(),
+                                   features=tuple(sorted(features)))
+            try:
+                store.put_new(IDENTITY_KEY, identity.to_bytes())
+                outcome = {"ok": True, "identity": identity.to_bytes()}
+            except AlreadyExists:
+                outcome = {"ok": False, "error": f"{store.url} already holds a log"}
+            except Exception as exc:
+                outcome = {"ok": False, "error": f"cannot create {store.url}: {exc}"}
+        outcome = g.broadcast(outcome)
+        if not outcome["ok"]:
+            raise CommitConflict(outcome["error"])
+        identity = LogIdentity.from_bytes(outcome["identity"])
+        log = DeltaLog(store, identity)
+        writer = ShardedWriter(log, g, -1, BaselineCache.resolve(cache_dir, store, identity.log_id),
+                               writer_id, policy, segment_bytes)
+        writer._baseline = Baseline.empty(-1)
+        writer.append(shards, shapes, progress=progress)
+        return writer
+
+    @staticmethod
+    def open(location: str | os.PathLike | Store | DeltaLog, group: Any = None, *, cache_dir: Any = None,
+             writer_id: str | None = None, policy: EncodePolicy | None = None,
+             segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "ShardedWriter":
+        """Resume writing a log (collective). The baseline is loaded at the first append, when
+        the shards are known: from the local cache, checked against the commit's digests, or
+        else rebuilt from the log."""
+        g = as_group(group)
+        log = location if isinstance(location, DeltaLog) else DeltaLog.open(location)
+        # Agree on the version to build on: the coordinator's view of the latest.
+        latest = g.broadcast(_try(log.latest_version) if g.rank == 0 else None)
+        if isinstance(latest, Exception):
+            raise latest
+        return ShardedWriter(log, g, latest, BaselineCache.resolve(cache_dir, log.store, log.log_id),
+                             writer_id, policy, segment_bytes)
+
+    # -- append -----------------------------------------------------------------------------
+
+    def append(self, shards: Mapping[str, Sequence[Shard]], shapes: Mapping[str, Sequence[int]] | None = None,
+               kind: str = "xor", progress: Callable[[int], None] | None = None) -> CommitRecord:
+        """Commit this step as the next version (collective; every rank gets the same commit
+        record). ``shapes`` gives the canonical shapes of new or reshaped tensors (and of
+        tensors held by flat shards); ``kind`` is ``xor`` or ``overwrite`` for the box shards.
+
+        A rank's exception, a conflict or a dead rank aborts the step on every rank: nothing is
+        committed and the baselines stay as they were.
+        """
+        if kind not in ("xor", "overwrite"):
+            raise UsageError(f"append kind must be xor or overwrite, not {kind!r}")
+        g = self.group
+        version = self._version + 1
+        previous = {} if version == 0 else {t.name: t for t in self.log.commit(self._version).tensors}
+        prev_layout = {n: (t.dtype, t.shape) for n, t in previous.items()}
+        shapes = {} if shapes is None else {n: tuple(int(d) for d in s) for n, s in shapes.items()}
+        known = {**{n: s for n, (_, s) in prev_layout.items()}, **shapes}
+
+        # Phase 0: the layout, validated identically on every rank before anything is written.
+        local_error: BaseException | None = None
+        try:
+            pieces = resolve_pieces(shards, known)
+            for p in pieces:
+                if p.kind == "xor":
+                    p.kind = kind
+            summary = _summary(pieces, shapes, list(shards))
+        except DcrError as exc:
+            local_error, pieces = exc, []
+            summary = {"error": str(exc)}
+        except Exception as exc:
+            local_error, pieces = exc, []
+            summary = {"error": f"{type(exc).__name__}: {exc}"}
+        layout = validate_layout(g.all_gather(summary), prev_layout)  # UsageError everywhere
+        if not self.log.digests.composable:
+            _check_whole(layout)
+        owned = layout.owned(g.rank)
+        mine = [p for p in pieces if p.key in owned and layout.owner[p.key] == g.rank]
+        mine.sort(key=lambda p: (p.name.encode(), p.box.offset))
+        self._ensure_baseline(layout, previous, mine)
+
+        # Phase 1: every rank diffs its pieces and writes its segments.
+        report, pending, error = self._write_rank(version, layout, previous, mine, progress)
+        local_error = local_error or error
+
+        # Phase 2: the coordinator commits only if every rank succeeded.
+        try:
+            reports = g.gather(report)
+            outcome = self._decide(version, layout, previous, reports) if g.rank == 0 else None
+            outcome = g.broadcast(outcome)
+        except CollectiveFailed as exc:
+            # Another rank may have died after reporting: the commit may exist. Keep our
+            # segments (a commit record may list them) and let the caller reopen.
+            raise AppendAborted(f"version {version} not committed by this group ({exc}); "
+                                "reopen the writer to learn the log's state") from exc
+        if not outcome["ok"]:
+            if not outcome.get("unknown"):
+                for ref in report.segments:
+                    self.log.store.delete(ref.key)  # referenced by no commit record
+            if local_error is not None:
+                raise local_error
+            if outcome.get("conflict"):
+                raise CommitConflict(outcome["error"])
+            if outcome.get("unknown"):
+                raise CommitStateUnknown(outcome["error"])
+            raise AppendAborted(outcome["error"])
+        commit = CommitRecord.from_bytes(outcome["commit"], expect_version=version)
+        self.log.remember_commit(commit)
+        self._baseline = self._baseline.advance(version, commit, pending, mine, self._cache)
+        self._layout = layout
+        self._version = version
+        return commit
+
+    def _ensure_baseline(self, layout: Layout, previous: Mapping[str, TensorInfo], mine: list[Piece]) -> None:
+        """Make sure this rank's baseline holds every owned piece of a tensor that keeps its
+        dtype and shape, at the current version (collective when it has to load)."""
+        version = self._version
+        needed = [p for p in mine if _kept(p.name, layout, previous)]
+        base = self._baseline
+        ready = base is not None and base.version == version and all(base.has(p.key) for p in needed)
+        # Every rank must take the same branch: agree on whether anyone needs to load.
+        if all(self.group.all_gather(ready)):
+            return
+        self._baseline = load_baseline(self.log, version, needed, self._cache, self.group, layout,
+                                       current=base if base is not None and base.version == version else None)
+
+    def _write_rank(self, version: int, layout: Layout, previous, mine: list[Piece], progress):
+        """Diff this rank's pieces, write its segments; never raises (the error is reported)."""
+        report = _RankReport(ok=True)
+        pending = _Pending(self.group.rank, self.log.digests.composable)
+        error = None
+        writer_id = self.writer_id if self.group.size == 1 else f"{self.writer_id}-r{self.group.rank}"[-64:]
+        store = self.log.store
+        builder = SegmentBuilder(self.log.log_id, version)
+        digests = self.log.digests
+        policy = self._differ.policy
+
+        def flush() -> None:
+            nonlocal builder
+            if builder.records == 0:
+                return
+            data = builder.finish()
+            key = segment_key(version, writer_id, uuid.uuid4().hex)
+            store.put_new(key, data)
+            report.segments.append(SegmentRef(key, data.size, hashlib.sha256(data).hexdigest(), builder.records))
+            builder = SegmentBuilder(self.log.log_id, version)
+
+        try:
+            for piece in mine:
+                kept = _kept(piece.name, layout, previous)
+                shape = layout.tensors[piece.name][1]
+                base = self._baseline.words(piece.key) if kept else None
+                whole = None if digests.composable else xxhash.xxh3_64()
+                row = piece.row
+
+                def one(chunk, piece=piece, base=base, shape=shape):
+                    r0, r1 = chunk
+                    new = piece.words(r0, r1)
+                    old = None if base is None else base[r0 * row:r1 * row]
+                    return chunk, new, self._differ.diff_box(piece.name, piece.sub_box(r0, r1), shape, old,
+                                                             new, piece.kind)
+
+                chunks = piece.chunks(policy.chunk_elements)
+                for (r0, r1), new, delta in map_ordered(one, chunks, policy.workers,
+                                                         piece.box.size >= (1 << 20)):
+                    if whole is not None:
+                        whole.update(memoryview(np.ascontiguousarray(new)).cast("B"))
+                    if delta is None:
+                        continue
+                    if kept and delta.record.kind == "tensor":
+                        # A whole box replaced in an existing tensor: its old words leave the digest.
+                        delta.digest_delta = (delta.digest_delta - digests.box(
+                            delta.record.box, shape, base[r0 * row:r1 * row])) & MASK64
+                    pending.add(piece, r0 * row, delta, kept)
+                    if delta.digest_delta is not None:
+                        report.contrib[piece.name] = (report.contrib.get(piece.name, 0) + delta.digest_delta) & MASK64
+                    builder.add(delta.record)
+                    report.changed += delta.record.n_changed
+                    report.records += 1
+                    if builder.payload_bytes >= self.segment_bytes:
+                        flush()
+                if whole is not None:
+                    report.whole[piece.name] = whole.intdigest()
+                if progress:
+                    progress(piece.box.size * DTYPE_WIDTH[piece.dtype])
+            flush()
+        except Exception as exc:  # reported to the coordinator, re-raised on this rank after
+            error = exc
+            report = _RankReport(ok=False, error=f"{type(exc).__name__}: {' '.join(str(exc).split())}",
+                                 error_type=type(exc).__name__, segments=report.segments)
+        return report, pending, error
+
+    def _decide(self, version: int, layout: Layout, previous: Mapping[str, TensorInfo],
+                reports: list[_RankReport]) -> dict:
+        """The coordinator: write the commit record if every rank succeeded."""
+        failed = [(r, rep) for r, rep in enumerate(reports) if not rep.ok]
+        if failed:
+            r, rep = failed[0]
+            return {"ok": False, "error": f"version {version} not committed: rank {r} failed: {rep.error}"}
+        digests = self.log.digests
+        table = []
+        for name, (dtype, shape) in layout.tensors.items():
+            kept = _kept(name, layout, previous)
+            if digests.composable:
+                d = previous[name].digest if kept else digests.empty()
+                for rep in reports:
+                    d = (d + rep.contrib.get(name, 0)) & MASK64
+            else:
+                owners = [rep.whole[name] for rep in reports if name in rep.whole]
+                d = owners[0] if owners else digests.empty()
+            table.append(TensorInfo(name, dtype, shape, d))
+        parent = version - 1 if version > 0 else None
+        commit = CommitRecord(
+            log_id=self.log.log_id, version=version, parent=parent,
+            parent_state_digest=None if parent is None else self.log.commit(parent).state_digest,
+            state_digest=state_digest(table),
+            segments=tuple(ref for rep in reports for ref in rep.segments),
+            tensors=tuple(table),
+            stats=CommitStats(sum(rep.changed for rep in reports), sum(numel(s) for _, s in layout.tensors.values()),
+                              sum(rep.records for rep in reports)),
+            created_at=utc_now(), writer_id=self.writer_id, features=self.log.identity.features,
+        )
+        try:
+            self.log.write_commit(commit)
+        except CommitConflict as exc:
+            return {"ok": False, "conflict": True, "error": str(exc)}
+        except CommitStateUnknown as exc:
+            return {"ok": False, "unknown": True, "error": str(exc)}
+        except Exception as exc:
+            return {"ok": False, "unknown": True,
+                    "error": f"version {version}: commit failed ({type(exc).__name__}: {exc})"}
+        return {"ok": True, "commit": commit.to_bytes()}
+
+
+def _try(fn):
+    try:
+        return fn()
+    except DcrError as exc:
+        return exc
+
+
+def _kept(name: str, layout: Layout, previous: Mapping[str, TensorInfo]) -> bool:
+    """The tensor existed in the previous version with the same dtype and shape."""
+    old = previous.get(name)
+    return old is not None and (old.dtype, old.shape) == layout.tensors[name]
+
+
+def _check_whole(layout: Layout) -> None:
+    """Logs without sum-digests need every tensor held whole by one rank (an xxh3 digest
+    cannot be put together from parts)."""
+    by_name: dict[str, list] = {}
+    for (name, offset, shape) in layout.owner:
+        by_name.setdefault(name, []).append(shape)
+    for name, (dtype, shape) in layout.tensors.items():
+        got = by_name.get(name, [])
+        if numel(shape) and (len(got) != 1 or tuple(got[0]) != tuple(shape)):
+            raise UsageError(f"tensor {name!r} is split over shards, but this log has xxh3 digests "
+                             f"(no {SUM_DIGESTS} feature): only whole tensors can be written")
+
+
+class _Pending:
+    """What a successful commit does to this rank's baseline: scatters of changed words into
+    kept pieces, new words for pieces of new, reshaped or retyped tensors, and each piece's
+    digest change (sum-digests)."""
+
+    def __init__(self, rank: int, composable: bool) -> None:
+        self.rank = rank
+        self.composable = composable
+        self.scatters: dict[PieceKey, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.fresh: dict[PieceKey, list[tuple[int, np.ndarray]]] = {}
+        self.contrib: dict[PieceKey, int] = {}
+
+    def add(self, piece: Piece, start: int, delta, kept: bool) -> None:
+        key = piece.key
+        if delta.digest_delta is not None:
+            self.contrib[key] = (self.contrib.get(key, 0) + delta.digest_delta) & MASK64
+        if delta.positions is None:
+            # A tensor record: the chunk's words replace the baseline's (copied: the caller's
+            # buffers may change after append returns).
+            values = np.array(delta.new_values, copy=True)
+            if kept:
+                pos = np.arange(start, start + values.size, dtype=np.int64)
+                self.scatters.setdefault(key, []).append((pos, values))
+            else:
+                self.fresh.setdefault(key, []).append((start, values))
+            return
+        self.scatters.setdefault(key, []).append((delta.positions + start, delta.new_values))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -89,7 +90,7 @@ class BaselineCache:
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # unique per writer thread
     tmp.write_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
     os.replace(tmp, path)
 
@@ -116,76 +117,52 @@ class Baseline:
     def words(self, key: PieceKey) -> np.ndarray:
         return self.arrays[key]
 
-    def advance(self, version: int, commit, pending, mine: list, cache: BaselineCache | None) -> "Baseline":
+    def advance(self, version: int, commit, pending, mine: list) -> "Baseline":
         """The baseline after ``commit``: changed words scattered into kept pieces, new words
-        for new pieces, pieces no longer owned dropped; persisted to the cache if there is one."""
+        for new pieces (already in ``pending.generation`` when there is a cache), pieces no
+        longer owned dropped."""
         table = commit.tensor_map()
         digests = {}
         for p in mine:
-            if not (p.key in self.arrays and p.key not in pending.fresh):
-                continue
-            d = self.digests.get(p.key, 0)
-            digests[p.key] = (d + pending.contrib.get(p.key, 0)) & MASK64
-        for p in mine:
-            if p.key not in digests:
-                digests[p.key] = pending.contrib.get(p.key, 0) & MASK64
-        if not pending.composable:
-            for p in mine:  # whole tensors: the tensor digest is the piece's
+            old = self.digests.get(p.key, 0) if p.key in pending.kept else 0
+            digests[p.key] = (old + pending.contrib.get(p.key, 0)) & MASK64
+            if not pending.composable:  # whole tensors: the tensor digest is the piece's
                 digests[p.key] = table[p.name].digest
-        same_pieces = (set(self.arrays) == {p.key for p in mine} and not pending.fresh
-                       and all(self.dtypes.get(p.key) == p.dtype for p in mine))
-        if same_pieces:
+        dtypes = {p.key: p.dtype for p in mine}
+        gen = pending.generation
+        if gen is None and set(self.arrays) == set(dtypes) == pending.kept:
             if self.slot is not None:
                 _write_meta(self.slot, self, digests, pending_version=version)
-            for key, parts in pending.scatters.items():
-                arr = self.arrays[key]
-                for pos, values in parts:
-                    arr[pos] = values
-            out = Baseline(version, self.arrays, self.dtypes, digests, self.slot, self._file, self._layout)
+            _scatter(self.arrays, pending.scatters)
+            out = Baseline(version, self.arrays, dtypes, digests, self.slot, self._file, self._layout)
             if self.slot is not None:
                 _write_meta(self.slot, out, digests)
             return out
-        arrays, dtypes = {}, {}
+        if gen is not None:
+            for p in mine:
+                if p.key in pending.kept:
+                    gen.write(p.key, 0, self.arrays[p.key])
+            out = gen.finish(dtypes, digests)
+            _scatter(out.arrays, pending.scatters)
+            _write_meta(out.slot, out, digests)
+            return out
+        arrays = {}
         for p in mine:
-            word = word_dtype(p.dtype)
-            if p.key in self.arrays and p.key not in pending.fresh:
-                arr = self.arrays[p.key]
-                arr = np.array(arr, copy=True) if self.slot is not None else arr
-                for pos, values in pending.scatters.get(p.key, ()):
-                    arr[pos] = values
+            if p.key in pending.kept:
+                arrays[p.key] = self.arrays[p.key]
             else:
-                arr = np.empty(p.box.size, dtype=word)
-                for start, values in pending.fresh.get(p.key, ()):
-                    arr[start:start + values.size] = values
-            arrays[p.key] = arr
-            dtypes[p.key] = p.dtype
-        out = Baseline(version, arrays, dtypes, digests)
-        return out.persist(cache, pending.rank) if cache is not None else out
+                arr = pending.fresh.get(p.key)
+                arrays[p.key] = np.empty(p.box.size, dtype=word_dtype(p.dtype)) if arr is None else arr
+        _scatter(arrays, pending.scatters)
+        return Baseline(version, arrays, dtypes, digests)
 
     def persist(self, cache: BaselineCache, rank: int) -> "Baseline":
         """Write this baseline as a new cache slot and map it from there."""
-        keys = sorted(self.arrays, key=lambda k: (k[0].encode(), k[1]))
-        slot = cache.slot(rank, keys)
-        slot.mkdir(parents=True, exist_ok=True)
-        name = f"words-{self.version}.bin"
-        tmp = slot / f".{name}.{os.getpid()}.tmp"
-        layout, at = [], 0
-        with open(tmp, "wb") as f:
-            for key in keys:
-                arr = np.ascontiguousarray(self.arrays[key])
-                f.seek(at)
-                f.write(memoryview(arr).cast("B") if arr.size else b"")
-                layout.append((key, at))
-                at += -(-arr.nbytes // ALIGN) * ALIGN
-            f.truncate(max(at, 1))
-        os.replace(tmp, slot / name)
-        out = Baseline(self.version, {}, dict(self.dtypes), dict(self.digests), slot)
-        out._map(name, layout)
-        _write_meta(slot, out, out.digests, file=name)
-        for old in slot.glob("words-*.bin"):
-            if old.name != name:
-                old.unlink(missing_ok=True)
-        cache.drop_other_slots(rank, slot)
+        gen = Generation(cache, rank, self.version, self.dtypes)
+        for key, arr in self.arrays.items():
+            gen.write(key, 0, arr)
+        out = gen.finish(self.dtypes, self.digests)
+        _write_meta(out.slot, out, out.digests)
         return out
 
     def _map(self, file: str, layout: list) -> None:
@@ -195,6 +172,57 @@ class Baseline:
         for key, at in layout:
             n = numel(key[2]) * DTYPE_WIDTH[self.dtypes[key]]
             self.arrays[key] = mm[at:at + n].view(word_dtype(self.dtypes[key]))
+
+
+def _scatter(arrays: dict, scatters: Mapping) -> None:
+    for key, parts in scatters.items():
+        arr = arrays[key]
+        for pos, values in parts:
+            arr[pos] = values
+
+
+class Generation:
+    """A new cache file for one version's pieces, written piece by piece (pwrite: no
+    anonymous copy of the words), then renamed into its slot and mapped."""
+
+    def __init__(self, cache: BaselineCache, rank: int, version: int, dtypes: Mapping):
+        self.cache, self.rank, self.version = cache, rank, version
+        keys = sorted(dtypes, key=lambda k: (k[0].encode(), k[1]))
+        self.slot = cache.slot(rank, keys)
+        self.slot.mkdir(parents=True, exist_ok=True)
+        self.name = f"words-{version}.bin"
+        self.tmp = self.slot / f".{self.name}.{uuid.uuid4().hex}.tmp"
+        self.layout, at = [], 0
+        for key in keys:
+            self.layout.append((key, at))
+            at += -(-numel(key[2]) * DTYPE_WIDTH[dtypes[key]] // ALIGN) * ALIGN
+        self.offsets = dict(self.layout)
+        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, max(at, 1))
+
+    def write(self, key: PieceKey, start: int, words: np.ndarray) -> None:
+        """Words ``start ..`` of a piece."""
+        words = np.ascontiguousarray(words)
+        if words.size:
+            os.pwrite(self.fd, memoryview(words).cast("B"), self.offsets[key] + start * words.itemsize)
+
+    def finish(self, dtypes: Mapping, digests: Mapping) -> Baseline:
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.slot / self.name)
+        out = Baseline(self.version, {}, dict(dtypes), dict(digests), self.slot)
+        out._map(self.name, self.layout)
+        for old in self.slot.glob("words-*.bin"):
+            if old.name != self.name:
+                old.unlink(missing_ok=True)
+        self.cache.drop_other_slots(self.rank, self.slot)
+        return out
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
 
 
 def _write_meta(slot: Path, base: Baseline, digests: Mapping, file: str | None = None,

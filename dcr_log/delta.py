@@ -285,7 +285,7 @@ class Differ:
     def _tensor_record(self, name: str, box: Box, shape, values: np.ndarray) -> BoxDelta:
         changes = ChangeSet(values.size, None, values)
         enc = "dense"
-        params, payload = DenseEncoding(self.policy.dense_level).encode("tensor", changes)
+        params, payload = DenseEncoding(self.policy.dense_level, fast=True).encode("tensor", changes)
         if len(payload) >= values.nbytes:  # raw's size is known: copy the words only if it wins
             enc = "raw"
             params, payload = RawEncoding().encode("tensor", changes)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import xxhash
 
-from .baseline import Baseline, BaselineCache, PieceKey, load_baseline, piece_key
+from .baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline, piece_key
 from .coords import DTYPE_WIDTH, Box, box_view, flat_range_boxes, numel
 from .delta import Differ, EncodePolicy, map_ordered
 from .digest import MASK64, SUM_DIGESTS, scheme_for
@@ -46,7 +46,7 @@ from .state import TensorBits, TensorInfo, check_name, dtype_of, state_digest, t
 from .store import AlreadyExists, Store
 
 # A segment file is closed and uploaded once it holds this many payload bytes.
-DEFAULT_SEGMENT_BYTES = 256 << 20
+DEFAULT_SEGMENT_BYTES = 64 << 20
 
 
 def utc_now() -> str:
@@ -562,9 +562,11 @@ class ShardedWriter:
         except CollectiveFailed as exc:
             # Another rank may have died after reporting: the commit may exist. Keep our
             # segments (a commit record may list them) and let the caller reopen.
+            pending.abort()
             raise AppendAborted(f"version {version} not committed by this group ({exc}); "
                                 "reopen the writer to learn the log's state") from exc
         if not outcome["ok"]:
+            pending.abort()
             if not outcome.get("unknown"):
                 for ref in report.segments:
                     self.log.store.delete(ref.key)  # referenced by no commit record
@@ -577,7 +579,7 @@ class ShardedWriter:
             raise AppendAborted(outcome["error"])
         commit = CommitRecord.from_bytes(outcome["commit"], expect_version=version)
         self.log.remember_commit(commit)
-        self._baseline = self._baseline.advance(version, commit, pending, mine, self._cache)
+        self._baseline = self._baseline.advance(version, commit, pending, mine)
         self._layout = layout
         self._version = version
         return commit
@@ -598,7 +600,12 @@ class ShardedWriter:
     def _write_rank(self, version: int, layout: Layout, previous, mine: list[Piece], progress):
         """Diff this rank's pieces, write its segments; never raises (the error is reported)."""
         report = _RankReport(ok=True)
-        pending = _Pending(self.group.rank, self.log.digests.composable)
+        kept = {p.key for p in mine if _kept(p.name, layout, previous)}
+        base = self._baseline
+        generation = None
+        if self._cache is not None and not (set(base.arrays) == {p.key for p in mine} == kept):
+            generation = Generation(self._cache, self.group.rank, version, {p.key: p.dtype for p in mine})
+        pending = _Pending(self.log.digests.composable, kept, generation)
         error = None
         writer_id = self.writer_id if self.group.size == 1 else f"{self.writer_id}-r{self.group.rank}"[-64:]
         store = self.log.store
@@ -606,14 +613,16 @@ class ShardedWriter:
         digests = self.log.digests
         policy = self._differ.policy
 
+        uploads = _Uploader(store)
+
         def flush() -> None:
             nonlocal builder
             if builder.records == 0:
                 return
             data = builder.finish()
             key = segment_key(version, writer_id, uuid.uuid4().hex)
-            store.put_new(key, data)
             report.segments.append(SegmentRef(key, data.size, hashlib.sha256(data).hexdigest(), builder.records))
+            uploads.put(key, data)  # uploads while the next segment is encoded
             builder = SegmentBuilder(self.log.log_id, version)
 
         try:
@@ -624,12 +633,14 @@ class ShardedWriter:
                 whole = None if digests.composable else xxhash.xxh3_64()
                 row = piece.row
 
-                def one(chunk, piece=piece, base=base, shape=shape):
+                def one(chunk, piece=piece, base=base, shape=shape, kept=kept):
                     r0, r1 = chunk
                     new = piece.words(r0, r1)
                     old = None if base is None else base[r0 * row:r1 * row]
-                    return chunk, new, self._differ.diff_box(piece.name, piece.sub_box(r0, r1), shape, old,
-                                                             new, piece.kind)
+                    delta = self._differ.diff_box(piece.name, piece.sub_box(r0, r1), shape, old, new, piece.kind)
+                    if generation is not None and not kept:
+                        generation.write(piece.key, r0 * row, new)  # on the worker: overlaps encoding
+                    return chunk, new, delta
 
                 chunks = piece.chunks(policy.chunk_elements)
                 for (r0, r1), new, delta in map_ordered(one, chunks, policy.workers,
@@ -642,7 +653,7 @@ class ShardedWriter:
                         # A whole box replaced in an existing tensor: its old words leave the digest.
                         delta.digest_delta = (delta.digest_delta - digests.box(
                             delta.record.box, shape, base[r0 * row:r1 * row])) & MASK64
-                    pending.add(piece, r0 * row, delta, kept)
+                    pending.add(piece, r0 * row, delta)
                     if delta.digest_delta is not None:
                         report.contrib[piece.name] = (report.contrib.get(piece.name, 0) + delta.digest_delta) & MASK64
                     builder.add(delta.record)
@@ -655,7 +666,9 @@ class ShardedWriter:
                 if progress:
                     progress(piece.box.size * DTYPE_WIDTH[piece.dtype])
             flush()
+            uploads.finish()
         except Exception as exc:  # reported to the coordinator, re-raised on this rank after
+            uploads.finish(raise_errors=False)
             error = exc
             report = _RankReport(ok=False, error=f"{type(exc).__name__}: {' '.join(str(exc).split())}",
                                  error_type=type(exc).__name__, segments=report.segments)
@@ -729,30 +742,74 @@ def _check_whole(layout: Layout) -> None:
                              f"(no {SUM_DIGESTS} feature): only whole tensors can be written")
 
 
+class _Uploader:
+    """Puts segments on one background thread, one in flight: the store's write overlaps
+    the encoding of the next segment, and at most two segments are held in memory."""
+
+    def __init__(self, store: Store):
+        self._store = store
+        self._pool = None
+        self._pending = None
+
+    def put(self, key: str, data) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-upload")
+        self._pending = self._pool.submit(self._store.put_new, key, data)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def finish(self, raise_errors: bool = True) -> None:
+        try:
+            self._wait()
+        except Exception:
+            if raise_errors:
+                raise
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
 class _Pending:
     """What a successful commit does to this rank's baseline: scatters of changed words into
-    kept pieces, new words for pieces of new, reshaped or retyped tensors, and each piece's
-    digest change (sum-digests)."""
+    kept pieces, new words for pieces of new, reshaped or retyped tensors (into a new cache
+    generation when there is a cache), and each piece's digest change (sum-digests)."""
 
-    def __init__(self, rank: int, composable: bool) -> None:
-        self.rank = rank
+    def __init__(self, composable: bool, kept: set, generation: Generation | None) -> None:
         self.composable = composable
+        self.kept = kept
+        self.generation = generation
         self.scatters: dict[PieceKey, list[tuple[np.ndarray, np.ndarray]]] = {}
-        self.fresh: dict[PieceKey, list[tuple[int, np.ndarray]]] = {}
+        self.fresh: dict[PieceKey, np.ndarray] = {}  # the whole new words of a fresh piece
         self.contrib: dict[PieceKey, int] = {}
 
-    def add(self, piece: Piece, start: int, delta, kept: bool) -> None:
+    def add(self, piece: Piece, start: int, delta) -> None:
         key = piece.key
         if delta.digest_delta is not None:
             self.contrib[key] = (self.contrib.get(key, 0) + delta.digest_delta) & MASK64
         if delta.positions is None:
             # A tensor record: the chunk's words replace the baseline's (copied: the caller's
             # buffers may change after append returns).
-            values = np.array(delta.new_values, copy=True)
-            if kept:
+            values = delta.new_values
+            if key in self.kept:
                 pos = np.arange(start, start + values.size, dtype=np.int64)
-                self.scatters.setdefault(key, []).append((pos, values))
+                self.scatters.setdefault(key, []).append((pos, np.array(values, copy=True)))
+            elif self.generation is not None:
+                pass  # written to the new cache generation by the worker that encoded it
             else:
-                self.fresh.setdefault(key, []).append((start, values))
+                words = self.fresh.get(key)
+                if words is None:
+                    words = self.fresh[key] = np.empty(piece.box.size, dtype=values.dtype)
+                words[start:start + values.size] = values
             return
         self.scatters.setdefault(key, []).append((delta.positions + start, delta.new_values))
+
+    def abort(self) -> None:
+        if self.generation is not None:
+            self.generation.abort()

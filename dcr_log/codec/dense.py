@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import IntegrityError
 from .base import (
+    FAST_LITERALS,
     ZSTD_LEVELS,
     ChangeSet,
     Encoding,
@@ -29,8 +30,9 @@ class DenseEncoding(Encoding):
     name = "dense"
     kinds = ("xor", "tensor")
 
-    def __init__(self, level: int = DEFAULT_LEVEL):
+    def __init__(self, level: int = DEFAULT_LEVEL, fast: bool = False):
         self.level = level
+        self.fast = fast  # FAST_LITERALS parameters, reported as ``level`` 1
 
     def encode(self, kind: str, changes: ChangeSet, full: np.ndarray | None = None) -> tuple[dict, bytes]:
         """``full`` (the box's whole xor array) saves a scatter when the caller has it."""
@@ -42,6 +44,8 @@ class DenseEncoding(Encoding):
                 full = np.zeros(changes.n, dtype=changes.values.dtype)
                 full[changes.positions] = changes.values
         planes = to_planes(np.ascontiguousarray(full))
+        if self.fast:
+            return {"level": 1}, zstd_compress_planes(planes, full.size, FAST_LITERALS)
         return {"level": self.level}, zstd_compress_planes(planes, full.size, self.level)
 
     def decode(self, kind, params, payload, n, k, word) -> ChangeSet:

@@ -30,7 +30,6 @@ import xxhash
 
 from .coords import DTYPE_WIDTH, Box, box_view, numel, word_dtype
 from .digest import MASK64
-from .errors import UsageError
 
 if TYPE_CHECKING:
     from .log import DeltaLog
@@ -156,15 +155,6 @@ class Baseline:
         _scatter(arrays, pending.scatters)
         return Baseline(version, arrays, dtypes, digests)
 
-    def persist(self, cache: BaselineCache, rank: int) -> "Baseline":
-        """Write this baseline as a new cache slot and map it from there."""
-        gen = Generation(cache, rank, self.version, self.dtypes)
-        for key, arr in self.arrays.items():
-            gen.write(key, 0, arr)
-        out = gen.finish(self.dtypes, self.digests)
-        _write_meta(out.slot, out, out.digests)
-        return out
-
     def _map(self, file: str, layout: list) -> None:
         self._file = file
         self._layout = layout
@@ -243,30 +233,37 @@ def _write_meta(slot: Path, base: Baseline, digests: Mapping, file: str | None =
 
 
 def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_box) -> Baseline | None:
-    """The cached baseline of exactly these pieces, if its words match the digests recorded
-    for one version (``digest_box(key, words) -> int``); None otherwise."""
-    slot = cache.slot(rank, sorted(keys, key=lambda k: (k[0].encode(), k[1])))
-    try:
-        meta = json.loads((slot / "meta.json").read_text())
-        if meta.get("format") != CACHE_FORMAT:
-            return None
-        layout = [(_key_of(k), int(at)) for k, _, at, _ in meta["pieces"]]
-        dtypes = {_key_of(k): dt for k, dt, _, _ in meta["pieces"]}
-        recorded = [int(d, 16) for _, _, _, d in meta["pieces"]]
-        if {k for k, _ in layout} != set(keys):
-            return None
-        base = Baseline(int(meta["version"]), {}, dtypes, {}, slot)
-        base._map(meta["file"], layout)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    actual = [digest_box(k, base.arrays[k]) for k, _ in layout]
-    if actual == recorded:
-        base.digests = {k: d for (k, _), d in zip(layout, actual)}
-        return base
-    pend = meta.get("pending")
-    if pend and [int(d, 16) for d in pend["digests"]] == actual:
-        base.version = int(pend["version"])
-        base.digests = {k: d for (k, _), d in zip(layout, actual)}
+    """A cached baseline of this rank holding at least these pieces, if their words match
+    the digests recorded for one version (``digest_box(key, words) -> int``); else None."""
+    want = set(keys)
+    slots = sorted(cache.dir.glob(f"r{rank}-*"), key=lambda p: -p.stat().st_mtime) if cache.dir.is_dir() else []
+    for slot in slots:
+        try:
+            meta = json.loads((slot / "meta.json").read_text())
+            if meta.get("format") != CACHE_FORMAT:
+                continue
+            layout = [(_key_of(k), int(at)) for k, _, at, _ in meta["pieces"]]
+            if not want <= {k for k, _ in layout}:
+                continue
+            dtypes = {_key_of(k): dt for k, dt, _, _ in meta["pieces"]}
+            recorded = {_key_of(k): int(d, 16) for k, _, _, d in meta["pieces"]}
+            pend = meta.get("pending")
+            pending = None if not pend else dict(zip((k for k, _ in layout), (int(d, 16) for d in pend["digests"])))
+            base = Baseline(int(meta["version"]), {}, dtypes, {}, slot)
+            base._map(meta["file"], layout)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        actual = {k: digest_box(k, base.arrays[k]) for k in want}
+        if all(actual[k] == recorded[k] for k in want):
+            base.digests = actual
+        elif pending is not None and all(actual[k] == pending[k] for k in want):
+            base.version = int(pend["version"])
+            base.digests = actual
+        else:
+            continue
+        if want != set(base.arrays):  # a superset: only the wanted pieces, not this slot's file
+            base = Baseline(base.version, {k: base.arrays[k] for k in want},
+                            {k: dtypes[k] for k in want}, actual)
         return base
     return None
 
@@ -333,15 +330,7 @@ def load_baseline(log: "DeltaLog", version: int, needed: list, cache: BaselineCa
             d = have.digests.get(p.key)
             pdigests[p.key] = digest_box(p.key, arrays[p.key]) if d is None else d
     del state
+    # Reuse the cache slot in place only when it holds exactly these pieces, all trusted; any
+    # other baseline is written to a new cache generation by the next append.
     reuse = have is not None and have.slot is not None and not mine_rebuild and set(have.arrays) == set(keys)
-    out = Baseline(version, arrays, dtypes, pdigests, *((have.slot, have._file, have._layout) if reuse else ()))
-    if out.slot is None and cache is not None:
-        out = out.persist(cache, group.rank)
-    return out
-
-
-def check_cache_root(path: Any) -> Path:
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise UsageError(f"cache directory {p} is not a directory")
-    return p
+    return Baseline(version, arrays, dtypes, pdigests, *((have.slot, have._file, have._layout) if reuse else ()))

@@ -603,7 +603,7 @@ class ShardedWriter:
         kept = {p.key for p in mine if _kept(p.name, layout, previous)}
         base = self._baseline
         generation = None
-        if self._cache is not None and not (set(base.arrays) == {p.key for p in mine} == kept):
+        if self._cache is not None and (base.slot is None or not set(base.arrays) == {p.key for p in mine} == kept):
             generation = Generation(self._cache, self.group.rank, version, {p.key: p.dtype for p in mine})
         pending = _Pending(self.log.digests.composable, kept, generation)
         error = None

@@ -1,0 +1,193 @@
+"""The writer's baseline cache: open resumes without replay when the cache matches the
+commit's digests, and rebuilds from the log (still bit-exact) whenever it does not."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import assert_same_bits, copy_state, make_state, change_words, run_cli
+from dcr_log import DeltaLog, LogWriter
+from dcr_log.digest import SUM
+from dcr_log.state import TensorBits
+
+SPEC = {"w": ("BF16", (64, 33)), "b": ("F32", (17,)), "s": ("I64", ()), "e": ("U8", (0, 4))}
+
+
+def _step(rng, state, rate=0.05):
+    out = copy_state(state)
+    for name in ("w", "b"):
+        out[name] = change_words(rng, state[name], rate)
+    return out
+
+
+def _no_replay(monkeypatch):
+    def refuse(self, *a, **k):
+        raise AssertionError("the log was replayed")
+    monkeypatch.setattr(DeltaLog, "materialize", refuse)
+
+
+def _slot_files(cache: Path) -> list[Path]:
+    return sorted(cache.rglob("words-*.bin"))
+
+
+@pytest.mark.parametrize("features", [("sum-digests",), ()])
+def test_open_resumes_from_the_cache_without_replay(tmp_path, monkeypatch, features):
+    rng = np.random.default_rng(0)
+    cache = tmp_path / "cache"
+    states = [make_state(rng, SPEC)]
+    LogWriter.create(tmp_path / "log", states[0], cache_dir=cache, features=features)
+    for _ in range(3):
+        states.append(_step(rng, states[-1]))
+        with monkeypatch.context() as m:
+            _no_replay(m)
+            writer = LogWriter.open(tmp_path / "log", cache_dir=cache)
+            commit = writer.append(states[-1])
+        assert commit.features == tuple(features)
+    log = DeltaLog.open(tmp_path / "log")
+    for v, s in enumerate(states):
+        assert_same_bits(log.materialize(v), s)
+    log.verify(deep=True)
+    assert len(_slot_files(cache)) == 1  # one generation kept, older ones removed
+
+
+def test_a_damaged_cache_is_rebuilt_from_the_log(tmp_path):
+    rng = np.random.default_rng(1)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, SPEC)
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache)
+    (words,) = _slot_files(cache)
+    data = bytearray(words.read_bytes())
+    data[5] ^= 0x40  # one bit of the cached baseline flipped behind the writer's back
+    words.write_bytes(bytes(data))
+    s1 = _step(rng, s0)
+    calls = []
+    original = DeltaLog.materialize
+
+    def counting(self, *a, **k):
+        calls.append(k.get("tensors"))
+        return original(self, *a, **k)
+
+    DeltaLog.materialize = counting
+    try:
+        LogWriter.open(tmp_path / "log", cache_dir=cache).append(s1)
+    finally:
+        DeltaLog.materialize = original
+    assert calls, "the damaged cache was trusted"
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(1), s1)
+    log.verify(deep=True)
+
+
+def test_a_stale_cache_is_not_trusted(tmp_path):
+    """Another writer appended without this cache: the cache is a version behind."""
+    rng = np.random.default_rng(2)
+    cache, other = tmp_path / "cache", tmp_path / "other"
+    s0 = make_state(rng, SPEC)
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache)
+    s1, s2 = _step(rng, s0), None
+    LogWriter.open(tmp_path / "log", cache_dir=other).append(s1)
+    s2 = _step(rng, s1)
+    LogWriter.open(tmp_path / "log", cache_dir=cache).append(s2)
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(2), s2)
+    log.verify(deep=True)
+
+
+def test_an_append_killed_while_advancing_the_cache(tmp_path, monkeypatch):
+    """The cache records the version being written before scattering into its map: words of
+    either version are recognised, a mix of both is rebuilt."""
+    rng = np.random.default_rng(3)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, SPEC)
+    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache)
+    s1 = _step(rng, s0)
+    writer.append(s1)
+    meta_path = next(cache.rglob("meta.json"))
+    meta = json.loads(meta_path.read_text())
+    assert meta["version"] == 1 and meta["pending"] is None
+    # As if killed between the scatter and the final record: the record still says version 0
+    # (with version 0's digests) and names version 1 as pending; the words are version 1's.
+    v0 = DeltaLog.open(tmp_path / "log").commit(0).tensor_map()
+    pieces = [[key, dtype, at, f"{v0[key[0]].digest:016x}"] for key, dtype, at, _ in meta["pieces"]]
+    meta_pending = dict(meta, version=0, pieces=pieces,
+                        pending={"version": 1, "digests": [p[3] for p in meta["pieces"]]})
+    meta_path.write_text(json.dumps(meta_pending))
+    s2 = _step(rng, s1)
+    with monkeypatch.context() as m:
+        _no_replay(m)
+        LogWriter.open(tmp_path / "log", cache_dir=cache).append(s2)
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(2), s2)
+
+
+def test_layout_changes_write_a_new_generation(tmp_path, monkeypatch):
+    rng = np.random.default_rng(4)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, SPEC)
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache)
+    s1 = _step(rng, s0)
+    s1["new"] = TensorBits("F16", (5, 3), rng.integers(0, 2**16, 15, dtype=np.uint16))
+    s1["w"] = TensorBits("BF16", (33, 64), s1["w"].words.copy())  # reshaped
+    del s1["b"]
+    s2 = copy_state(s1)
+    s2["w"] = change_words(rng, s1["w"], 0.1)
+    for s in (s1, s2):
+        with monkeypatch.context() as m:
+            _no_replay(m)
+            LogWriter.open(tmp_path / "log", cache_dir=cache).append(s)
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(1), s1)
+    assert_same_bits(log.materialize(2), s2)
+    log.verify(deep=True)
+    assert len(_slot_files(cache)) == 1
+
+
+def test_cache_digests_are_the_pieces_sum_digests(tmp_path):
+    rng = np.random.default_rng(5)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, SPEC)
+    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache)
+    s1 = _step(rng, s0)
+    writer.append(s1)
+    meta = json.loads(next(cache.rglob("meta.json")).read_text())
+    table = DeltaLog.open(tmp_path / "log").commit(1).tensor_map()
+    for (name, offset, shape), dtype, _, digest in meta["pieces"]:
+        assert int(digest, 16) == table[name].digest == SUM.tensor(s1[name].words, s1[name].shape)
+
+
+def test_no_cache_means_replay(tmp_path):
+    rng = np.random.default_rng(6)
+    s0 = make_state(rng, SPEC)
+    LogWriter.create(tmp_path / "log", s0, cache_dir=False)
+    s1 = _step(rng, s0)
+    LogWriter.open(tmp_path / "log", cache_dir=False).append(s1)
+    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(1), s1)
+    assert not any(Path(os.environ["DCR_CACHE_DIR"]).rglob("*.bin"))
+
+
+def test_cli_append_uses_the_cache(tmp_path):
+    """dcr init then dcr append: the second append finds its baseline in the cache."""
+    from dcr_log.checkpoint import save_safetensors
+
+    rng = np.random.default_rng(7)
+    s0 = make_state(rng, {"w": ("BF16", (40, 50)), "b": ("F32", (9,))})
+    save_safetensors(s0, tmp_path / "v0.safetensors")
+    cache = tmp_path / "cache"
+    assert run_cli("init", tmp_path / "log", "--from", tmp_path / "v0.safetensors", "--cache", cache)[0] == 0
+    s = s0
+    for v in (1, 2):
+        s = _step(rng, s)
+        save_safetensors(s, tmp_path / f"v{v}.safetensors")
+        rc, out, err = run_cli("append", tmp_path / "log", "--from", tmp_path / f"v{v}.safetensors",
+                               "--cache", cache)
+        assert rc == 0, err
+        assert f"version {v}:" in out
+    assert len(_slot_files(cache)) == 1
+    meta = json.loads(next(cache.rglob("meta.json")).read_text())
+    assert meta["version"] == 2
+    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(2), s)

@@ -107,7 +107,7 @@ def run_demo(dir: Path | None, console: Console, params: int = DEFAULT_PARAMS,
                 state = trainer.state()
                 t0 = time.perf_counter()
                 if writer is None:
-                    writer = LogWriter.create(path, state)
+                    writer = LogWriter.create(path, state, cache_dir=False)  # one process keeps its writer: no cache
                     commit = writer.log.commit(0)
                 else:
                     commit = writer.append(state)

@@ -138,7 +138,7 @@ def run(args, work: Path) -> int:
     rows = []
     for label, new in (("1%", new1), ("3%", new3)):
         root = work / f"log-{label.rstrip('%')}"
-        writer = LogWriter.create(root, base)
+        writer = LogWriter.create(root, base, cache_dir=False)
         commit = writer.append(carve(new, specs))
         log = DeltaLog.open(root)
         expected = carve(new, specs)

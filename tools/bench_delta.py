@@ -103,7 +103,7 @@ def run(gib: float, rates: list[float], repeats: int, seed: int, log_dir: Path, 
     xor_out = np.empty(n, dtype=np.uint16)
     base_state = as_state(base, layout)
     t0 = time.perf_counter()
-    writer = LogWriter.create(log_dir, base_state)
+    writer = LogWriter.create(log_dir, base_state, cache_dir=False)
     say(f"version 0 (dense) written in {time.perf_counter() - t0:.1f} s")
     reader = DeltaLog.open(log_dir)
     replay_state = reader.materialize(0)

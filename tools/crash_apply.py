@@ -84,7 +84,7 @@ def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
     state["step"] = TensorBits("I64", (), np.array([0], dtype=np.uint64))
     log_path = root / "log"
     writer = LogWriter.create(log_path, state, policy=EncodePolicy(chunk_elements=chunk_elements),
-                              segment_bytes=segment_bytes)
+                              segment_bytes=segment_bytes, cache_dir=False)
     for v in range(1, versions + 1):
         state = _step(rng, state, rate=float(rng.uniform(0.01, 0.05)))
         state["step"] = TensorBits("I64", (), np.array([v], dtype=np.uint64))

@@ -233,9 +233,10 @@ def _write_meta(slot: Path, base: Baseline, digests: Mapping, file: str | None =
 
 
 def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_box) -> Baseline | None:
-    """A cached baseline of this rank holding at least these pieces, if their words match
-    the digests recorded for one version (``digest_box(key, words) -> int``); else None."""
-    want = set(keys)
+    """A cached baseline of this rank holding some of these pieces (the newest slot that has
+    any), if their words match the digests recorded for one version (``digest_box(key,
+    words) -> int``); else None."""
+    want_all = set(keys)
     slots = sorted(cache.dir.glob(f"r{rank}-*"), key=lambda p: -p.stat().st_mtime) if cache.dir.is_dir() else []
     for slot in slots:
         try:
@@ -243,7 +244,8 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
             if meta.get("format") != CACHE_FORMAT:
                 continue
             layout = [(_key_of(k), int(at)) for k, _, at, _ in meta["pieces"]]
-            if not want <= {k for k, _ in layout}:
+            want = want_all & {k for k, _ in layout}
+            if not want:
                 continue
             dtypes = {_key_of(k): dt for k, dt, _, _ in meta["pieces"]}
             recorded = {_key_of(k): int(d, 16) for k, _, _, d in meta["pieces"]}
@@ -266,6 +268,57 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
                             {k: dtypes[k] for k in want}, actual)
         return base
     return None
+
+
+def roll_forward(log: "DeltaLog", base: Baseline, version: int, needed: list, shapes: Mapping,
+                 digest_box) -> Baseline:
+    """``base`` (cached at an older version) brought to ``version`` by applying the records of
+    the versions in between to its pieces: O(those deltas), not a replay from version 0.
+
+    Pieces of a tensor whose dtype or shape changed on the way are left out (rebuilt by the
+    caller). The words are copied first (the cache file keeps its own version), and nothing
+    is checked here: the caller compares the pieces' digests with the commit's.
+    """
+    from .coords import box_to_tensor_flat, boxes_intersect, flat_inside, tensor_flat_to_box
+    from .delta import decode_record
+
+    start = log.commit(base.version).tensor_map()
+    keep = [p for p in needed if p.key in base.arrays and start.get(p.name) is not None
+            and (start[p.name].dtype, start[p.name].shape) == (p.dtype, shapes[p.key])]
+    arrays = {p.key: np.array(base.arrays[p.key], copy=True) for p in keep}
+    by_name: dict[str, list] = {}
+    for p in keep:
+        by_name.setdefault(p.name, []).append(p)
+    for v in range(base.version + 1, version + 1):
+        commit = log.commit(v)
+        table = commit.tensor_map()
+        for name in list(by_name):
+            info = table.get(name)
+            if info is None or (info.dtype, info.shape) != (start[name].dtype, start[name].shape):
+                for p in by_name.pop(name):
+                    arrays.pop(p.key)
+        for rec in log.records(v):
+            pieces = by_name.get(rec.tensor)
+            if not pieces:
+                continue
+            info = table[rec.tensor]
+            hit = [p for p in pieces if boxes_intersect(rec.box, p.box)]
+            if not hit:
+                continue
+            changes = decode_record(rec, info)
+            positions = np.arange(rec.box.size) if changes.positions is None else changes.positions
+            flat = box_to_tensor_flat(rec.box, info.shape, positions)
+            for p in hit:
+                inside = flat_inside(p.box, info.shape, flat)
+                local = tensor_flat_to_box(p.box, info.shape, flat[inside])
+                words = arrays[p.key]
+                if rec.kind == "xor":
+                    words[local] ^= changes.values[inside]
+                else:
+                    words[local] = changes.values[inside]
+    kept = {k: arrays[k] for k in arrays}
+    return Baseline(version, kept, {k: base.dtypes[k] for k in kept},
+                    {k: digest_box(k, w) for k, w in kept.items()})
 
 
 def load_baseline(log: "DeltaLog", version: int, needed: list, cache: BaselineCache | None, group,
@@ -292,6 +345,8 @@ def load_baseline(log: "DeltaLog", version: int, needed: list, cache: BaselineCa
         have = current
     elif cache is not None and keys:
         cached = open_cached(cache, group.rank, keys, digest_box)
+        if cached is not None and cached.version < version:
+            cached = roll_forward(log, cached, version, needed, shapes, digest_box)
         if cached is not None and cached.version == version:
             have = cached
     offer: dict[str, int | None] = {}

@@ -191,3 +191,37 @@ def test_cli_append_uses_the_cache(tmp_path):
     meta = json.loads(next(cache.rglob("meta.json")).read_text())
     assert meta["version"] == 2
     assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(2), s)
+
+
+def test_a_cache_some_versions_behind_rolls_forward(tmp_path, monkeypatch):
+    """Another writer appended three versions (one of them reshaping a tensor) without this
+    cache: the cached pieces are brought forward by those deltas, not by a replay, except the
+    reshaped tensor, which is rebuilt alone."""
+    rng = np.random.default_rng(8)
+    cache, other = tmp_path / "cache", tmp_path / "other"
+    states = [make_state(rng, SPEC)]
+    LogWriter.create(tmp_path / "log", states[0], cache_dir=cache)
+    elsewhere = LogWriter.open(tmp_path / "log", cache_dir=other)
+    for v in range(3):
+        s = _step(rng, states[-1])
+        if v == 1:
+            s["b"] = TensorBits("F32", (1, 17), s["b"].words.copy())
+        elif v == 2:
+            s["b"] = change_words(rng, s["b"], 0.3)
+        elsewhere.append(s)
+        states.append(s)
+    rebuilt = []
+    original = DeltaLog.materialize
+
+    def counting(self, *a, **k):
+        rebuilt.append(k.get("tensors"))
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(DeltaLog, "materialize", counting)
+    s4 = _step(rng, states[-1])
+    LogWriter.open(tmp_path / "log", cache_dir=cache).append(s4)
+    monkeypatch.setattr(DeltaLog, "materialize", original)
+    assert rebuilt == [{"b"}]  # only the reshaped tensor was rebuilt from the log
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(4), s4)
+    log.verify(deep=True)

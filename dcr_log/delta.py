@@ -285,7 +285,10 @@ class Differ:
     def _tensor_record(self, name: str, box: Box, shape, values: np.ndarray) -> BoxDelta:
         changes = ChangeSet(values.size, None, values)
         enc = "dense"
-        params, payload = DenseEncoding(self.policy.dense_level, fast=True).encode("tensor", changes)
+        # The planes buffer is reused: a fresh one per box costs page faults at every chunk.
+        planes = self._scratch().get("planes", np.uint8, values.nbytes)
+        params, payload = DenseEncoding(self.policy.dense_level, fast=True).encode("tensor", changes,
+                                                                                  planes=planes)
         if len(payload) >= values.nbytes:  # raw's size is known: copy the words only if it wins
             enc = "raw"
             params, payload = RawEncoding().encode("tensor", changes)

@@ -34,8 +34,10 @@ class DenseEncoding(Encoding):
         self.level = level
         self.fast = fast  # FAST_LITERALS parameters, reported as ``level`` 1
 
-    def encode(self, kind: str, changes: ChangeSet, full: np.ndarray | None = None) -> tuple[dict, bytes]:
-        """``full`` (the box's whole xor array) saves a scatter when the caller has it."""
+    def encode(self, kind: str, changes: ChangeSet, full: np.ndarray | None = None,
+               planes: np.ndarray | None = None) -> tuple[dict, bytes]:
+        """``full`` (the box's whole xor array) saves a scatter when the caller has it;
+        ``planes`` (uint8, n x width) is a reusable buffer for the byte planes."""
         self.check_kind(kind)
         if full is None:
             if changes.positions is None:
@@ -43,7 +45,7 @@ class DenseEncoding(Encoding):
             else:
                 full = np.zeros(changes.n, dtype=changes.values.dtype)
                 full[changes.positions] = changes.values
-        planes = to_planes(np.ascontiguousarray(full))
+        planes = to_planes(np.ascontiguousarray(full), out=planes)
         if self.fast:
             return {"level": 1}, zstd_compress_planes(planes, full.size, FAST_LITERALS)
         return {"level": self.level}, zstd_compress_planes(planes, full.size, self.level)

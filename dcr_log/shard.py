@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
+import pyarrow as pa
 import xxhash
 
 from .baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline, piece_key
@@ -774,6 +775,8 @@ class _Uploader:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+            # Arrow's pool keeps the segments' buffers for reuse; a trainer needs them back.
+            pa.default_memory_pool().release_unused()
 
 
 class _Pending:

@@ -114,9 +114,9 @@ class Shard:
         return shard
 
     def __repr__(self) -> str:
-        if self.convert is not None:
+        if getattr(self, "convert", None) is not None:
             return f"Shard.converted({self.convert!r}, offset={self.offset})"
-        if self.start is not None:
+        if getattr(self, "start", None) is not None:
             return f"Shard.flat(<{tuple(self.tensor.shape)}>, start={self.start})"
         return f"Shard(<{tuple(self.tensor.shape)}>, offset={self.offset})"
 
@@ -173,6 +173,8 @@ def _pieces(name: str, shard: Shard, shape: tuple[int, ...] | None) -> list[Piec
             raise UsageError(f"{name}: the converter returned {type(tensor).__name__}, not a tensor")
     dtype = dtype_of(tensor)
     local_shape = tuple(int(s) for s in tensor.shape)
+    if isinstance(tensor, TensorBits):  # words with a dtype: sliced like an array below
+        tensor = _TypedWords(tensor.words.reshape(local_shape), dtype)
     if shard.start is not None:
         if shape is None:
             raise UsageError(f"{name}: a flat shard needs the tensor's canonical shape (shapes=)")
@@ -186,9 +188,6 @@ def _pieces(name: str, shard: Shard, shape: tuple[int, ...] | None) -> list[Piec
     offset = shard.offset if shard.offset is not None else (0,) * len(local_shape)
     if len(offset) != len(local_shape):
         raise UsageError(f"{name}: offset {offset} does not match a tensor of rank {len(local_shape)}")
-    if isinstance(tensor, TensorBits):
-        tensor = tensor.words.reshape(tensor.shape) if tensor.shape else tensor.words.reshape(())
-        tensor = _TypedWords(tensor, dtype)
     return [Piece(name, Box(offset, local_shape), dtype, tensor, kind)]
 
 
@@ -197,6 +196,12 @@ class _TypedWords:
 
     def __init__(self, words: np.ndarray, dtype: str):
         self.words, self.dtype, self.shape = words, dtype, words.shape
+
+    def __getitem__(self, item) -> "_TypedWords":
+        return _TypedWords(self.words[item], self.dtype)
+
+    def reshape(self, shape) -> "_TypedWords":
+        return _TypedWords(self.words.reshape(shape), self.dtype)
 
     def rows(self, r0: int, r1: int) -> TensorBits:
         w = self.words[r0:r1] if self.words.ndim else self.words
@@ -227,7 +232,7 @@ def resolve_pieces(shards: Mapping[str, Sequence[Shard] | Shard],
 # -- collectives ----------------------------------------------------------------------------
 
 
-class CollectiveFailed(DcrError):
+class CollectiveFailed(AppendAborted):
     """A collective operation failed: a rank died, timed out or left the group."""
 
 
@@ -530,6 +535,8 @@ class ShardedWriter:
         known = {**{n: s for n, (_, s) in prev_layout.items()}, **shapes}
 
         # Phase 0: the layout, validated identically on every rank before anything is written.
+        # A bad description (UsageError) fails everywhere as such; any other exception (a
+        # converter that raised) is that rank's failure, and aborts the others.
         local_error: BaseException | None = None
         try:
             pieces = resolve_pieces(shards, known)
@@ -537,22 +544,40 @@ class ShardedWriter:
                 if p.kind == "xor":
                     p.kind = kind
             summary = _summary(pieces, shapes, list(shards))
-        except DcrError as exc:
-            local_error, pieces = exc, []
-            summary = {"error": str(exc)}
+        except UsageError as exc:
+            pieces, summary = [], {"error": str(exc)}
         except Exception as exc:
             local_error, pieces = exc, []
-            summary = {"error": f"{type(exc).__name__}: {exc}"}
-        layout = validate_layout(g.all_gather(summary), prev_layout)  # UsageError everywhere
+            summary = {"failure": _describe(exc)}
+        try:
+            summaries = g.all_gather(summary)
+        except CollectiveFailed as exc:
+            raise AppendAborted(f"version {version} not committed: {exc}") from exc
+        failed = [(r, s["failure"]) for r, s in enumerate(summaries) if s.get("failure")]
+        if failed:
+            if local_error is not None:
+                raise local_error
+            raise AppendAborted(f"version {version} not committed: rank {failed[0][0]} failed: {failed[0][1]}")
+        layout = validate_layout(summaries, prev_layout)  # UsageError everywhere
         if not self.log.digests.composable:
             _check_whole(layout)
         owned = layout.owned(g.rank)
         mine = [p for p in pieces if p.key in owned and layout.owner[p.key] == g.rank]
         mine.sort(key=lambda p: (p.name.encode(), p.box.offset))
-        self._ensure_baseline(layout, previous, mine)
+        try:
+            self._ensure_baseline(layout, previous, mine)
+            baseline_error = None
+        except CollectiveFailed as exc:
+            raise AppendAborted(f"version {version} not committed: {exc}") from exc
+        except Exception as exc:  # reported like an encoding failure: the others must not wait
+            baseline_error = exc
 
         # Phase 1: every rank diffs its pieces and writes its segments.
-        report, pending, error = self._write_rank(version, layout, previous, mine, progress)
+        if baseline_error is None:
+            report, pending, error = self._write_rank(version, layout, previous, mine, progress)
+        else:
+            report, pending, error = (_RankReport(ok=False, error=_describe(baseline_error)),
+                                      _Pending(True, set(), None), baseline_error)
         local_error = local_error or error
 
         # Phase 2: the coordinator commits only if every rank succeeded.
@@ -620,7 +645,7 @@ class ShardedWriter:
             nonlocal builder
             if builder.records == 0:
                 return
-            data = builder.finish()
+            data = builder.finish(uploads.free_buffer())
             key = segment_key(version, writer_id, uuid.uuid4().hex)
             report.segments.append(SegmentRef(key, data.size, hashlib.sha256(data).hexdigest(), builder.records))
             uploads.put(key, data)  # uploads while the next segment is encoded
@@ -671,8 +696,8 @@ class ShardedWriter:
         except Exception as exc:  # reported to the coordinator, re-raised on this rank after
             uploads.finish(raise_errors=False)
             error = exc
-            report = _RankReport(ok=False, error=f"{type(exc).__name__}: {' '.join(str(exc).split())}",
-                                 error_type=type(exc).__name__, segments=report.segments)
+            report = _RankReport(ok=False, error=_describe(exc), error_type=type(exc).__name__,
+                                 segments=report.segments)
         return report, pending, error
 
     def _decide(self, version: int, layout: Layout, previous: Mapping[str, TensorInfo],
@@ -717,6 +742,10 @@ class ShardedWriter:
         return {"ok": True, "commit": commit.to_bytes()}
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+
+
 def _try(fn):
     try:
         return fn()
@@ -751,11 +780,23 @@ class _Uploader:
         self._store = store
         self._pool = None
         self._pending = None
+        # Two segment buffers used in turn (one uploading, one being written), reused so that
+        # a segment's bytes land on pages already faulted in.
+        self._buffers: list = [None, None]
+        self._turn = 0
+
+    def free_buffer(self):
+        """The buffer not in flight (the upload that used it finished before the last put)."""
+        return self._buffers[self._turn]
 
     def put(self, key: str, data) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._wait()
+        base = data.parent if getattr(data, "parent", None) is not None else None
+        if base is not None and base.is_mutable:
+            self._buffers[self._turn] = base
+        self._turn ^= 1
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-upload")
         self._pending = self._pool.submit(self._store.put_new, key, data)

@@ -81,7 +81,12 @@ class Store:
             raise NotFoundError(f"{self.url}: no object {key}") from None
 
     def put_new(self, key: str, data) -> None:
-        """Create ``key``; raises AlreadyExists if it is there (nothing is ever overwritten)."""
+        """Create ``key``; raises AlreadyExists if it is there (nothing is ever overwritten).
+
+        The caller may reuse ``data``'s buffer once this returns: a memory store, which would
+        keep a reference to it, gets a copy."""
+        if isinstance(self._inner, MemoryStore):
+            data = bytes(data)
         try:
             obstore.put(self._inner, key, np.frombuffer(data, dtype=np.uint8), mode="create")
         except (AlreadyExistsError, PreconditionError):

@@ -80,35 +80,55 @@ def _payload_column(records: list[Record]) -> pa.Array:
 
 
 class SegmentBuilder:
-    """Accumulates records into one segment file's bytes, batch by batch."""
+    """Accumulates records into one segment file's bytes, batch by batch.
+
+    The file is written when it is finished, into one buffer sized from the records (an
+    upper bound on the IPC framing), so the payloads are copied once: a growing output
+    stream would copy them again at every doubling, onto fresh pages each time.
+    """
 
     def __init__(self, log_id: str, version: int):
-        self._sink = pa.BufferOutputStream()
-        self._writer = pa.ipc.new_file(
-            self._sink, SEGMENT_SCHEMA.with_metadata(_meta(log_id, version))
-        )
-        self._pending: list[Record] = []
+        self._schema = SEGMENT_SCHEMA.with_metadata(_meta(log_id, version))
+        self._batches: list[list[Record]] = [[]]
         self._pending_bytes = 0
         self.records = 0
         self.payload_bytes = 0
 
     def add(self, record: Record) -> None:
-        self._pending.append(record)
+        self._batches[-1].append(record)
         self._pending_bytes += len(record.payload)
         self.records += 1
         self.payload_bytes += len(record.payload)
         if self._pending_bytes >= BATCH_PAYLOAD_BYTES:
-            self._flush()
+            self._batches.append([])
+            self._pending_bytes = 0
 
-    def _flush(self) -> None:
-        if self._pending:
-            self._writer.write_batch(_batch(self._pending))
-            self._pending, self._pending_bytes = [], 0
+    def _bound(self) -> int:
+        """More than the file can take: payloads, names and params, plus generous framing."""
+        text = sum(len(r.tensor.encode()) + len(r.kind) + len(r.encoding) + 64 + 16 * len(r.box.shape)
+                   for batch in self._batches for r in batch)
+        return self.payload_bytes + text + 512 * self.records + (64 << 10) * len(self._batches) + (1 << 20)
 
-    def finish(self) -> pa.Buffer:
-        self._flush()
-        self._writer.close()
-        return self._sink.getvalue()
+    def _write(self, sink) -> None:
+        writer = pa.ipc.new_file(sink, self._schema)
+        for batch in self._batches:
+            if batch:
+                writer.write_batch(_batch(batch))
+        writer.close()
+
+    def finish(self, into: pa.Buffer | None = None) -> pa.Buffer:
+        """The segment's bytes: a slice of ``into`` (a mutable buffer to reuse) when it is
+        large enough, else of a new buffer."""
+        bound = self._bound()
+        buf = into if into is not None and into.size >= bound else pa.allocate_buffer(bound)
+        sink = pa.FixedSizeBufferWriter(buf)
+        try:
+            self._write(sink)
+        except (pa.ArrowInvalid, OSError):  # the bound was too small after all: grow as needed
+            out = pa.BufferOutputStream()
+            self._write(out)
+            return out.getvalue()
+        return buf.slice(0, sink.tell())
 
 
 def encode_segment(records: Iterable[Record], log_id: str, version: int) -> bytes:

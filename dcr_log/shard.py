@@ -331,7 +331,6 @@ class Layout:
 
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     owner: dict[PieceKey, int]
-    signature: tuple
 
     def owned(self, rank: int) -> set[PieceKey]:
         return {k for k, r in self.owner.items() if r == rank}
@@ -390,9 +389,7 @@ def validate_layout(summaries: list[dict], previous: Mapping[str, tuple[str, tup
                 raise UsageError(f"tensor {name!r} is empty and new: give it as an empty shard")
         check_cover(name, shape, boxes[name])
         tensors[name] = (dtypes[name], shape)
-    signature = tuple((n, tensors[n][0], tensors[n][1]) for n in names) + tuple(
-        sorted((k, r) for k, r in owner.items()))
-    return Layout(tensors, owner, signature)
+    return Layout(tensors, owner)
 
 
 def check_cover(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
@@ -427,7 +424,6 @@ def check_cover(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
 class _RankReport:
     ok: bool
     error: str = ""
-    error_type: str = ""
     segments: list = field(default_factory=list)
     contrib: dict = field(default_factory=dict)   # sum-digests: per tensor, its digest change
     whole: dict = field(default_factory=dict)     # xxh3 logs: per tensor, the new tensor digest
@@ -454,7 +450,6 @@ class ShardedWriter:
         self._version = version
         self._cache = cache
         self._baseline: Baseline | None = None
-        self._layout: Layout | None = None
 
     @property
     def version(self) -> int:
@@ -484,12 +479,12 @@ class ShardedWriter:
                 store.put_new(IDENTITY_KEY, identity.to_bytes())
                 outcome = {"ok": True, "identity": identity.to_bytes()}
             except AlreadyExists:
-                outcome = {"ok": False, "error": f"{store.url} already holds a log"}
+                outcome = {"ok": False, "conflict": True, "error": f"{store.url} already holds a log"}
             except Exception as exc:
-                outcome = {"ok": False, "error": f"cannot create {store.url}: {exc}"}
+                outcome = {"ok": False, "error": f"cannot create {store.url}: {_describe(exc)}"}
         outcome = g.broadcast(outcome)
         if not outcome["ok"]:
-            raise CommitConflict(outcome["error"])
+            raise (CommitConflict if outcome.get("conflict") else DcrError)(outcome["error"])
         identity = LogIdentity.from_bytes(outcome["identity"])
         log = DeltaLog(store, identity)
         writer = ShardedWriter(log, g, -1, BaselineCache.resolve(cache_dir, store, identity.log_id),
@@ -561,8 +556,8 @@ class ShardedWriter:
         layout = validate_layout(summaries, prev_layout)  # UsageError everywhere
         if not self.log.digests.composable:
             _check_whole(layout)
-        owned = layout.owned(g.rank)
-        mine = [p for p in pieces if p.key in owned and layout.owner[p.key] == g.rank]
+        owned = layout.owned(g.rank)  # replicas of lower ranks' boxes are not written here
+        mine = [p for p in pieces if p.key in owned]
         mine.sort(key=lambda p: (p.name.encode(), p.box.offset))
         try:
             self._ensure_baseline(layout, previous, mine)
@@ -606,7 +601,6 @@ class ShardedWriter:
         commit = CommitRecord.from_bytes(outcome["commit"], expect_version=version)
         self.log.remember_commit(commit)
         self._baseline = self._baseline.advance(version, commit, pending, mine)
-        self._layout = layout
         self._version = version
         return commit
 
@@ -696,8 +690,7 @@ class ShardedWriter:
         except Exception as exc:  # reported to the coordinator, re-raised on this rank after
             uploads.finish(raise_errors=False)
             error = exc
-            report = _RankReport(ok=False, error=_describe(exc), error_type=type(exc).__name__,
-                                 segments=report.segments)
+            report = _RankReport(ok=False, error=_describe(exc), segments=report.segments)
         return report, pending, error
 
     def _decide(self, version: int, layout: Layout, previous: Mapping[str, TensorInfo],

@@ -11,12 +11,15 @@
   follow a version in O(changes) instead of a pass over the model.
 
 ``e(f, w) = mix64(((f + 1) * G mod 2^64) XOR w)``, with ``w`` zero-extended to 64 bits, G the
-golden-ratio constant and mix64 SplitMix64's finalizer. Everything is vectorised over
-reused buffers in pieces that stay in cache; numpy's uint64 arithmetic wraps mod 2^64.
+golden-ratio constant and mix64 SplitMix64's finalizer. The sums run in the small C module
+``dcr_log._digest`` when it was built (one loop, the GIL released), else vectorised in numpy
+over reused buffers in pieces that stay in cache (numpy's uint64 arithmetic wraps mod 2^64);
+``DCR_NO_NATIVE=1`` forces numpy. Both give the same sums.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Iterable
 
@@ -24,6 +27,13 @@ import numpy as np
 import xxhash
 
 from .coords import Box
+
+try:
+    from . import _digest as _native
+except ImportError:  # not built (no compiler): numpy below
+    _native = None
+if os.environ.get("DCR_NO_NATIVE"):
+    _native = None
 
 SUM_DIGESTS = "sum-digests"
 MASK64 = (1 << 64) - 1
@@ -84,6 +94,8 @@ def _unsigned(words: np.ndarray) -> np.ndarray:
 def sum_range(start: int, words: np.ndarray) -> int:
     """Sum of e(start + j, words[j]): a contiguous run of flat indices."""
     words = _unsigned(np.ascontiguousarray(words).reshape(-1))
+    if _native is not None:
+        return _native.sum_range(words, words.itemsize, start)
     buf = _BUF
     total = 0
     n = words.size
@@ -104,6 +116,8 @@ def sum_at(flat: np.ndarray, words: np.ndarray) -> int:
     words = _unsigned(np.asarray(words).reshape(-1))
     if flat.size != words.size:
         raise ValueError(f"{flat.size} indices for {words.size} words")
+    if _native is not None:
+        return _native.sum_at(np.ascontiguousarray(flat), np.ascontiguousarray(words), words.itemsize)
     buf = _BUF
     total = 0
     for lo in range(0, flat.size, PIECE):
@@ -143,6 +157,8 @@ def sum_box(box: Box, tensor_shape: tuple[int, ...], words: np.ndarray) -> int:
     """Sum of e over a box whose words are given in box-local row-major order."""
     starts, run = box_runs(box, tensor_shape)
     words = np.ascontiguousarray(words).reshape(-1)
+    if _native is not None and starts.size:
+        return _native.sum_runs(np.ascontiguousarray(starts), run, _unsigned(words), words.itemsize)
     if starts.size == 1:
         return sum_range(int(starts[0]), words)
     if run >= PIECE // 4 or starts.size == 0:

@@ -589,8 +589,8 @@ class ShardedWriter:
         if not outcome["ok"]:
             pending.abort()
             if not outcome.get("unknown"):
-                for ref in report.segments:
-                    self.log.store.delete(ref.key)  # referenced by no commit record
+                for key in pending.segment_keys:
+                    self.log.store.delete(key)  # referenced by no commit record
             if local_error is not None:
                 raise local_error
             if outcome.get("conflict"):
@@ -639,58 +639,55 @@ class ShardedWriter:
             nonlocal builder
             if builder.records == 0:
                 return
-            data = builder.finish(uploads.free_buffer())
-            key = segment_key(version, writer_id, uuid.uuid4().hex)
-            report.segments.append(SegmentRef(key, data.size, hashlib.sha256(data).hexdigest(), builder.records))
-            uploads.put(key, data)  # uploads while the next segment is encoded
+            uploads.put(segment_key(version, writer_id, uuid.uuid4().hex), builder)
             builder = SegmentBuilder(self.log.log_id, version)
 
         try:
-            for piece in mine:
-                kept = _kept(piece.name, layout, previous)
-                shape = layout.tensors[piece.name][1]
-                base = self._baseline.words(piece.key) if kept else None
-                whole = None if digests.composable else xxhash.xxh3_64()
-                row = piece.row
+            # Every chunk of every piece in one ordered stream, so the encoding threads never
+            # wait at a tensor boundary.
+            infos = [(p, _kept(p.name, layout, previous), layout.tensors[p.name][1]) for p in mine]
+            bases = [self._baseline.words(p.key) if kept else None for p, kept, _ in infos]
+            tasks = [(i, chunk) for i, (p, _, _) in enumerate(infos) for chunk in p.chunks(policy.chunk_elements)]
 
-                def one(chunk, piece=piece, base=base, shape=shape, kept=kept):
-                    r0, r1 = chunk
-                    new = piece.words(r0, r1)
-                    old = None if base is None else base[r0 * row:r1 * row]
-                    delta = self._differ.diff_box(piece.name, piece.sub_box(r0, r1), shape, old, new, piece.kind)
-                    if generation is not None and not kept:
-                        generation.write(piece.key, r0 * row, new)  # on the worker: overlaps encoding
-                    return chunk, new, delta
+            def one(task):
+                i, (r0, r1) = task
+                piece, kept, shape = infos[i]
+                row, base = piece.row, bases[i]
+                new = piece.words(r0, r1)
+                old = None if base is None else base[r0 * row:r1 * row]
+                delta = self._differ.diff_box(piece.name, piece.sub_box(r0, r1), shape, old, new, piece.kind)
+                if generation is not None and not kept:
+                    generation.write(piece.key, r0 * row, new)  # on the worker: overlaps encoding
+                return task, new, delta
 
-                chunks = piece.chunks(policy.chunk_elements)
-                for (r0, r1), new, delta in map_ordered(one, chunks, policy.workers,
-                                                         piece.box.size >= (1 << 20)):
-                    if whole is not None:
-                        whole.update(memoryview(np.ascontiguousarray(new)).cast("B"))
-                    if delta is None:
-                        continue
-                    if kept and delta.record.kind == "tensor":
-                        # A whole box replaced in an existing tensor: its old words leave the digest.
-                        delta.digest_delta = (delta.digest_delta - digests.box(
-                            delta.record.box, shape, base[r0 * row:r1 * row])) & MASK64
-                    pending.add(piece, r0 * row, delta)
-                    if delta.digest_delta is not None:
-                        report.contrib[piece.name] = (report.contrib.get(piece.name, 0) + delta.digest_delta) & MASK64
-                    builder.add(delta.record)
-                    report.changed += delta.record.n_changed
-                    report.records += 1
-                    if builder.payload_bytes >= self.segment_bytes:
-                        flush()
-                if whole is not None:
-                    report.whole[piece.name] = whole.intdigest()
+            wholes = {} if digests.composable else {i: xxhash.xxh3_64() for i in range(len(infos))}
+            parallel = sum(p.box.size for p in mine) >= (1 << 20)
+            for (i, (r0, r1)), new, delta in map_ordered(one, tasks, policy.workers, parallel):
+                piece = infos[i][0]
+                if wholes:
+                    wholes[i].update(memoryview(np.ascontiguousarray(new)).cast("B"))
                 if progress:
-                    progress(piece.box.size * DTYPE_WIDTH[piece.dtype])
+                    progress((r1 - r0) * piece.row * DTYPE_WIDTH[piece.dtype])
+                if delta is None:
+                    continue
+                pending.add(piece, r0 * piece.row, delta)
+                if delta.digest_delta is not None:
+                    report.contrib[piece.name] = (report.contrib.get(piece.name, 0) + delta.digest_delta) & MASK64
+                builder.add(delta.record)
+                report.changed += delta.record.n_changed
+                report.records += 1
+                if builder.payload_bytes >= self.segment_bytes:
+                    flush()
+            for i, whole in wholes.items():
+                report.whole[infos[i][0].name] = whole.intdigest()
             flush()
             uploads.finish()
+            report.segments = uploads.refs
         except Exception as exc:  # reported to the coordinator, re-raised on this rank after
             uploads.finish(raise_errors=False)
             error = exc
-            report = _RankReport(ok=False, error=_describe(exc), segments=report.segments)
+            report = _RankReport(ok=False, error=_describe(exc))
+        pending.segment_keys = uploads.keys
         return report, pending, error
 
     def _decide(self, version: int, layout: Layout, previous: Mapping[str, TensorInfo],
@@ -766,38 +763,47 @@ def _check_whole(layout: Layout) -> None:
 
 
 class _Uploader:
-    """Puts segments on one background thread, one in flight: the store's write overlaps
-    the encoding of the next segment, and at most two segments are held in memory."""
+    """Writes segments on one background thread, one in flight: the store's write (and the
+    segment's sha256) overlaps the encoding of the next segment, and at most two segments
+    are held in memory. A local directory gets each file written straight from the records;
+    other stores get the bytes from one of two reused buffers (pages already faulted in)."""
 
     def __init__(self, store: Store):
         self._store = store
         self._pool = None
         self._pending = None
-        # Two segment buffers used in turn (one uploading, one being written), reused so that
-        # a segment's bytes land on pages already faulted in.
-        self._buffers: list = [None, None]
+        self._buffers: list = [None, None]  # one uploading, one being written
         self._turn = 0
+        self.refs: list[SegmentRef] = []    # segments created, in order
+        self.keys: list[str] = []           # every key tried (what an abort deletes)
 
-    def free_buffer(self):
-        """The buffer not in flight (the upload that used it finished before the last put)."""
-        return self._buffers[self._turn]
-
-    def put(self, key: str, data) -> None:
+    def put(self, key: str, builder: SegmentBuilder) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._wait()
-        base = data.parent if getattr(data, "parent", None) is not None else None
-        if base is not None and base.is_mutable:
-            self._buffers[self._turn] = base
-        self._turn ^= 1
+        self._wait()  # the previous segment is written: its buffer is free again
+        self.keys.append(key)
+        records = builder.records
+        if self._store.local_root is not None:
+            def job():
+                size, sha = self._store.create_file(key, builder.write_to)
+                return SegmentRef(key, size, sha, records)
+        else:
+            data = builder.finish(self._buffers[self._turn])
+            if data.parent is not None and data.parent.is_mutable:
+                self._buffers[self._turn] = data.parent
+            self._turn ^= 1
+
+            def job():
+                self._store.put_new(key, data)
+                return SegmentRef(key, data.size, hashlib.sha256(data).hexdigest(), records)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-upload")
-        self._pending = self._pool.submit(self._store.put_new, key, data)
+        self._pending = self._pool.submit(job)
 
     def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            self.refs.append(pending.result())
 
     def finish(self, raise_errors: bool = True) -> None:
         try:
@@ -825,6 +831,7 @@ class _Pending:
         self.scatters: dict[PieceKey, list[tuple[np.ndarray, np.ndarray]]] = {}
         self.fresh: dict[PieceKey, np.ndarray] = {}  # the whole new words of a fresh piece
         self.contrib: dict[PieceKey, int] = {}
+        self.segment_keys: list[str] = []  # every segment this rank tried to write
 
     def add(self, piece: Piece, start: int, delta) -> None:
         key = piece.key

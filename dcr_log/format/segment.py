@@ -116,6 +116,10 @@ class SegmentBuilder:
                 writer.write_batch(_batch(batch))
         writer.close()
 
+    def write_to(self, f) -> None:
+        """Write the segment file to a binary file object (no copy of it in memory)."""
+        self._write(pa.PythonFile(f, mode="w"))
+
     def finish(self, into: pa.Buffer | None = None) -> pa.Buffer:
         """The segment's bytes: a slice of ``into`` (a mutable buffer to reuse) when it is
         large enough, else of a new buffer."""

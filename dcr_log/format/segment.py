@@ -30,6 +30,9 @@ SEGMENT_SCHEMA = pa.schema([
 # Records are grouped into Arrow record batches of about this many payload bytes, so a reader
 # holds one batch at a time.
 BATCH_PAYLOAD_BYTES = 64 << 20
+# A record with at least this many payload bytes gets a batch of its own, so that its payload
+# goes into the file without first being joined with its neighbours' (one copy less).
+OWN_BATCH_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,8 @@ def _payload_column(records: list[Record]) -> pa.Array:
     pa.array over a list of bytes objects is an order of magnitude slower."""
     offsets = np.zeros(len(records) + 1, dtype=np.int64)
     np.cumsum([len(r.payload) for r in records], out=offsets[1:])
-    data = b"".join(r.payload for r in records)
+    # One record (a large payload has a batch of its own): its buffer as is, not copied.
+    data = records[0].payload if len(records) == 1 else b"".join(r.payload for r in records)
     return pa.LargeBinaryArray.from_buffers(
         pa.large_binary(), len(records), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
     )
@@ -95,11 +99,15 @@ class SegmentBuilder:
         self.payload_bytes = 0
 
     def add(self, record: Record) -> None:
+        size = len(record.payload)
+        if size >= OWN_BATCH_BYTES and self._batches[-1]:
+            self._batches.append([])
+            self._pending_bytes = 0
         self._batches[-1].append(record)
-        self._pending_bytes += len(record.payload)
+        self._pending_bytes += size
         self.records += 1
-        self.payload_bytes += len(record.payload)
-        if self._pending_bytes >= BATCH_PAYLOAD_BYTES:
+        self.payload_bytes += size
+        if self._pending_bytes >= BATCH_PAYLOAD_BYTES or size >= OWN_BATCH_BYTES:
             self._batches.append([])
             self._pending_bytes = 0
 

@@ -17,7 +17,7 @@ import numpy as np
 import safetensors
 
 from .coords import DTYPE_WIDTH, numel, word_dtype
-from .errors import IntegrityError, NotFoundError, UsageError
+from .errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
 from .state import TensorBits
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -137,15 +137,26 @@ def save_safetensors(state: Mapping[str, TensorBits], path: str | os.PathLike,
             dtype=_SPEC_DTYPE[bits.dtype], shape=list(bits.shape),
             data_ptr=words.ctypes.data if words.size else 0, data_len=words.nbytes,
         )
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise os_error(exc, f"cannot write {path}") from None
     os.close(fd)
     try:
-        safetensors.serialize_file(specs, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        if before_rename:
-            before_rename(Path(tmp))
-        os.replace(tmp, path)
+        try:
+            safetensors.serialize_file(specs, tmp, metadata=metadata)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            if before_rename:
+                before_rename(Path(tmp))
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise os_error(exc, f"cannot write {path}") from None
+        except safetensors.SafetensorError as exc:
+            text = str(exc)
+            cause = ("no space left on device" if "No space left" in text else
+                     "disk quota exceeded" if "quota" in text.lower() else text.split("\n")[0][:200])
+            raise StoreError(f"cannot write {path}: {cause}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -1,9 +1,12 @@
-"""The ``dcr`` command. Exit codes: 0 ok, 1 other, 2 usage, 3 integrity, 4 lineage, 5 conflict."""
+"""The ``dcr`` command. Exit codes: 0 ok, 1 other, 2 usage, 3 integrity, 4 lineage, 5 conflict,
+6 store (no space, read-only, permission, unreachable), 130 SIGINT, 143 SIGTERM."""
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .checkpoint import load_checkpoint, save_safetensors
-from .errors import DcrError, UsageError
+from .errors import DcrError, IntegrityError, Interrupted, StoreError, UsageError, os_error
 from .log import DeltaLog
 from .writer import LogWriter
 
@@ -43,6 +46,15 @@ def _version_progress(log: DeltaLog, label: str, upto: int | None = None):
     return progress_bar(label, total)
 
 
+# What an interrupted command leaves behind, said in one line: the newest callable registered
+# by the running command (see main).
+_LEFT: list = []
+
+
+def _left(say) -> None:
+    _LEFT.append(say)
+
+
 CACHE_HELP = ("baseline cache directory (default $DCR_CACHE_DIR or ~/.cache/dcr-log); "
               "'none' keeps no cache")
 
@@ -59,8 +71,10 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
          cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP)) -> None:
     """Create LOG; version 0 is the full state of the checkpoint."""
     state = load_checkpoint(from_)
+    _left(lambda: "version 0 not committed")
     with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
         writer = LogWriter.create(log, state, progress=advance, cache_dir=_cache_dir(cache))
+    _left(lambda: "version 0 committed")
     commit = writer.log.commit(0)
     out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes")
 
@@ -76,9 +90,12 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
     """
     dlog = DeltaLog.open(log)
     state = load_checkpoint(from_)
+    _left(lambda: f"version {dlog.latest_version() + 1} not committed")
     writer = LogWriter.open(dlog, cache_dir=_cache_dir(cache))
+    _left(lambda: f"version {writer.version + 1} not committed")
     with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
         commit = writer.append(state, progress=advance)
+    _left(lambda: f"version {commit.version} committed")
     pct = 100.0 * commit.stats.changed_elements / max(commit.stats.total_elements, 1)
     out.print(f"version {commit.version}: {commit.stats.changed_elements} changed ({pct:.3f}%), "
               f"{commit.delta_bytes} bytes")
@@ -157,7 +174,10 @@ def verify(log: str = typer.Argument(..., help="log directory or URL"),
            deep: bool = typer.Option(False, "--deep", help="also replay every version and check every digest")) -> None:
     """Check every commit record, the parent chain and every segment's hash."""
     dlog = DeltaLog.open(log)
-    with _version_progress(dlog, "verify") as advance:
+    versions = dlog.versions()
+    if not versions:  # section 13: verifying a log without versions is an integrity error
+        raise IntegrityError(f"{dlog.store.url}: log has no versions")
+    with progress_bar("verify", len(versions)) as advance:
         report = dlog.verify(deep=deep, progress=lambda v: advance())
     out.print(f"ok: {report.versions} versions, {report.segments} segments, "
               f"{report.bytes_checked} bytes{' (deep)' if deep else ''}")
@@ -205,6 +225,7 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
     if verify not in VERIFY_LEVELS:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_LEVELS)}")
     dlog = DeltaLog.open(log)
+    _left(lambda: _receiver_left(receiver))
     said = []
 
     def say(text: str) -> None:
@@ -236,9 +257,74 @@ def status_cmd(receiver: Path = typer.Option(..., "--receiver", help="checkpoint
         out.print(f"{key:<14} {'-' if value is None else value}", markup=False)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _receiver_left(receiver: Path) -> str:
+    """What an interrupted ``dcr apply`` left, from the journal (closed by then)."""
+    from .receiver import JOURNAL_DIR, Journal
+
     try:
-        app(args=argv, standalone_mode=False)
+        st = Journal.peek(receiver / JOURNAL_DIR)
+    except DcrError:
+        return "receiver not written"
+    if st.inflight is not None:
+        return f"receiver in flight at {st.inflight}: run dcr apply again"
+    if st.materializing is not None:
+        return f"receiver materializing version {st.materializing}: run dcr apply again"
+    if st.version is None:
+        return "receiver not written"
+    return f"receiver at version {st.version}"
+
+
+class _Signals:
+    """SIGINT and SIGTERM raise Interrupted (a KeyboardInterrupt: rollbacks run) while a
+    command runs; remembers the first one."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+        raise Interrupted(signum)
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _LEFT.clear()
+    with _Signals() as signals:
+        try:
+            rc = _run(argv)
+        except KeyboardInterrupt as exc:
+            if signals.signum is None:
+                signals.signum = getattr(exc, "signum", signal.SIGINT)
+            rc = 0
+        if rc == 130 and signals.signum is None:  # typer turned a KeyboardInterrupt into 130
+            signals.signum = signal.SIGINT
+        if signals.signum is not None:
+            left = "interrupted"
+            try:
+                if _LEFT:
+                    left = _LEFT[-1]()
+            except (Exception, KeyboardInterrupt):
+                pass
+            name = signal.Signals(signals.signum).name
+            err.print(_one_line(f"dcr: interrupted ({name}): {left}"), markup=False)
+            return 128 + signals.signum
+    return rc
+
+
+def _run(argv: list[str] | None) -> int:
+    try:
+        rv = app(args=argv, standalone_mode=False)
     except DcrError as exc:
         err.print(_one_line(f"dcr: error: {exc}"), markup=False)
         return exc.exit_code
@@ -247,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         err.print("dcr: aborted", markup=False)
         return 1
+    except OSError as exc:
+        err.print(_one_line(f"dcr: error: {os_error(exc, 'I/O failed')}"), markup=False)
+        return StoreError.exit_code
+    except MemoryError:
+        err.print("dcr: error: out of memory", markup=False)
+        return StoreError.exit_code
     except Exception as exc:  # command-line usage errors (typer's click) and anything unexpected
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
             message = exc.format_message() or "missing command (see --help)"
@@ -254,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             return UsageError.exit_code
         err.print(_one_line(f"dcr: error: {type(exc).__name__}: {exc}"), markup=False)
         return 1
-    return 0
+    return rv if isinstance(rv, int) else 0
 
 
 def entry() -> None:

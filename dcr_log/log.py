@@ -23,6 +23,7 @@ from .format import (
     parse_version_key,
     version_key,
 )
+from .format import limits
 from .format.keys import VERSIONS_PREFIX
 from .digest import DigestScheme, scheme_for
 from .state import TensorBits, state_digest
@@ -57,7 +58,7 @@ class DeltaLog:
     def open(location: str | os.PathLike | Store) -> "DeltaLog":
         store = location if isinstance(location, Store) else Store.open(location)
         try:
-            data = store.get(IDENTITY_KEY)
+            data = store.get(IDENTITY_KEY, max_size=limits.MAX_IDENTITY_BYTES)
         except NotFoundError:
             raise NotFoundError(f"{store.url} is not a dcr log (no {IDENTITY_KEY})") from None
         return DeltaLog(store, LogIdentity.from_bytes(data))
@@ -87,7 +88,7 @@ class DeltaLog:
         if version < 0:
             raise UsageError(f"no version {version}")
         try:
-            data = self.store.get(version_key(version))
+            data = self.store.get(version_key(version), max_size=limits.MAX_COMMIT_BYTES)
         except NotFoundError:
             raise NotFoundError(f"{self.store.url}: no version {version}") from None
         record = CommitRecord.from_bytes(data, expect_version=version)
@@ -139,13 +140,12 @@ class DeltaLog:
     # -- segments -------------------------------------------------------------------------
 
     def read_segment(self, ref: SegmentRef) -> memoryview:
-        """Segment bytes, checked against the commit record's size and sha256."""
+        """Segment bytes, checked against the commit record's size (from the object's metadata,
+        before its bytes are read) and sha256."""
         try:
-            data = self.store.get(ref.key)
+            data = self.store.get(ref.key, size=ref.size)
         except NotFoundError:
             raise IntegrityError(f"segment {ref.key} is missing") from None
-        if len(data) != ref.size:
-            raise IntegrityError(f"segment {ref.key}: {len(data)} bytes, commit says {ref.size}")
         if hashlib.sha256(data).hexdigest() != ref.sha256:
             raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
         return data

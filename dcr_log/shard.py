@@ -30,7 +30,7 @@ from .baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseli
 from .coords import DTYPE_WIDTH, Box, box_view, flat_range_boxes, numel
 from .delta import Differ, EncodePolicy, map_ordered
 from .digest import MASK64, SUM_DIGESTS, scheme_for
-from .errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, UsageError
+from .errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, StoreError, UsageError
 from .format import (
     IDENTITY_KEY,
     CommitRecord,
@@ -569,9 +569,14 @@ class ShardedWriter:
             pending.abort()
             if not outcome.get("unknown"):
                 for ref in report.segments:
-                    self.log.store.delete(ref.key)  # referenced by no commit record
+                    try:
+                        self.log.store.delete(ref.key)  # referenced by no commit record
+                    except StoreError:
+                        break  # an orphan is harmless (section 12); the cause is raised below
             if local_error is not None:
                 raise local_error
+            if outcome.get("store"):
+                raise StoreError(outcome["error"])
             if outcome.get("conflict"):
                 raise CommitConflict(outcome["error"])
             if outcome.get("unknown"):
@@ -710,6 +715,9 @@ class ShardedWriter:
             return {"ok": False, "conflict": True, "error": str(exc)}
         except CommitStateUnknown as exc:
             return {"ok": False, "unknown": True, "error": str(exc)}
+        except StoreError as exc:
+            # The record was read back and is not there: not committed, for a known reason.
+            return {"ok": False, "store": True, "error": f"version {version} not committed: {exc}"}
         except Exception as exc:
             return {"ok": False, "unknown": True,
                     "error": f"version {version}: commit failed ({type(exc).__name__}: {exc})"}

@@ -102,6 +102,8 @@ class SegmentCache:
         self.budget = budget
         self._data: dict[int, memoryview] = {}
         self._used = 0
+        self._decoded: dict[tuple[int, int], Any] = {}
+        self._decoded_used = 0
 
     def data(self, index: int) -> memoryview:
         data = self._data.get(index)
@@ -115,6 +117,20 @@ class SegmentCache:
     def records(self, index: int) -> list[Record]:
         return list(self.log.segment_records(self.commit.version, self.commit.segments[index],
                                              self.data(index)))
+
+    def keep_changes(self, segment: int, record: int, changes) -> None:
+        """Keep a record decoded in pass 1 for the write pass, within the byte budget."""
+        nbytes = changes.values.nbytes + (0 if changes.positions is None else changes.positions.nbytes)
+        if self._decoded_used + nbytes <= self.budget:
+            self._decoded[(segment, record)] = changes
+            self._decoded_used += nbytes
+
+    def take_changes(self, segment: int, record: int):
+        changes = self._decoded.pop((segment, record), None)
+        if changes is not None:
+            self._decoded_used -= changes.values.nbytes + (
+                0 if changes.positions is None else changes.positions.nbytes)
+        return changes
 
 
 @dataclass
@@ -297,9 +313,11 @@ class Receiver:
         table = commit.tensor_map()
         report = ApplyReport(version, segments=len(commit.segments), delta_bytes=commit.delta_bytes,
                              recovered=recovering)
+        parent_layout = commit_layout(log.commit(st.version))
         digest_checked = False
-        if not recovering and verify != "none":
-            if storage.layout() != commit_layout(log.commit(st.version)):
+        if not recovering:
+            # Cheap, so at every level: the layout the journal's version implies.
+            if storage.layout() != parent_layout:
                 raise LineageError(f"storage tensors differ from version {st.version}'s: "
                                    "changed behind the journal's back")
             if verify == "full":
@@ -309,8 +327,12 @@ class Receiver:
                 digest_checked = True
         progress = self.journal.progress() if recovering else {}
         cache = SegmentCache(log, commit)
-        if verify != "none" and not digest_checked:
-            self._precheck(commit, table, cache, progress, verify, recovering)
+        # Pass 1, at every level: every segment still to apply is read and checked (size,
+        # sha256, schema, record count) and every record decoded, so that nothing the version
+        # needs can fail after the first write; with verification, (sampled) preconditions.
+        journal_bytes = self._precheck(commit, table, cache, progress, verify, recovering,
+                                       parent_layout, classify=verify != "none" and not digest_checked)
+        storage.prepare_layout(commit_layout(commit), extra_bytes=journal_bytes)
 
         # -- writes start here --
         if not recovering:
@@ -348,25 +370,42 @@ class Receiver:
     # -- pass 1 ----------------------------------------------------------------------------
 
     def _precheck(self, commit: CommitRecord, table: dict[str, TensorInfo], cache: SegmentCache,
-                  progress: dict[int, SegmentProgress], verify: str, recovering: bool) -> None:
-        """Check (a sample of) the records' preconditions before anything is written."""
-        layout = self.storage.layout()
+                  progress: dict[int, SegmentProgress], verify: str, recovering: bool,
+                  parent_layout: Layout, classify: bool) -> int:
+        """Everything checked before the first write: each segment not yet done is read and
+        parsed, each of its records (from ``done`` on) checked against the tensor table (known
+        tensor, box inside, only ``tensor`` records for created tensors) and decoded; the
+        record counts and changed elements checked against the commit's stats when the whole
+        version is read; with ``classify``, (a sample of) the preconditions. Returns about how
+        many journal bytes the redo images of the largest batch will take."""
+        version = commit.version
+        records_seen = changed = 0
+        whole = True
+        redo_bytes = 0
         for seg, ref in enumerate(commit.segments):
             prog = progress.get(seg, SegmentProgress())
             if prog.done >= ref.records:
+                whole = False
                 continue
-            for i, rec in enumerate(cache.records(seg)):
-                if i < prog.done or rec.kind == "tensor":
+            recs = cache.records(seg)
+            whole = whole and prog.done == 0
+            records_seen += len(recs)
+            for i, rec in enumerate(recs):
+                changed += rec.n_changed
+                if i < prog.done:
                     continue
-                if verify == "sample" and not _sampled(commit.version, seg, i):
-                    continue
-                info = self._info(table, rec, commit.version)
-                if layout.get(rec.tensor) != (info.dtype, info.shape):
-                    if recovering:
-                        continue  # the layout change is still to be finished
-                    raise IntegrityError(f"version {commit.version}: {rec.kind} record for the new "
+                info = self._info(table, rec, version)
+                if rec.kind != "tensor" and parent_layout.get(rec.tensor) != (info.dtype, info.shape):
+                    raise IntegrityError(f"version {version}: {rec.kind} record for the new "
                                          f"or reshaped tensor {rec.tensor!r}")
                 changes = decode_record(rec, info)
+                cache.keep_changes(seg, i, changes)
+                if rec.kind == "xor":
+                    redo_bytes += rec.n_changed * DTYPE_WIDTH[info.dtype]
+                if not classify or rec.kind == "tensor":
+                    continue
+                if verify == "sample" and not _sampled(version, seg, i):
+                    continue
                 where = flat_positions(rec, info.shape, changes)
                 cur = self.storage.gather(self.storage.locate(rec.tensor, where))
                 d = self.digests.at(where, cur)
@@ -374,8 +413,11 @@ class Receiver:
                     continue
                 if recovering and prog.done <= i < prog.started_end:
                     continue  # torn by the interrupted apply; the redo images finish it
-                raise LineageError(f"version {commit.version}: tensor {rec.tensor!r} holds neither the "
+                raise LineageError(f"version {version}: tensor {rec.tensor!r} holds neither the "
                                    "record's base nor its target: changed behind the journal's back")
+        if whole and (records_seen != commit.stats.records or changed != commit.stats.changed_elements):
+            raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
+        return 2 * min(redo_bytes, BATCH_BYTES)
 
     @staticmethod
     def _info(table: dict[str, TensorInfo], rec: Record, version: int) -> TensorInfo:
@@ -404,18 +446,18 @@ class Receiver:
                 budget += rec.n_changed * (8 + 3 * width)
                 end += 1
             self._apply_batch(commit, table, seg, records, start, end, torn, redo, verify,
-                              created, undo, report)
+                              created, undo, report, cache)
             start = end
 
     def _apply_batch(self, commit, table, seg, records, start, end, torn: range, redo, verify,
-                     created, undo: _Undo | None, report: ApplyReport) -> None:
+                     created, undo: _Undo | None, report: ApplyReport, cache: SegmentCache) -> None:
         storage = self.storage
         version = commit.version
         work: list[_Work] = []
         for i in range(start, end):
             rec = records[i]
             info = self._info(table, rec, version)
-            changes = decode_record(rec, info)
+            changes = cache.take_changes(seg, i) or decode_record(rec, info)
             where = flat_positions(rec, info.shape, changes)
             place = storage.locate(rec.tensor, where)
             report.records += 1

@@ -1,5 +1,6 @@
 """The ``dcr`` command. Exit codes: 0 ok, 1 other, 2 usage, 3 integrity, 4 lineage, 5 conflict,
-6 store (no space, read-only, permission, unreachable), 130 SIGINT, 143 SIGTERM."""
+6 store (no space, read-only, permission, unreachable), 7 trust (no valid signature by a
+trusted key), 130 SIGINT, 143 SIGTERM."""
 
 from __future__ import annotations
 
@@ -65,15 +66,58 @@ def _cache_dir(cache: str | None):
     return False if cache == "none" else Path(cache)
 
 
+SIGN_HELP = "sign the version with this ed25519 key file (dcr keygen)"
+TRUST_HELP = ("accept only versions signed by a key of this file (public keys, one per line; "
+              "repeat for several files)")
+
+
+def _signing_key(path: Optional[Path]):
+    from .signing import SigningKey
+
+    return None if path is None else SigningKey.load(path)
+
+
+def _open_log(log: str, trust: Optional[list[Path]]) -> DeltaLog:
+    from .signing import TrustPolicy
+
+    return DeltaLog.open(log, trust=TrustPolicy.load(trust) if trust else None)
+
+
+@app.command()
+def keygen(key: Path = typer.Argument(..., help="private key file to create (and KEY.pub)")) -> None:
+    """Create an ed25519 signing key: KEY (private, mode 0600) and KEY.pub (its public key)."""
+    from .signing import SigningKey, public_text
+
+    k = SigningKey.generate()
+    pub = k.save(key)
+    out.print(f"{public_text(k.public)}  key id {k.key_id}; public key in {pub}", markup=False)
+
+
+@app.command()
+def sign(log: str = typer.Argument(..., help="log directory or URL"),
+         key: Path = typer.Option(..., "--key", help="ed25519 private key file"),
+         version: Optional[int] = typer.Option(None, "--version", help="only this version (default every version)")) -> None:
+    """Sign existing versions with KEY (a new key of a rotation, or a log written unsigned)."""
+    k = _signing_key(key)
+    dlog = DeltaLog.open(log)
+    versions = dlog.versions() if version is None else [version]
+    for v in versions:
+        dlog.sign(v, k)
+    out.print(f"signed {len(versions)} versions with key {k.key_id}", markup=False)
+
+
 @app.command()
 def init(log: str = typer.Argument(..., help="log directory or URL"),
          from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
-         cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP)) -> None:
+         cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
+         sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
     """Create LOG; version 0 is the full state of the checkpoint."""
+    key = _signing_key(sign_key)
     state = load_checkpoint(from_)
     _left(lambda: "version 0 not committed")
     with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
-        writer = LogWriter.create(log, state, progress=advance, cache_dir=_cache_dir(cache))
+        writer = LogWriter.create(log, state, progress=advance, cache_dir=_cache_dir(cache),
+                                  signing_key=key)
     _left(lambda: "version 0 committed")
     commit = writer.log.commit(0)
     out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes")
@@ -82,16 +126,18 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
 @app.command()
 def append(log: str = typer.Argument(..., help="log directory or URL"),
            from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
-           cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP)) -> None:
+           cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
+           sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
     """Append the checkpoint's state as the next version, stored as a delta.
 
     The baseline (the latest version's state) comes from the local cache that init and append
     keep, checked against the commit's digests; without one the log is replayed.
     """
+    key = _signing_key(sign_key)
     dlog = DeltaLog.open(log)
     state = load_checkpoint(from_)
     _left(lambda: f"version {dlog.latest_version() + 1} not committed")
-    writer = LogWriter.open(dlog, cache_dir=_cache_dir(cache))
+    writer = LogWriter.open(dlog, cache_dir=_cache_dir(cache), signing_key=key)
     _left(lambda: f"version {writer.version + 1} not committed")
     with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
         commit = writer.append(state, progress=advance)
@@ -117,9 +163,10 @@ def _log_rows(dlog: DeltaLog) -> list[dict]:
 
 @app.command("log")
 def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
-            as_json: bool = typer.Option(False, "--json", help="one JSON object per line")) -> None:
+            as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+            trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """One line per version: version, parent, bytes, changed elements and %."""
-    rows = _log_rows(DeltaLog.open(log))
+    rows = _log_rows(_open_log(log, trust))
     if as_json:
         for r in rows:
             out.print(json.dumps(r), markup=False)
@@ -135,9 +182,10 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
 @app.command()
 def show(log: str = typer.Argument(..., help="log directory or URL"),
          version: int = typer.Argument(..., help="version number"),
-         as_json: bool = typer.Option(False, "--json", help="one JSON object per line")) -> None:
+         as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+         trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Per tensor: records, encodings, changed elements and payload bytes of one version."""
-    dlog = DeltaLog.open(log)
+    dlog = _open_log(log, trust)
     commit = dlog.commit(version)
     per = {t.name: {"tensor": t.name, "dtype": t.dtype, "shape": list(t.shape), "records": 0,
                     "kinds": defaultdict(int), "encodings": defaultdict(int),
@@ -171,26 +219,29 @@ def show(log: str = typer.Argument(..., help="log directory or URL"),
 
 @app.command()
 def verify(log: str = typer.Argument(..., help="log directory or URL"),
-           deep: bool = typer.Option(False, "--deep", help="also replay every version and check every digest")) -> None:
-    """Check every commit record, the parent chain and every segment's hash."""
-    dlog = DeltaLog.open(log)
+           deep: bool = typer.Option(False, "--deep", help="also replay every version and check every digest"),
+           trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+    """Check every commit record, the parent chain and every segment's hash (and, with
+    --trust, every version's signature)."""
+    dlog = _open_log(log, trust)
     versions = dlog.versions()
     if not versions:  # section 13: verifying a log without versions is an integrity error
         raise IntegrityError(f"{dlog.store.url}: log has no versions")
     with progress_bar("verify", len(versions)) as advance:
         report = dlog.verify(deep=deep, progress=lambda v: advance())
     out.print(f"ok: {report.versions} versions, {report.segments} segments, "
-              f"{report.bytes_checked} bytes{' (deep)' if deep else ''}")
+              f"{report.bytes_checked} bytes{' (deep)' if deep else ''}{', signed' if trust else ''}")
 
 
 @app.command()
 def replay(log: str = typer.Argument(..., help="log directory or URL"),
            version: Optional[int] = typer.Option(None, "--version", help="version (default latest)"),
-           out_path: Path = typer.Option(..., "--out", help="output .safetensors file")) -> None:
+           out_path: Path = typer.Option(..., "--out", help="output .safetensors file"),
+           trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Rebuild a version bit-exactly and write it as one .safetensors file."""
     if not out_path.parent.is_dir():
         raise UsageError(f"no directory {out_path.parent} for --out")
-    dlog = DeltaLog.open(log)
+    dlog = _open_log(log, trust)
     with _version_progress(dlog, "replay", version) as advance:
         state = dlog.materialize(version, progress=lambda v: advance())
     save_safetensors(state, out_path)
@@ -215,7 +266,8 @@ def _one_line(text: str) -> str:
 def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
               receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory updated in place"),
               to: Optional[int] = typer.Option(None, "--to", help="stop at this version (default latest)"),
-              verify: str = typer.Option("sample", "--verify", help="none, sample or full")) -> None:
+              verify: str = typer.Option("sample", "--verify", help="none, sample or full"),
+              trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Bring a checkpoint directory to a version, in place and crash-safely.
 
     Without a journal (DIR/.dcr), a checkpoint in DIR is bound to the version with its state digest; an empty or missing DIR gets the version written out whole.
@@ -224,7 +276,7 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
 
     if verify not in VERIFY_LEVELS:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_LEVELS)}")
-    dlog = DeltaLog.open(log)
+    dlog = _open_log(log, trust)
     _left(lambda: _receiver_left(receiver))
     said = []
 

@@ -81,3 +81,10 @@ def os_error(exc: OSError, what: str) -> StoreError:
               errno.EPERM: "operation not permitted", errno.EIO: "input/output error"}.get(
         code, os.strerror(code) if code else str(exc))
     return StoreError(f"{what}: {reason}")
+
+
+class TrustError(DcrError):
+    """Under a trust policy, a version has no valid signature by a trusted key: unsigned, signed
+    only by unknown keys, or with a forged signature (spec/FORMAT.md, section 21)."""
+
+    exit_code = 7

@@ -29,7 +29,8 @@ def _expect(cond: bool, what: str, msg: str) -> None:
 
 
 def _int(v, what, name, minimum=0) -> int:
-    _expect(type(v) is int and v >= minimum, what, f"{name} must be an integer >= {minimum}")
+    _expect(type(v) is int and minimum <= v < 1 << 64, what,
+            f"{name} must be an integer >= {minimum} and below 2^64")
     return v
 
 
@@ -240,6 +241,8 @@ class CommitRecord:
                             _int(st["records"], what, "records"))
         _expect(stats.total_elements == sum(numel(t.shape) for t in tensors), what,
                 "stats.total_elements differs from the tensor table")
+        _expect(stats.records == sum(s.records for s in segments), what,
+                "stats.records differs from the sum of the segments' records")
         return CommitRecord(
             log_id=_str(obj["log_id"], what, "log_id", _UUID),
             version=version,

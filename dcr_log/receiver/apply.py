@@ -27,6 +27,7 @@ from ..delta import decode_record, flat_positions
 from ..errors import IntegrityError, LineageError, NotFoundError, UsageError
 from ..format import CommitRecord, Record
 from ..log import DeltaLog
+from ..signing import as_trust
 from ..digest import XXH3, DigestScheme
 from ..state import TensorInfo, digest_hex, state_digest
 from .journal import Journal, JournalState, SegmentProgress
@@ -157,9 +158,13 @@ class _Undo:
 class Receiver:
     """One receiver: a storage and its journal. Not thread-safe; one apply at a time."""
 
-    def __init__(self, storage: Storage, journal: Journal, fault: FaultHook | None = None):
+    def __init__(self, storage: Storage, journal: Journal, fault: FaultHook | None = None,
+                 trust: Any = None):
         self.storage = storage
         self.journal = journal
+        # Under a trust policy, a version is bound or applied only with a valid signature by
+        # a trusted key (dcr_log.signing), checked before any write.
+        self.trust = as_trust(trust)
         self.fault = fault
         # The digest scheme of the log being applied (set by bind and apply).
         self.digests: DigestScheme = XXH3
@@ -176,7 +181,7 @@ class Receiver:
 
     @staticmethod
     def open(storage: Any, journal_path: str | os.PathLike | None = None,
-             fault: FaultHook | None = None, device: Any = None) -> "Receiver":
+             fault: FaultHook | None = None, device: Any = None, trust: Any = None) -> "Receiver":
         """Open a receiver: ``storage`` is a Storage, a dict of numpy arrays or torch tensors,
         or a checkpoint directory (whose journal defaults to DIR/.dcr)."""
         if journal_path is None:
@@ -185,7 +190,7 @@ class Receiver:
             journal_path = Path(storage) / JOURNAL_DIR
         journal = Journal.open(journal_path)  # the receiver lock comes before the storage
         try:
-            return Receiver(open_storage(storage, device=device), journal, fault)
+            return Receiver(open_storage(storage, device=device), journal, fault, trust)
         except BaseException:
             journal.close()
             raise
@@ -237,6 +242,8 @@ class Receiver:
             raise LineageError(f"receiver belongs to log {st.log_id}, not {log.log_id}")
         self.digests = log.digests
         commit = log.commit(version)
+        if self.trust is not None:
+            log.check_signed(version, self.trust)
         if self.storage.layout() != commit_layout(commit):
             raise LineageError(f"storage tensors (names, dtypes, shapes) differ from version {version}'s")
         if verify != "none" and self.storage_digest() != commit.state_digest:
@@ -296,6 +303,8 @@ class Receiver:
         storage = self.storage
         st = self._lineage_state(log)
         commit = log.commit(version)
+        if self.trust is not None:
+            log.check_signed(version, self.trust)
         if commit.parent != st.version or commit.parent_state_digest != st.state_digest:
             parent = "none" if commit.parent is None else f"{commit.parent} ({digest_hex(commit.parent_state_digest)})"
             raise LineageError(f"version {version} follows version {parent}; the receiver holds "
@@ -314,7 +323,6 @@ class Receiver:
         report = ApplyReport(version, segments=len(commit.segments), delta_bytes=commit.delta_bytes,
                              recovered=recovering)
         parent_layout = commit_layout(log.commit(st.version))
-        digest_checked = False
         if not recovering:
             # Cheap, so at every level: the layout the journal's version implies.
             if storage.layout() != parent_layout:
@@ -324,14 +332,13 @@ class Receiver:
                 if verified_digest != st.state_digest and self.storage_digest() != st.state_digest:
                     raise LineageError(f"storage does not hold version {st.version} (state digest "
                                        "differs): changed behind the journal's back")
-                digest_checked = True
         progress = self.journal.progress() if recovering else {}
         cache = SegmentCache(log, commit)
         # Pass 1, at every level: every segment still to apply is read and checked (size,
         # sha256, schema, record count) and every record decoded, so that nothing the version
         # needs can fail after the first write; with verification, (sampled) preconditions.
         journal_bytes = self._precheck(commit, table, cache, progress, verify, recovering,
-                                       parent_layout, classify=verify != "none" and not digest_checked)
+                                       parent_layout, classify=verify != "none")
         storage.prepare_layout(commit_layout(commit), extra_bytes=journal_bytes)
 
         # -- writes start here --
@@ -402,14 +409,25 @@ class Receiver:
                 cache.keep_changes(seg, i, changes)
                 if rec.kind == "xor":
                     redo_bytes += rec.n_changed * DTYPE_WIDTH[info.dtype]
-                if not classify or rec.kind == "tensor":
+                if not classify:
                     continue
                 if verify == "sample" and not _sampled(version, seg, i):
                     continue
                 where = flat_positions(rec, info.shape, changes)
+                if rec.kind == "tensor":  # no precondition; its values must be its target
+                    if self.digests.at(where, changes.values) != rec.target_digest:
+                        raise IntegrityError(f"version {version}: tensor record of {rec.tensor!r} "
+                                             "does not match its target digest")
+                    continue
                 cur = self.storage.gather(self.storage.locate(rec.tensor, where))
                 d = self.digests.at(where, cur)
-                if d in (rec.base_digest, rec.target_digest):
+                if d == rec.target_digest:
+                    continue
+                if d == rec.base_digest:
+                    target = np.bitwise_xor(cur, changes.values) if rec.kind == "xor" else changes.values
+                    if self.digests.at(where, target) != rec.target_digest:
+                        raise IntegrityError(f"version {version}: record of {rec.tensor!r} does not "
+                                             "lead to its target digest")
                     continue
                 if recovering and prog.done <= i < prog.started_end:
                     continue  # torn by the interrupted apply; the redo images finish it

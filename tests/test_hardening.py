@@ -472,10 +472,59 @@ def test_journal_map_starts_small_and_grows(tmp_path):
 def test_apply_runs_under_an_address_space_limit(tmp_path):
     log, states = build_log(tmp_path / "log", versions=3)
     rx = tmp_path / "rx"
-    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30)); "
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); "
             "from dcr_log.cli import main; sys.exit(main(sys.argv[1:]))")
     for to in ("1", "3"):
         proc = subprocess.run([sys.executable, "-c", code, "apply", str(log_dir(log)), "--receiver", str(rx),
                                "--to", to], capture_output=True, env=cli_env(), timeout=120)
         assert proc.returncode == 0, proc.stderr.decode()
     assert_file_holds(rx / "model.safetensors", states[3])
+
+
+# -- spec gaps (item 10): zstd frame rules, integers, journal progress --------------------------
+
+def test_zstd_frame_rules():
+    import zstandard
+
+    from dcr_log.codec.base import zstd_decompress_exact
+
+    body = bytes(range(200))
+    good = zstandard.ZstdCompressor(write_content_size=True).compress(body)
+    assert zstd_decompress_exact(good, 200).tobytes() == body
+    checked = zstandard.ZstdCompressor(write_content_size=True, write_checksum=True).compress(body)
+    assert zstd_decompress_exact(checked, 200).tobytes() == body  # a checksum is allowed ...
+    bad = bytearray(checked)
+    bad[-1] ^= 1
+    with pytest.raises(IntegrityError):  # ... and checked
+        zstd_decompress_exact(bytes(bad), 200)
+    skippable = b"\x50\x2a\x4d\x18" + (4).to_bytes(4, "little") + b"skip"
+    with pytest.raises(IntegrityError, match="magic"):
+        zstd_decompress_exact(skippable + good, 200)
+    with_dict_id = bytearray(good)
+    with_dict_id[4] |= 0x01  # Dictionary_ID_flag 1: a one-byte dictionary id field
+    with pytest.raises(IntegrityError, match="dictionary"):
+        zstd_decompress_exact(bytes(with_dict_id[:5]) + b"\x00" + bytes(with_dict_id[5:]), 200)
+    # A multi-segment frame declaring a 2^28-byte window (exponent 18), content size 200.
+    header = b"\x28\xb5\x2f\xfd" + bytes([0x80, 18 << 3]) + (200).to_bytes(4, "little")
+    with pytest.raises(IntegrityError, match="window"):
+        zstd_decompress_exact(header + good[6:], 200)
+
+
+def test_integers_of_2_64_and_more_are_refused(tmp_path, capsys):
+    log, _ = build_log(tmp_path / "log", versions=1)
+    root = log_dir(log)
+    reseal_commit(root, 1, lambda o: o["stats"].update(changed_elements=1 << 64))
+    rc, _, err = dcr(capsys, "verify", root)
+    assert rc == 3 and "2^64" in err, err
+
+
+def test_journal_progress_outside_the_version_refused(receiver_at_2, capsys):
+    log, states, rx = receiver_at_2
+    j = Journal.open(rx / ".dcr")
+    j.begin(3)
+    j.stage(0, 10 ** 6, 10 ** 6, {})
+    j.close()
+    before = snapshot_files(rx)
+    rc, _, err = dcr(capsys, "apply", log_dir(log), "--receiver", rx)
+    assert rc == 3 and "progress" in err, err
+    assert snapshot_files(rx) == before

@@ -333,6 +333,10 @@ class Receiver:
                     raise LineageError(f"storage does not hold version {st.version} (state digest "
                                        "differs): changed behind the journal's back")
         progress = self.journal.progress() if recovering else {}
+        for seg, prog in progress.items():
+            if seg >= len(commit.segments) or prog.started_end > commit.segments[seg].records:
+                raise IntegrityError(f"journal {self.journal.path}: progress of segment {seg} lies "
+                                     f"outside version {version}'s segments")
         cache = SegmentCache(log, commit)
         # Pass 1, at every level: every segment still to apply is read and checked (size,
         # sha256, schema, record count) and every record decoded, so that nothing the version

@@ -382,7 +382,7 @@ def plain_file_name(name, where: Path) -> str:
 
 
 def free_bytes(directory: Path) -> int:
-    """Bytes an unprivileged writer may still allocate on ``directory``'s file system."""
+    """Bytes this process may still allocate on ``directory``'s file system."""
     probe = directory
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -390,7 +390,8 @@ def free_bytes(directory: Path) -> int:
         st = os.statvfs(probe)
     except OSError:
         return 1 << 62  # unknown: do not refuse on its account
-    return st.f_bavail * st.f_frsize
+    # root may use the blocks a file system reserves for it
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
 
 
 # Kept free beyond what a write needs: file-system metadata and the journal's first pages.
@@ -429,10 +430,16 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+# A safetensors index of a few million tensor names stays far below this.
+MAX_INDEX_BYTES = 1 << 30
+
+
 def checkpoint_file_names(directory: Path) -> tuple[list[str], bool]:
     """The .safetensors files of a checkpoint directory and whether it has an index."""
     index = directory / INDEX_NAME
     if check_regular(index):
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise IntegrityError(f"{index}: more than {MAX_INDEX_BYTES} bytes")
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))

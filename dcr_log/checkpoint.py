@@ -141,10 +141,15 @@ def save_safetensors(state: Mapping[str, TensorBits], path: str | os.PathLike,
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise os_error(exc, f"cannot write {path}") from None
+    try:  # the old file's permission bits, else 0644 (not mkstemp's 0600)
+        mode = os.stat(path).st_mode & 0o7777
+    except OSError:
+        mode = 0o644
     os.close(fd)
     try:
         try:
             safetensors.serialize_file(specs, tmp, metadata=metadata)
+            os.chmod(tmp, mode)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             if before_rename:

@@ -528,3 +528,23 @@ def test_journal_progress_outside_the_version_refused(receiver_at_2, capsys):
     rc, _, err = dcr(capsys, "apply", log_dir(log), "--receiver", rx)
     assert rc == 3 and "progress" in err, err
     assert snapshot_files(rx) == before
+
+
+def test_written_checkpoint_files_are_readable_by_others(tmp_path, capsys):
+    """Files written atomically keep the old file's mode, else 0644 (not mkstemp's 0600): a
+    serving process of another user must be able to load the receiver's checkpoint."""
+    from dcr_log.receiver import write_checkpoint
+
+    log, states = build_log(tmp_path / "log", versions=3)
+    rx = tmp_path / "rx"
+    rc, _, err = dcr(capsys, "apply", log_dir(log), "--receiver", rx, "--to", 1)
+    assert rc == 0, err
+    assert (rx / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    os.chmod(rx / "model.safetensors", 0o640)
+    rc, _, err = dcr(capsys, "apply", log_dir(log), "--receiver", rx)  # version 3 rewrites the file
+    assert rc == 0, err
+    assert (rx / "model.safetensors").stat().st_mode & 0o777 == 0o640
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    write_checkpoint(states[1], sharded, shard_bytes=500)
+    assert {p.stat().st_mode & 0o777 for p in sharded.iterdir()} == {0o644}

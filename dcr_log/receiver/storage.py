@@ -413,12 +413,22 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replaced_mode(path: Path) -> int:
+    """The permission bits a file written over ``path`` gets: the old file's, else 0644
+    (mkstemp's 0600 would hide a checkpoint from a serving process of another user)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o644
+
+
 def write_file_atomic(path: Path, data: bytes) -> None:
     """tmp (created exclusively: never through a planted link) + fsync + rename + fsync of
     the directory."""
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(name)
     try:
+        os.fchmod(fd, replaced_mode(path))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

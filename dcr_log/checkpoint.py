@@ -51,8 +51,10 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             raise IntegrityError(f"{path}: header length {n} exceeds the file")
         try:
             header = json.loads(f.read(n))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise IntegrityError(f"{path}: header is not JSON") from None
+    if not isinstance(header, dict):
+        raise IntegrityError(f"{path}: header is not a JSON object")
     out = {}
     base = 8 + n
     for name, entry in header.items():
@@ -62,6 +64,10 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise IntegrityError(f"{path}: bad header entry for {name!r}") from None
+        if (not isinstance(dtype, str) or len(shape) > 64
+                or not all(type(d) is int and 0 <= d < 1 << 63 for d in shape)
+                or not all(type(x) is int for x in (begin, end))):
+            raise IntegrityError(f"{path}: bad header entry for {name[:80]!r}")
         if dtype not in DTYPE_WIDTH:
             raise UsageError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
         if not (0 <= begin <= end and base + end <= size and end - begin == numel(shape) * DTYPE_WIDTH[dtype]):
@@ -84,9 +90,9 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, TensorLocation]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise IntegrityError(f"{index}: not a safetensors index") from None
-        files = sorted(set(weight_map.values()))
     else:
         files = sorted(f.name for f in p.glob("*.safetensors"))
         weight_map = None

@@ -5,6 +5,7 @@ trusted key), 130 SIGINT, 143 SIGTERM."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -402,4 +403,13 @@ def _run(argv: list[str] | None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    code = main()
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        # Interrupted: everything that matters was undone or journaled on the main thread.
+        # Exit now: a worker thread whose start the signal interrupted was never registered
+        # with its pool, and the interpreter would wait for it forever (measured: dcr init
+        # hung after SIGTERM). Segments a worker is still writing are orphans (harmless).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

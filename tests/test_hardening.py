@@ -548,3 +548,23 @@ def test_written_checkpoint_files_are_readable_by_others(tmp_path, capsys):
     sharded.mkdir()
     write_checkpoint(states[1], sharded, shard_bytes=500)
     assert {p.stat().st_mode & 0o777 for p in sharded.iterdir()} == {0o644}
+
+
+@pytest.mark.parametrize("header", [
+    b"[" * 100000 + b"]" * 100000,
+    b'{"w":{"dtype":["BF16"],"shape":[2],"data_offsets":[0,4]}}',
+    b'{"w":{"dtype":"BF16","shape":["2"],"data_offsets":[0,4]}}',
+    b'{"w":{"dtype":"BF16","shape":[2],"data_offsets":["0",4]}}',
+    b'{"w":{"dtype":"BF16","shape":[-2],"data_offsets":[0,4]}}',
+    b"[1,2]",
+])
+def test_malformed_safetensors_headers_are_integrity_errors(tmp_path, capsys, header):
+    from dcr_log.checkpoint import read_header
+
+    path = tmp_path / "x.safetensors"
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(IntegrityError):
+        read_header(path)
+    rc, _, err = dcr(capsys, "init", tmp_path / "log", "--from", path, "--cache", "none")
+    assert rc == 3, err

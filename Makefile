@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 tests
+
+# The test suite runs 500 cases (tests/test_fuzz.py); this runs more.
+fuzz: $(VENV)/.installed
+	$(PY) tools/fuzz.py --cases 5000 --seed 1
 
 bench: $(VENV)/.installed
 	$(PY) tools/bench_delta.py

@@ -17,7 +17,7 @@ import numpy as np
 import safetensors
 
 from .coords import DTYPE_WIDTH, numel, word_dtype
-from .errors import IntegrityError, NotFoundError, UsageError
+from .errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
 from .state import TensorBits
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -51,8 +51,10 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             raise IntegrityError(f"{path}: header length {n} exceeds the file")
         try:
             header = json.loads(f.read(n))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise IntegrityError(f"{path}: header is not JSON") from None
+    if not isinstance(header, dict):
+        raise IntegrityError(f"{path}: header is not a JSON object")
     out = {}
     base = 8 + n
     for name, entry in header.items():
@@ -62,6 +64,10 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise IntegrityError(f"{path}: bad header entry for {name!r}") from None
+        if (not isinstance(dtype, str) or len(shape) > 64
+                or not all(type(d) is int and 0 <= d < 1 << 63 for d in shape)
+                or not all(type(x) is int for x in (begin, end))):
+            raise IntegrityError(f"{path}: bad header entry for {name[:80]!r}")
         if dtype not in DTYPE_WIDTH:
             raise UsageError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
         if not (0 <= begin <= end and base + end <= size and end - begin == numel(shape) * DTYPE_WIDTH[dtype]):
@@ -84,9 +90,9 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, TensorLocation]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise IntegrityError(f"{index}: not a safetensors index") from None
-        files = sorted(set(weight_map.values()))
     else:
         files = sorted(f.name for f in p.glob("*.safetensors"))
         weight_map = None
@@ -137,15 +143,31 @@ def save_safetensors(state: Mapping[str, TensorBits], path: str | os.PathLike,
             dtype=_SPEC_DTYPE[bits.dtype], shape=list(bits.shape),
             data_ptr=words.ctypes.data if words.size else 0, data_len=words.nbytes,
         )
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise os_error(exc, f"cannot write {path}") from None
+    try:  # the old file's permission bits, else 0644 (not mkstemp's 0600)
+        mode = os.stat(path).st_mode & 0o7777
+    except OSError:
+        mode = 0o644
     os.close(fd)
     try:
-        safetensors.serialize_file(specs, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        if before_rename:
-            before_rename(Path(tmp))
-        os.replace(tmp, path)
+        try:
+            safetensors.serialize_file(specs, tmp, metadata=metadata)
+            os.chmod(tmp, mode)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            if before_rename:
+                before_rename(Path(tmp))
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise os_error(exc, f"cannot write {path}") from None
+        except safetensors.SafetensorError as exc:
+            text = str(exc)
+            cause = ("no space left on device" if "No space left" in text else
+                     "disk quota exceeded" if "quota" in text.lower() else text.split("\n")[0][:200])
+            raise StoreError(f"cannot write {path}: {cause}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

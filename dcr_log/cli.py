@@ -1,9 +1,14 @@
-"""The ``dcr`` command. Exit codes: 0 ok, 1 other, 2 usage, 3 integrity, 4 lineage, 5 conflict."""
+"""The ``dcr`` command. Exit codes: 0 ok, 1 other, 2 usage, 3 integrity, 4 lineage, 5 conflict,
+6 store (no space, read-only, permission, unreachable), 7 trust (no valid signature by a
+trusted key), 130 SIGINT, 143 SIGTERM."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .checkpoint import load_checkpoint, save_safetensors
-from .errors import DcrError, UsageError
+from .errors import DcrError, IntegrityError, Interrupted, StoreError, UsageError, os_error
 from .log import DeltaLog
 from .writer import LogWriter
 
@@ -43,6 +48,15 @@ def _version_progress(log: DeltaLog, label: str, upto: int | None = None):
     return progress_bar(label, total)
 
 
+# What an interrupted command leaves behind, said in one line: the newest callable registered
+# by the running command (see main).
+_LEFT: list = []
+
+
+def _left(say) -> None:
+    _LEFT.append(say)
+
+
 CACHE_HELP = ("baseline cache directory (default $DCR_CACHE_DIR or ~/.cache/dcr-log); "
               "'none' keeps no cache")
 
@@ -53,14 +67,59 @@ def _cache_dir(cache: str | None):
     return False if cache == "none" else Path(cache)
 
 
+SIGN_HELP = "sign the version with this ed25519 key file (dcr keygen)"
+TRUST_HELP = ("accept only versions signed by a key of this file (public keys, one per line; "
+              "repeat for several files)")
+
+
+def _signing_key(path: Optional[Path]):
+    from .signing import SigningKey
+
+    return None if path is None else SigningKey.load(path)
+
+
+def _open_log(log: str, trust: Optional[list[Path]]) -> DeltaLog:
+    from .signing import TrustPolicy
+
+    return DeltaLog.open(log, trust=TrustPolicy.load(trust) if trust else None)
+
+
+@app.command()
+def keygen(key: Path = typer.Argument(..., help="private key file to create (and KEY.pub)")) -> None:
+    """Create an ed25519 signing key: KEY (private, mode 0600) and KEY.pub (its public key)."""
+    from .signing import SigningKey, public_text
+
+    k = SigningKey.generate()
+    pub = k.save(key)
+    out.print(f"{public_text(k.public)}  key id {k.key_id}; public key in {pub}", markup=False)
+
+
+@app.command()
+def sign(log: str = typer.Argument(..., help="log directory or URL"),
+         key: Path = typer.Option(..., "--key", help="ed25519 private key file"),
+         version: Optional[int] = typer.Option(None, "--version", help="only this version (default every version)")) -> None:
+    """Sign existing versions with KEY (a new key of a rotation, or a log written unsigned)."""
+    k = _signing_key(key)
+    dlog = DeltaLog.open(log)
+    versions = dlog.versions() if version is None else [version]
+    for v in versions:
+        dlog.sign(v, k)
+    out.print(f"signed {len(versions)} versions with key {k.key_id}", markup=False)
+
+
 @app.command()
 def init(log: str = typer.Argument(..., help="log directory or URL"),
          from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
-         cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP)) -> None:
+         cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
+         sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
     """Create LOG; version 0 is the full state of the checkpoint."""
+    key = _signing_key(sign_key)
     state = load_checkpoint(from_)
+    _left(lambda: "version 0 not committed")
     with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
-        writer = LogWriter.create(log, state, progress=advance, cache_dir=_cache_dir(cache))
+        writer = LogWriter.create(log, state, progress=advance, cache_dir=_cache_dir(cache),
+                                  signing_key=key)
+    _left(lambda: "version 0 committed")
     commit = writer.log.commit(0)
     out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes")
 
@@ -68,17 +127,22 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
 @app.command()
 def append(log: str = typer.Argument(..., help="log directory or URL"),
            from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
-           cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP)) -> None:
+           cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
+           sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
     """Append the checkpoint's state as the next version, stored as a delta.
 
     The baseline (the latest version's state) comes from the local cache that init and append
     keep, checked against the commit's digests; without one the log is replayed.
     """
+    key = _signing_key(sign_key)
     dlog = DeltaLog.open(log)
     state = load_checkpoint(from_)
-    writer = LogWriter.open(dlog, cache_dir=_cache_dir(cache))
+    _left(lambda: f"version {dlog.latest_version() + 1} not committed")
+    writer = LogWriter.open(dlog, cache_dir=_cache_dir(cache), signing_key=key)
+    _left(lambda: f"version {writer.version + 1} not committed")
     with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
         commit = writer.append(state, progress=advance)
+    _left(lambda: f"version {commit.version} committed")
     pct = 100.0 * commit.stats.changed_elements / max(commit.stats.total_elements, 1)
     out.print(f"version {commit.version}: {commit.stats.changed_elements} changed ({pct:.3f}%), "
               f"{commit.delta_bytes} bytes")
@@ -100,9 +164,10 @@ def _log_rows(dlog: DeltaLog) -> list[dict]:
 
 @app.command("log")
 def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
-            as_json: bool = typer.Option(False, "--json", help="one JSON object per line")) -> None:
+            as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+            trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """One line per version: version, parent, bytes, changed elements and %."""
-    rows = _log_rows(DeltaLog.open(log))
+    rows = _log_rows(_open_log(log, trust))
     if as_json:
         for r in rows:
             out.print(json.dumps(r), markup=False)
@@ -118,9 +183,10 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
 @app.command()
 def show(log: str = typer.Argument(..., help="log directory or URL"),
          version: int = typer.Argument(..., help="version number"),
-         as_json: bool = typer.Option(False, "--json", help="one JSON object per line")) -> None:
+         as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+         trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Per tensor: records, encodings, changed elements and payload bytes of one version."""
-    dlog = DeltaLog.open(log)
+    dlog = _open_log(log, trust)
     commit = dlog.commit(version)
     per = {t.name: {"tensor": t.name, "dtype": t.dtype, "shape": list(t.shape), "records": 0,
                     "kinds": defaultdict(int), "encodings": defaultdict(int),
@@ -154,23 +220,29 @@ def show(log: str = typer.Argument(..., help="log directory or URL"),
 
 @app.command()
 def verify(log: str = typer.Argument(..., help="log directory or URL"),
-           deep: bool = typer.Option(False, "--deep", help="also replay every version and check every digest")) -> None:
-    """Check every commit record, the parent chain and every segment's hash."""
-    dlog = DeltaLog.open(log)
-    with _version_progress(dlog, "verify") as advance:
+           deep: bool = typer.Option(False, "--deep", help="also replay every version and check every digest"),
+           trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+    """Check every commit record, the parent chain and every segment's hash (and, with
+    --trust, every version's signature)."""
+    dlog = _open_log(log, trust)
+    versions = dlog.versions()
+    if not versions:  # section 13: verifying a log without versions is an integrity error
+        raise IntegrityError(f"{dlog.store.url}: log has no versions")
+    with progress_bar("verify", len(versions)) as advance:
         report = dlog.verify(deep=deep, progress=lambda v: advance())
     out.print(f"ok: {report.versions} versions, {report.segments} segments, "
-              f"{report.bytes_checked} bytes{' (deep)' if deep else ''}")
+              f"{report.bytes_checked} bytes{' (deep)' if deep else ''}{', signed' if trust else ''}")
 
 
 @app.command()
 def replay(log: str = typer.Argument(..., help="log directory or URL"),
            version: Optional[int] = typer.Option(None, "--version", help="version (default latest)"),
-           out_path: Path = typer.Option(..., "--out", help="output .safetensors file")) -> None:
+           out_path: Path = typer.Option(..., "--out", help="output .safetensors file"),
+           trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Rebuild a version bit-exactly and write it as one .safetensors file."""
     if not out_path.parent.is_dir():
         raise UsageError(f"no directory {out_path.parent} for --out")
-    dlog = DeltaLog.open(log)
+    dlog = _open_log(log, trust)
     with _version_progress(dlog, "replay", version) as advance:
         state = dlog.materialize(version, progress=lambda v: advance())
     save_safetensors(state, out_path)
@@ -195,7 +267,8 @@ def _one_line(text: str) -> str:
 def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
               receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory updated in place"),
               to: Optional[int] = typer.Option(None, "--to", help="stop at this version (default latest)"),
-              verify: str = typer.Option("sample", "--verify", help="none, sample or full")) -> None:
+              verify: str = typer.Option("sample", "--verify", help="none, sample or full"),
+              trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Bring a checkpoint directory to a version, in place and crash-safely.
 
     Without a journal (DIR/.dcr), a checkpoint in DIR is bound to the version with its state digest; an empty or missing DIR gets the version written out whole.
@@ -204,7 +277,8 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
 
     if verify not in VERIFY_LEVELS:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_LEVELS)}")
-    dlog = DeltaLog.open(log)
+    dlog = _open_log(log, trust)
+    _left(lambda: _receiver_left(receiver))
     said = []
 
     def say(text: str) -> None:
@@ -236,9 +310,74 @@ def status_cmd(receiver: Path = typer.Option(..., "--receiver", help="checkpoint
         out.print(f"{key:<14} {'-' if value is None else value}", markup=False)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _receiver_left(receiver: Path) -> str:
+    """What an interrupted ``dcr apply`` left, from the journal (closed by then)."""
+    from .receiver import JOURNAL_DIR, Journal
+
     try:
-        app(args=argv, standalone_mode=False)
+        st = Journal.peek(receiver / JOURNAL_DIR)
+    except DcrError:
+        return "receiver not written"
+    if st.inflight is not None:
+        return f"receiver in flight at {st.inflight}: run dcr apply again"
+    if st.materializing is not None:
+        return f"receiver materializing version {st.materializing}: run dcr apply again"
+    if st.version is None:
+        return "receiver not written"
+    return f"receiver at version {st.version}"
+
+
+class _Signals:
+    """SIGINT and SIGTERM raise Interrupted (a KeyboardInterrupt: rollbacks run) while a
+    command runs; remembers the first one."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+        raise Interrupted(signum)
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _LEFT.clear()
+    with _Signals() as signals:
+        try:
+            rc = _run(argv)
+        except KeyboardInterrupt as exc:
+            if signals.signum is None:
+                signals.signum = getattr(exc, "signum", signal.SIGINT)
+            rc = 0
+        if rc == 130 and signals.signum is None:  # typer turned a KeyboardInterrupt into 130
+            signals.signum = signal.SIGINT
+        if signals.signum is not None:
+            left = "interrupted"
+            try:
+                if _LEFT:
+                    left = _LEFT[-1]()
+            except (Exception, KeyboardInterrupt):
+                pass
+            name = signal.Signals(signals.signum).name
+            err.print(_one_line(f"dcr: interrupted ({name}): {left}"), markup=False)
+            return 128 + signals.signum
+    return rc
+
+
+def _run(argv: list[str] | None) -> int:
+    try:
+        rv = app(args=argv, standalone_mode=False)
     except DcrError as exc:
         err.print(_one_line(f"dcr: error: {exc}"), markup=False)
         return exc.exit_code
@@ -247,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         err.print("dcr: aborted", markup=False)
         return 1
+    except OSError as exc:
+        err.print(_one_line(f"dcr: error: {os_error(exc, 'I/O failed')}"), markup=False)
+        return StoreError.exit_code
+    except MemoryError:
+        err.print("dcr: error: out of memory", markup=False)
+        return StoreError.exit_code
     except Exception as exc:  # command-line usage errors (typer's click) and anything unexpected
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
             message = exc.format_message() or "missing command (see --help)"
@@ -254,8 +399,17 @@ def main(argv: list[str] | None = None) -> int:
             return UsageError.exit_code
         err.print(_one_line(f"dcr: error: {type(exc).__name__}: {exc}"), markup=False)
         return 1
-    return 0
+    return rv if isinstance(rv, int) else 0
 
 
 def entry() -> None:
-    sys.exit(main())
+    code = main()
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        # Interrupted: everything that matters was undone or journaled on the main thread.
+        # Exit now: a worker thread whose start the signal interrupted was never registered
+        # with its pool, and the interpreter would wait for it forever (measured: dcr init
+        # hung after SIGTERM). Segments a worker is still writing are orphans (harmless).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

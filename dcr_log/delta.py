@@ -371,4 +371,10 @@ def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape:
 
 
 def empty_words(info: TensorInfo) -> np.ndarray:
-    return np.zeros(numel(info.shape), dtype=word_dtype(info.dtype))
+    try:
+        return np.zeros(numel(info.shape), dtype=word_dtype(info.dtype))
+    except (MemoryError, ValueError):
+        from .errors import StoreError
+
+        raise StoreError(f"cannot allocate tensor {info.name!r} ({numel(info.shape)} words): "
+                         "out of memory") from None

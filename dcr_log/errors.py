@@ -1,4 +1,4 @@
-"""Typed errors. Each maps to one CLI exit code (see cli.py and spec/FORMAT.md)."""
+"""Typed errors. Each maps to one CLI exit code (see cli.py and spec/FORMAT.md, section 16)."""
 
 
 class DcrError(Exception):
@@ -51,3 +51,40 @@ class AppendAborted(DcrError):
     was not committed by this call; the next append can try again."""
 
     exit_code = 1
+
+
+class StoreError(DcrError):
+    """A store (the log's object store, or a receiver's directory or memory) could not do what
+    was asked: no space left, read-only, permission denied, unreachable, out of memory. The
+    message names the operation and its cause; nothing about the data is implied."""
+
+    exit_code = 6
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived (raised by the ``dcr`` command's signal handlers). A
+    KeyboardInterrupt, so every rollback path that handles Ctrl-C handles SIGTERM too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def os_error(exc: OSError, what: str) -> StoreError:
+    """A StoreError for an OSError, saying what was being done and why it failed."""
+    import errno
+    import os
+
+    code = exc.errno
+    reason = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+              errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+              errno.EPERM: "operation not permitted", errno.EIO: "input/output error"}.get(
+        code, os.strerror(code) if code else str(exc))
+    return StoreError(f"{what}: {reason}")
+
+
+class TrustError(DcrError):
+    """Under a trust policy, a version has no valid signature by a trusted key: unsigned, signed
+    only by unknown keys, or with a forged signature (spec/FORMAT.md, section 21)."""
+
+    exit_code = 7

@@ -23,10 +23,23 @@ from .format import (
     parse_version_key,
     version_key,
 )
+from .format import limits
 from .format.keys import VERSIONS_PREFIX
 from .digest import DigestScheme, scheme_for
 from .state import TensorBits, state_digest
+from .format.signature import MAX_SIGNATURE_BYTES, MAX_SIGNATURES, SignatureRecord, parse_signature_key, signature_prefix
+from .signing import as_signing_key, as_trust
 from .store import AlreadyExists, Store
+
+
+class _Skipped:
+    """A signature object not fetched: an untrusted key, or one signing other bytes."""
+
+    def __init__(self, trusted_key: bool):
+        self.trusted_key = trusted_key
+
+    def as_error(self) -> Exception:
+        return IntegrityError("signs another record" if self.trusted_key else "key not trusted")
 
 Progress = Callable[[int], None]
 
@@ -42,9 +55,13 @@ class VerifyReport:
 class DeltaLog:
     """A versioned log of delta segments on one store. Readers need nothing but this."""
 
-    def __init__(self, store: Store, identity: LogIdentity):
+    def __init__(self, store: Store, identity: LogIdentity, trust=None):
         self.store = store
         self.identity = identity
+        # Under a trust policy (dcr_log.signing), a version is read only with a valid signature.
+        self.trust = as_trust(trust)
+        self._commit_sha: dict[int, str] = {}
+        self._trusted: dict[tuple[int, tuple], str] = {}
         # The log's tensor and record digests: xxh3, or sums of element hashes (sum-digests).
         self.digests: DigestScheme = scheme_for(identity.features)
         self._commits: dict[int, CommitRecord] = {}
@@ -54,13 +71,15 @@ class DeltaLog:
         return self.identity.log_id
 
     @staticmethod
-    def open(location: str | os.PathLike | Store) -> "DeltaLog":
+    def open(location: str | os.PathLike | Store, trust=None) -> "DeltaLog":
+        """Open a log. ``trust`` (a TrustPolicy, trust file or public keys): every version read
+        needs a valid signature by one of its keys (TrustError otherwise)."""
         store = location if isinstance(location, Store) else Store.open(location)
         try:
-            data = store.get(IDENTITY_KEY)
+            data = store.get(IDENTITY_KEY, max_size=limits.MAX_IDENTITY_BYTES)
         except NotFoundError:
             raise NotFoundError(f"{store.url} is not a dcr log (no {IDENTITY_KEY})") from None
-        return DeltaLog(store, LogIdentity.from_bytes(data))
+        return DeltaLog(store, LogIdentity.from_bytes(data), trust)
 
     # -- versions -------------------------------------------------------------------------
 
@@ -83,11 +102,13 @@ class DeltaLog:
         """The verified commit record of ``version`` (cached: commit records are immutable)."""
         cached = self._commits.get(version)
         if cached is not None:
+            if self.trust is not None:
+                self.check_signed(version)
             return cached
         if version < 0:
             raise UsageError(f"no version {version}")
         try:
-            data = self.store.get(version_key(version))
+            data = self.store.get(version_key(version), max_size=limits.MAX_COMMIT_BYTES)
         except NotFoundError:
             raise NotFoundError(f"{self.store.url}: no version {version}") from None
         record = CommitRecord.from_bytes(data, expect_version=version)
@@ -96,8 +117,79 @@ class DeltaLog:
         if record.features != self.identity.features:
             raise IntegrityError(f"commit record {version}: features {list(record.features)} differ "
                                  f"from dcr.json's {list(self.identity.features)}")
+        self._commit_sha[version] = hashlib.sha256(data).hexdigest()
         self._commits[version] = record
+        if self.trust is not None:
+            self.check_signed(version)
         return record
+
+    # -- signatures (spec/FORMAT.md, section 21) -------------------------------------------
+
+    def commit_sha256(self, version: int) -> str:
+        """SHA-256 of the commit record's bytes (what a signature covers)."""
+        sha = self._commit_sha.get(version)
+        if sha is None:
+            record = self._commits.get(version)
+            if record is None:
+                saved, self.trust = self.trust, None
+                try:
+                    self.commit(version)
+                finally:
+                    self.trust = saved
+                return self._commit_sha[version]
+            sha = self._commit_sha[version] = hashlib.sha256(record.to_bytes()).hexdigest()
+        return sha
+
+    def check_signed(self, version: int, trust=None) -> str:
+        """The id of a trusted key with a valid signature of ``version``, else TrustError."""
+        policy = as_trust(trust) if trust is not None else self.trust
+        if policy is None:
+            raise UsageError("no trust policy to check signatures against")
+        known = self._trusted.get((version, policy.fingerprint))
+        if known is not None:
+            return known
+        sha = self.commit_sha256(version)
+        found = []
+        objects = [o.key for o in self.store.list(signature_prefix(version))]
+        for key in sorted(objects):
+            parsed = parse_signature_key(key)
+            if parsed is None or parsed[0] != version:
+                continue
+            if parsed[1] not in policy.keys or parsed[2] != sha:
+                # Not worth fetching; say why in the refusal.
+                found.append((key, _Skipped(parsed[1] in policy.keys)))
+                continue
+            if len(found) >= MAX_SIGNATURES:
+                break
+            try:
+                found.append((key, SignatureRecord.from_bytes(
+                    bytes(self.store.get(key, max_size=MAX_SIGNATURE_BYTES)), key)))
+            except (IntegrityError, NotFoundError) as exc:
+                found.append((key, exc))
+        kid = policy.check(self.log_id, version, sha, [(k, r) for k, r in found if not isinstance(r, _Skipped)]
+                           + [(k, r.as_error()) for k, r in found if isinstance(r, _Skipped)])
+        self._trusted[(version, policy.fingerprint)] = kid
+        return kid
+
+    def write_signature(self, record: CommitRecord, key) -> SignatureRecord:
+        """Sign a commit record's bytes and create the signature object (create-if-absent; a
+        second signature by the same key of the same bytes is the same object)."""
+        key = as_signing_key(key)
+        sig = key.sign(self.log_id, record.version, hashlib.sha256(record.to_bytes()).hexdigest())
+        try:
+            self.store.put_new(sig.key, sig.to_bytes())
+        except AlreadyExists:
+            pass  # ed25519 is deterministic: the same key signed the same record before
+        return sig
+
+    def sign(self, version: int, key) -> SignatureRecord:
+        """Sign an existing version (a new key of a rotation, or a log written unsigned)."""
+        saved, self.trust = self.trust, None
+        try:
+            record = self.commit(version)
+        finally:
+            self.trust = saved
+        return self.write_signature(record, key)
 
     def find_state_digest(self, digest: int, upto: int | None = None) -> int | None:
         """The newest version (at most ``upto``) whose state digest is ``digest``, or None."""
@@ -139,13 +231,12 @@ class DeltaLog:
     # -- segments -------------------------------------------------------------------------
 
     def read_segment(self, ref: SegmentRef) -> memoryview:
-        """Segment bytes, checked against the commit record's size and sha256."""
+        """Segment bytes, checked against the commit record's size (from the object's metadata,
+        before its bytes are read) and sha256."""
         try:
-            data = self.store.get(ref.key)
+            data = self.store.get(ref.key, size=ref.size)
         except NotFoundError:
             raise IntegrityError(f"segment {ref.key} is missing") from None
-        if len(data) != ref.size:
-            raise IntegrityError(f"segment {ref.key}: {len(data)} bytes, commit says {ref.size}")
         if hashlib.sha256(data).hexdigest() != ref.sha256:
             raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
         return data

@@ -31,7 +31,8 @@ from .baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseli
 from .coords import DTYPE_WIDTH, Box, box_view, flat_range_boxes, numel
 from .delta import Differ, EncodePolicy, map_ordered
 from .digest import MASK64, SUM_DIGESTS, scheme_for
-from .errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, UsageError
+from .signing import as_signing_key
+from .errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, StoreError, UsageError
 from .format import (
     IDENTITY_KEY,
     CommitRecord,
@@ -441,8 +442,10 @@ class ShardedWriter:
 
     def __init__(self, log: DeltaLog, group: Group, version: int, cache: BaselineCache | None,
                  writer_id: str | None = None, policy: EncodePolicy | None = None,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES):
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None):
         self.log = log
+        # Signs each commit record (the coordinator, before creating it): dcr_log.signing.
+        self.signing_key = as_signing_key(signing_key) if group.rank == 0 else None
         self.group = group
         self.writer_id = check_writer_id(writer_id or default_writer_id())
         self.segment_bytes = segment_bytes
@@ -467,8 +470,10 @@ class ShardedWriter:
                shapes: Mapping[str, Sequence[int]], group: Any = None, *, cache_dir: Any = None,
                features: Sequence[str] = (SUM_DIGESTS,), writer_id: str | None = None,
                policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-               progress: Callable[[int], None] | None = None) -> "ShardedWriter":
-        """Create a new log whose version 0 is the ranks' shards (collective)."""
+               progress: Callable[[int], None] | None = None, signing_key: Any = None) -> "ShardedWriter":
+        """Create a new log whose version 0 is the ranks' shards (collective). With
+        ``signing_key`` (a dcr_log.signing.SigningKey, an ed25519 private key or a key file)
+        every version is signed (spec/FORMAT.md, section 21)."""
         g = as_group(group)
         store = location if isinstance(location, Store) else Store.open(location, create=True)
         outcome = None
@@ -488,7 +493,7 @@ class ShardedWriter:
         identity = LogIdentity.from_bytes(outcome["identity"])
         log = DeltaLog(store, identity)
         writer = ShardedWriter(log, g, -1, BaselineCache.resolve(cache_dir, store, identity.log_id),
-                               writer_id, policy, segment_bytes)
+                               writer_id, policy, segment_bytes, signing_key)
         writer._baseline = Baseline.empty(-1)
         writer.append(shards, shapes, progress=progress)
         return writer
@@ -496,7 +501,7 @@ class ShardedWriter:
     @staticmethod
     def open(location: str | os.PathLike | Store | DeltaLog, group: Any = None, *, cache_dir: Any = None,
              writer_id: str | None = None, policy: EncodePolicy | None = None,
-             segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "ShardedWriter":
+             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> "ShardedWriter":
         """Resume writing a log (collective). The baseline is loaded at the first append, when
         the shards are known: from the local cache, checked against the commit's digests, or
         else rebuilt from the log."""
@@ -507,7 +512,7 @@ class ShardedWriter:
         if isinstance(latest, Exception):
             raise latest
         return ShardedWriter(log, g, latest, BaselineCache.resolve(cache_dir, log.store, log.log_id),
-                             writer_id, policy, segment_bytes)
+                             writer_id, policy, segment_bytes, signing_key)
 
     # -- append -----------------------------------------------------------------------------
 
@@ -590,9 +595,14 @@ class ShardedWriter:
             pending.abort()
             if not outcome.get("unknown"):
                 for key in pending.segment_keys:
-                    self.log.store.delete(key)  # referenced by no commit record
+                    try:
+                        self.log.store.delete(key)  # referenced by no commit record
+                    except StoreError:
+                        break  # an orphan is harmless (section 12); the cause is raised below
             if local_error is not None:
                 raise local_error
+            if outcome.get("store"):
+                raise StoreError(outcome["error"])
             if outcome.get("conflict"):
                 raise CommitConflict(outcome["error"])
             if outcome.get("unknown"):
@@ -721,11 +731,18 @@ class ShardedWriter:
             created_at=utc_now(), writer_id=self.writer_id, features=self.log.identity.features,
         )
         try:
+            if self.signing_key is not None:
+                # Before the commit record, under a key naming the record's SHA-256: a lost
+                # race or a crash leaves an orphan signature that matches no record.
+                self.log.write_signature(commit, self.signing_key)
             self.log.write_commit(commit)
         except CommitConflict as exc:
             return {"ok": False, "conflict": True, "error": str(exc)}
         except CommitStateUnknown as exc:
             return {"ok": False, "unknown": True, "error": str(exc)}
+        except StoreError as exc:
+            # The record was read back and is not there: not committed, for a known reason.
+            return {"ok": False, "store": True, "error": f"version {version} not committed: {exc}"}
         except Exception as exc:
             return {"ok": False, "unknown": True,
                     "error": f"version {version}: commit failed ({type(exc).__name__}: {exc})"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -22,11 +23,50 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError as ObNotFound, PreconditionError
 from obstore.store import LocalStore, MemoryStore, from_url
 
-from .errors import DcrError, NotFoundError, UsageError
+from .errors import DcrError, IntegrityError, NotFoundError, StoreError, UsageError, os_error
 
 
 class AlreadyExists(DcrError):
     """put_if_absent found the key already there."""
+
+
+class WrongSize(IntegrityError):
+    """An object is not of the size its reader was told (a commit record's segment size) or
+    exceeds the reader's limit; found from the object's metadata, before its bytes are read."""
+
+
+# Keys this module hands to a store: printable ASCII without ``\``, no empty, ``.`` or ``..``
+# segment, at most MAX_KEY_BYTES (spec/FORMAT.md, section 15). Anything else is refused
+# before the store sees it, so a bad key is a typed error and never a store's debug dump.
+MAX_KEY_BYTES = 1024
+_KEY = re.compile(r"[!-\[\]-~ ]+")
+
+
+def check_key(key: str) -> str:
+    if (not isinstance(key, str) or not key or len(key) > MAX_KEY_BYTES or not _KEY.fullmatch(key)
+            or any(part in ("", ".", "..") for part in key.split("/"))):
+        raise UsageError(f"invalid object key {key[:80]!r}" if isinstance(key, str) else "invalid object key")
+    return key
+
+
+def _cause(exc: BaseException) -> str:
+    """One readable line for a store failure: the OS error if there is one, else the first
+    line of the message (obstore's messages append multi-line debug dumps)."""
+    if isinstance(exc, OSError) and exc.errno:
+        return str(os_error(exc, "x")).removeprefix("x: ")
+    text = str(exc)
+    for marker in ("No space left on device", "Read-only file system", "Permission denied",
+                   "Disk quota exceeded", "Input/output error", "Connection refused",
+                   "dns error", "timed out", "Too many open files"):
+        if marker.lower() in text.lower():
+            return marker.lower()
+    first = text.split("\n", 1)[0].split(" Debug source:", 1)[0].strip()
+    return first[:200] or type(exc).__name__
+
+
+def _failed(exc: BaseException, op: str, url: str, key: str = "") -> StoreError:
+    where = f"{url}/{key}" if key else url
+    return StoreError(f"cannot {op} {where}: {_cause(exc)}")
 
 
 @dataclass(frozen=True)
@@ -61,7 +101,10 @@ class Store:
             path = Path(parsed.path if parsed.scheme == "file" else text).resolve()
             if not create and not path.is_dir():
                 raise NotFoundError(f"no log directory at {path}")
-            path.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise os_error(exc, f"cannot create {path}") from None
             return Store(LocalStore(path), f"file://{path}", local_root=path)
         if parsed.scheme == "memory":
             with _MEMORY_LOCK:
@@ -74,73 +117,114 @@ class Store:
                 raise UsageError(f"cannot open {text}: {exc}") from None
         raise UsageError(f"unsupported log location {text!r}")
 
-    def get(self, key: str) -> memoryview:
+    def get(self, key: str, size: int | None = None, max_size: int | None = None) -> memoryview:
+        """The whole value. With ``size`` (the size a commit record gives) or ``max_size``,
+        the object's size is checked from its metadata before any byte of it is read
+        (WrongSize), and the bytes read are checked again."""
+        check_key(key)
         try:
-            return memoryview(obstore.get(self._inner, key).bytes())
+            result = obstore.get(self._inner, key)
+            actual = int(result.meta["size"])
+            _check_size(key, actual, size, max_size)
+            data = memoryview(result.bytes())
         except (ObNotFound, FileNotFoundError):
             raise NotFoundError(f"{self.url}: no object {key}") from None
+        except DcrError:
+            raise
+        except MemoryError:
+            raise StoreError(f"cannot read {self.url}/{key}: out of memory") from None
+        except Exception as exc:
+            raise _failed(exc, "read", self.url, key) from None
+        _check_size(key, len(data), size, max_size)
+        return data
 
     def get_range(self, key: str, start: int, end: int) -> memoryview:
+        check_key(key)
         try:
             return memoryview(obstore.get_range(self._inner, key, start=start, end=end))
         except (ObNotFound, FileNotFoundError):
             raise NotFoundError(f"{self.url}: no object {key}") from None
+        except Exception as exc:
+            raise _failed(exc, "read", self.url, key) from None
 
     def put_new(self, key: str, data) -> None:
         """Create ``key``; raises AlreadyExists if it is there (nothing is ever overwritten).
 
         The caller may reuse ``data``'s buffer once this returns: a memory store, which would
         keep a reference to it, gets a copy."""
+        check_key(key)
         if isinstance(self._inner, MemoryStore):
             data = bytes(data)
         try:
             obstore.put(self._inner, key, np.frombuffer(data, dtype=np.uint8), mode="create")
         except (AlreadyExistsError, PreconditionError):
             raise AlreadyExists(f"{self.url}: {key} already exists") from None
+        except Exception as exc:
+            raise _failed(exc, "write", self.url, key) from None
 
     def create_file(self, key: str, write: Callable[[Any], None]) -> tuple[int, str]:
         """Create ``key`` with the bytes ``write(f)`` writes to a binary file object, and return
         their (size, sha256 hex). In a local directory they go straight into a temporary file
         that is then hard-linked into place (create-if-absent, atomic: FORMAT.md section 15);
         elsewhere they are buffered and put. Raises AlreadyExists like put_new."""
+        check_key(key)
         if self.local_root is None:
             sink = _HashingWriter(io.BytesIO())
             write(sink)
             self.put_new(key, sink.raw.getbuffer())
             return sink.size, sink.sha.hexdigest()
         final = self.local_root / key
-        final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 sink = _HashingWriter(f)
                 write(sink)
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                raise AlreadyExists(f"{self.url}: {key} already exists") from None
+            os.link(tmp, final)
+        except FileExistsError:
+            raise AlreadyExists(f"{self.url}: {key} already exists") from None
+        except OSError as exc:  # no space, read-only, permission: one typed line
+            raise os_error(exc, f"cannot write {self.url}/{key}") from None
         finally:
             tmp.unlink(missing_ok=True)
         return sink.size, sink.sha.hexdigest()
 
     def head(self, key: str) -> ObjectInfo | None:
+        check_key(key)
         try:
             meta = obstore.head(self._inner, key)
         except (ObNotFound, FileNotFoundError):
             return None
+        except Exception as exc:
+            raise _failed(exc, "read", self.url, key) from None
         return ObjectInfo(meta["path"], meta["size"])
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         out = []
-        for chunk in obstore.list(self._inner, prefix):
-            out.extend(ObjectInfo(m["path"], m["size"]) for m in chunk)
+        try:
+            for chunk in obstore.list(self._inner, prefix):
+                out.extend(ObjectInfo(m["path"], m["size"]) for m in chunk)
+        except (ObNotFound, FileNotFoundError):
+            return out
+        except Exception as exc:
+            raise _failed(exc, "list", self.url, prefix) from None
         return out
 
     def delete(self, key: str) -> None:
+        check_key(key)
         try:
             obstore.delete(self._inner, key)
         except (ObNotFound, FileNotFoundError):
             pass
+        except Exception as exc:
+            raise _failed(exc, "delete", self.url, key) from None
+
+
+def _check_size(key: str, actual: int, size: int | None, max_size: int | None) -> None:
+    if size is not None and actual != size:
+        raise WrongSize(f"{key}: {actual} bytes, commit says {size}")
+    if max_size is not None and actual > max_size:
+        raise WrongSize(f"{key}: {actual} bytes, more than the limit of {max_size}")
 
 
 class _HashingWriter:

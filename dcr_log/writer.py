@@ -48,22 +48,25 @@ class LogWriter:
                progress: Callable[[int], None] | None = None, *, cache_dir: Any = None,
                features: Sequence[str] = (SUM_DIGESTS,), writer_id: str | None = None,
                policy: EncodePolicy | None = None,
-               segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "LogWriter":
+               segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> "LogWriter":
         """Create a new log whose version 0 is the full ``state``. New logs use
-        ``sum-digests``; ``features=()`` writes a plain format-1 log (xxh3 digests)."""
+        ``sum-digests``; ``features=()`` writes a plain format-1 log (xxh3 digests). With
+        ``signing_key`` every version this writer commits is signed."""
         shards, shapes = _whole(state)
         return LogWriter(ShardedWriter.create(
             location, shards, shapes, LocalGroup(), cache_dir=cache_dir, features=features,
-            writer_id=writer_id, policy=policy, segment_bytes=segment_bytes, progress=progress))
+            writer_id=writer_id, policy=policy, segment_bytes=segment_bytes, progress=progress,
+            signing_key=signing_key))
 
     @staticmethod
     def open(location: str | os.PathLike | Store | DeltaLog, *, cache_dir: Any = None,
              writer_id: str | None = None, policy: EncodePolicy | None = None,
-             segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "LogWriter":
+             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> "LogWriter":
         """Resume writing a log at its latest version: the baseline comes from the local cache
         (checked against the commit's digests) or, failing that, from a replay."""
         return LogWriter(ShardedWriter.open(location, LocalGroup(), cache_dir=cache_dir,
-                                            writer_id=writer_id, policy=policy, segment_bytes=segment_bytes))
+                                            writer_id=writer_id, policy=policy, segment_bytes=segment_bytes,
+                                            signing_key=signing_key))
 
     def append(self, state: Mapping[str, Any], kind: str = "xor",
                progress: Callable[[int], None] | None = None) -> CommitRecord:

@@ -572,3 +572,76 @@ def _comparable(path: Path) -> bytes:
     if path.name == "README.md":
         data = b"\n".join(line for line in data.split(b"\n") if not line.startswith(b"pyarrow "))
     return data
+
+
+# -- signed versions (FORMAT.md section 21) -----------------------------------------------------
+
+SIGNED = sorted(p.name for p in (VECTORS / "signed").iterdir() if (p / "expected.json").is_file())
+
+
+@pytest.mark.parametrize("name", SIGNED)
+def test_signed_vector(name):
+    from dcr_log.signing import TrustPolicy
+
+    root = VECTORS / "signed" / name
+    expected = load_expected(root)
+    policy = TrustPolicy.of(expected["trust"])
+    log_dir = root / "log"
+    assert DeltaLog.open(log_dir).verify(deep=True).versions == expected["versions"]  # no policy
+    refused = expected["version"]
+    if refused is None:
+        assert DeltaLog.open(log_dir, trust=policy).verify(deep=True).versions == expected["versions"]
+        return
+    if refused > 0:
+        DeltaLog.open(log_dir, trust=policy).materialize(refused - 1)
+    with pytest.raises(getattr(errors, expected["error"])):
+        DeltaLog.open(log_dir, trust=policy).commit(refused)
+    with pytest.raises(errors.TrustError):
+        DeltaLog.open(log_dir, trust=policy).verify()
+
+
+def spec_signed_versions(log_dir: Path, trust: list[str]) -> list[bool]:
+    """Section 21 from the text alone: per version, whether a trusted key's signature object
+    of the commit record's SHA-256 verifies (cryptography's ed25519, nothing from dcr_log)."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    keys = {}
+    for text in trust:
+        raw = bytes.fromhex(text.removeprefix("ed25519:"))
+        keys[hashlib.sha256(raw).hexdigest()[:16]] = Ed25519PublicKey.from_public_bytes(raw)
+    log_id = json.loads((log_dir / "dcr.json").read_bytes())["log_id"]
+    out = []
+    for record in sorted((log_dir / "versions").glob("*.json")):
+        version = int(record.stem)
+        sha = hashlib.sha256(record.read_bytes()).hexdigest()
+        ok = False
+        for kid, public in keys.items():
+            path = log_dir / "signatures" / str(version) / f"{kid}-{sha}.sig"
+            if not path.is_file():
+                continue
+            obj = json.loads(path.read_bytes())
+            body = {k: v for k, v in obj.items() if k != "checksum"}
+            canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+            if hashlib.sha256(canonical).hexdigest() != obj["checksum"]:
+                continue
+            if (obj["algorithm"], obj["log_id"], obj["version"], obj["key_id"], obj["commit_sha256"]) != \
+                    ("ed25519", log_id, version, kid, sha):
+                continue
+            message = (b"dcr-log/1 signed commit record\x00" + log_id.encode() + b"\x00"
+                       + str(version).encode() + b"\x00" + bytes.fromhex(sha))
+            try:
+                public.verify(bytes.fromhex(obj["signature"]), message)
+                ok = True
+            except InvalidSignature:
+                pass
+        out.append(ok)
+    return out
+
+
+@pytest.mark.parametrize("name", SIGNED)
+def test_signed_vector_spec_reader(name):
+    expected = load_expected(VECTORS / "signed" / name)
+    signed = spec_signed_versions(VECTORS / "signed" / name / "log", expected["trust"])
+    first_refused = next((v for v, ok in enumerate(signed) if not ok), None)
+    assert first_refused == expected["version"]

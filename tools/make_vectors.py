@@ -54,6 +54,8 @@ from dcr_log.format import (
     version_key,
 )
 from dcr_log.format.canonical import canonical_bytes, seal
+from dcr_log.format.signature import SignatureRecord, signature_message
+from dcr_log.signing import SigningKey, public_text
 from dcr_log.state import TensorBits, TensorInfo, state_digest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1126,8 +1128,14 @@ INVALID = [
     ("segment-stream-format", "IntegrityError", "segment", 1,
      "version 1's segment is an Arrow IPC stream, not an IPC file", {"seg_kw": {"stream": True}}, None),
     ("segment-record-count", "IntegrityError", "segment", 1,
-     "the commit record says the segment has 5 records; it has 4",
-     {"ref_hook": lambda r: dataclasses.replace(r, records=r.records + 1)}, None),
+     "the commit record says the segment has 5 records (and stats.records agrees); it has 4",
+     {"ref_hook": lambda r: dataclasses.replace(r, records=r.records + 1),
+      "commit_hooks": {1: lambda c: dataclasses.replace(
+          c, stats=dataclasses.replace(c.stats, records=c.stats.records + 1))}}, None),
+    ("commit-stats-records", "IntegrityError", "commit", 1,
+     "commit record 1's stats.records is one more than the sum of its segments' records",
+     {"commit_hooks": {1: lambda c: dataclasses.replace(
+         c, stats=dataclasses.replace(c.stats, records=c.stats.records + 1))}}, None),
     ("segment-unknown-kind", "IntegrityError", "segment", 1,
      "a record has kind 'add'", {"rows_hook": row_hook("n", lambda r: r.update(kind="add"))}, None),
     ("segment-params-not-canonical", "IntegrityError", "segment", 1,
@@ -1221,6 +1229,128 @@ INVALID = [
 ]
 
 
+# -- signed vectors (FORMAT.md section 21) ----------------------------------------------------
+# Fixed test keys: each private key is the SHAKE-256 of a label (32 bytes), so the signatures
+# (ed25519 is deterministic) regenerate byte for byte. Never use them for anything else.
+
+SIGNING_KEYS = {label: SigningKey.from_seed(shake(f"dcr-log test vector signing key {label}", 32))
+                for label in ("A", "B", "C")}
+
+
+def sign_version(b: LogBuilder, version: int, label: str) -> None:
+    """Add the signature object of version ``version`` by key ``label``, computed here from
+    section 21 (the message) and checked against dcr_log's."""
+    key = SIGNING_KEYS[label]
+    sha = hashlib.sha256(b.files[version_key(version)]).hexdigest()
+    message = (b"dcr-log/1 signed commit record\x00" + b.log_id.encode() + b"\x00"
+               + str(version).encode() + b"\x00" + bytes.fromhex(sha))
+    assert message == signature_message(b.log_id, version, sha), "signed message differs from the spec"
+    rec = key.sign(b.log_id, version, sha)
+    assert rec.key == f"signatures/{version}/{key.key_id}-{sha}.sig"
+    b.files[rec.key] = rec.to_bytes()
+
+
+def signed_base(name: str, labels=("A", "A", "B")) -> LogBuilder:
+    """The 3-version log of the invalid vectors, version v signed by key labels[v] (a key
+    rotation from A to B at version 2)."""
+    b = invalid_base(name)
+    for v, label in enumerate(labels):
+        if label:
+            sign_version(b, v, label)
+    return b
+
+
+def _sig_keys(b: LogBuilder, version: int) -> list[str]:
+    return sorted(k for k in b.files if k.startswith(f"signatures/{version}/"))
+
+
+def _drop_signature(version: int):
+    def edit(b: LogBuilder) -> None:
+        for k in _sig_keys(b, version):
+            del b.files[k]
+    return edit
+
+
+def _forge_signature(b: LogBuilder) -> None:
+    (key,) = _sig_keys(b, 1)
+    def flip(obj):
+        sig = bytearray(bytes.fromhex(obj["signature"]))
+        sig[0] ^= 0x01
+        obj["signature"] = bytes(sig).hex()
+    replace_file(b, key, reseal(flip))
+
+
+def _unknown_key(b: LogBuilder) -> None:
+    _drop_signature(1)(b)
+    sign_version(b, 1, "C")
+
+
+def _signature_of_another_record(b: LogBuilder) -> None:
+    """Version 1's valid signature, edited to name version 2's record (the signature no longer
+    verifies: it signs version 1's message)."""
+    (src,) = _sig_keys(b, 1)
+    _drop_signature(2)(b)
+    sha2 = hashlib.sha256(b.files[version_key(2)]).hexdigest()
+    obj = json.loads(b.files[src])
+    del obj["checksum"]
+    obj.update(version=2, commit_sha256=sha2)
+    b.files[f"signatures/2/{obj['key_id']}-{sha2}.sig"] = seal(obj)
+
+
+def _replaced_history(b: LogBuilder) -> None:
+    """Another writer, without the key, replaces version 2 by a valid version of its own (a
+    changed tensor, its segment, a record chained to version 1): it passes deep verification;
+    the signature of the original version 2 signs other bytes."""
+    for k in [k for k in b.files if k.startswith("segments/2/") or k == version_key(2)]:
+        del b.files[k]
+    b.commits.pop()
+    b.states.pop()
+    st = dict(b.states[-1])
+    st["x"] = flipped(st["x"], "x-forged", 1)
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("x", "raw")], writer="intruder")])
+
+
+SIGNED_OK = "signed"
+SIGNED = [
+    # name, trust (key labels), first version refused (None: accepted), reason, edit
+    (SIGNED_OK, ("A", "B"), None,
+     "versions 0 and 1 signed by key A, version 2 by key B (a rotation); accepted under a policy "
+     "listing A and B", None),
+    ("signed-rotation-old-policy", ("A",), 2,
+     "the same log under a policy listing only A: version 2, signed by B alone, is refused", None),
+    ("signed-unsigned-version", ("A", "B"), 1, "version 1 has no signature object",
+     _drop_signature(1)),
+    ("signed-forged", ("A", "B"), 1,
+     "version 1's signature has a flipped bit (the object re-sealed): it does not verify",
+     _forge_signature),
+    ("signed-unknown-key", ("A", "B"), 1, "version 1 is signed only by key C, which the policy does "
+     "not list", _unknown_key),
+    ("signed-other-record", ("A", "B"), 2,
+     "version 2's signature object is version 1's signature edited to name version 2's record",
+     _signature_of_another_record),
+    ("signed-replaced-history", ("A", "B"), 2,
+     "another writer replaced version 2 by a valid version of its own (it passes deep "
+     "verification); the only signature of version 2 signs the original record", _replaced_history),
+]
+
+
+def build_signed(name, edit) -> LogBuilder:
+    b = signed_base(name)
+    if edit:
+        edit(b)
+    return b
+
+
+def signed_expected(b: LogBuilder, name: str, trust, refused, reason) -> dict:
+    keys = {label: {"seed": shake(f"dcr-log test vector signing key {label}", 32).hex(),
+                    "public": public_text(k.public), "key_id": k.key_id}
+            for label, k in SIGNING_KEYS.items()}
+    return {"vector": name, "reason": reason, "trust": [public_text(SIGNING_KEYS[t].public) for t in trust],
+            "error": None if refused is None else "TrustError", "version": refused,
+            "versions": len(b.commits), "keys": keys}
+
+
 def build_invalid(name, kw, edit) -> LogBuilder:
     b = invalid_base(name, **kw)
     if edit:
@@ -1284,6 +1414,11 @@ which the defect must be reported; every earlier step must succeed:
 | `segment` | reading the segments of `version`: size, sha256, Arrow schema and metadata, record fields |
 | `apply` | decoding and applying the records of `version`: payloads, digests, stats |
 
+The stages are listed in the order a reader goes through them (for each version `u`, its
+`commit`, then its `segment`s, then `apply`, before version `u + 1`). `version` is the version
+whose reading fails, and `null` for the stages `identity` and `listing`, which concern no
+version. At `commit`, `segment` and `apply`, every version before `version` reads back.
+
 A reader may report a defect earlier than its stage (for example a reader that checks payloads
 while listing records); it must never accept the log.
 
@@ -1294,6 +1429,19 @@ while listing records); it must never accept the log.
 Invalid:
 
 {invalid}
+
+## Signed versions
+
+`signed/<name>/log/` is a log with signature objects (FORMAT.md section 21);
+`signed/<name>/expected.json` gives `trust` (the public keys of the policy to read it under),
+`error` (`TrustError`, or null when every version is accepted), `version` (the first version a
+reader under that policy must refuse: every earlier one reads; null when none is refused),
+`versions` (the log's count) and `keys`: the three fixed test keys, each with its private
+`seed` (32 bytes, hex: ed25519 is deterministic, so these regenerate the signatures), `public`
+and `key_id`. Without a policy every one of these logs verifies (deeply): only the signatures
+tell them apart. The logs are the 3-version log of the invalid vectors.
+
+{signed}
 
 ## Generated with
 
@@ -1308,7 +1456,7 @@ def generate(out: Path) -> list[str]:
     """Write every vector under ``out``; returns their names."""
     out.mkdir(parents=True, exist_ok=True)
     for child in out.iterdir():  # remove earlier output only: vector directories
-        if child.is_dir() and (child.name == "invalid" or (child / "expected.json").exists()):
+        if child.is_dir() and (child.name in ("invalid", "signed") or (child / "expected.json").exists()):
             shutil.rmtree(child)
     names, valid_lines, invalid_lines = [], [], []
     for build, description in VALID:
@@ -1325,11 +1473,21 @@ def generate(out: Path) -> list[str]:
             {"vector": name, "reason": reason, "error": error, "stage": stage, "version": version}))
         names.append(f"invalid/{name}")
         invalid_lines.append(f"- `{name}` ({error}, {stage}): {reason}.")
+    signed_lines = []
+    for name, trust, refused, reason, edit in SIGNED:
+        b = build_signed(name, edit)
+        dest = out / "signed" / name
+        write_log(b.files, dest / "log")
+        (dest / "expected.json").write_bytes(dump(signed_expected(b, name, trust, refused, reason)))
+        names.append(f"signed/{name}")
+        outcome = "accepted" if refused is None else f"TrustError at version {refused}"
+        signed_lines.append(f"- `{name}` (trust {', '.join(trust)}; {outcome}): {reason}.")
     versions = (f"pyarrow {pa.__version__}, zstandard {zstandard.__version__} "
                 f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}), "
                 f"xxhash {xxhash.VERSION}, numpy {np.__version__}.\n")
     (out / "README.md").write_text(README.format(
-        valid="\n".join(valid_lines), invalid="\n".join(invalid_lines), versions=versions))
+        valid="\n".join(valid_lines), invalid="\n".join(invalid_lines),
+        signed="\n".join(signed_lines), versions=versions))
     (out / ".gitattributes").write_text("# vectors are compared byte for byte\n* -text\n*.arrow binary\n")
     return names
 

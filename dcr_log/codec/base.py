@@ -194,12 +194,30 @@ def zstd_compress_planes(data: np.ndarray, plane_bytes: int, level: int) -> byte
     return b"".join(parts)
 
 
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# Readers accept windows up to this (spec/FORMAT.md section 11: zstd's default decoder limit).
+ZSTD_MAX_WINDOW = 1 << 27
+
+
 def zstd_decompress_exact(payload: bytes, expected: int) -> np.ndarray:
-    """Decompress one zstd frame that must declare and hold exactly ``expected`` bytes."""
+    """Decompress one zstd frame that must declare and hold exactly ``expected`` bytes.
+
+    The frame rules of spec/FORMAT.md section 11, checked on the header before anything is
+    decompressed: the zstd magic number (a skippable frame is not a payload), the reserved bit
+    0, no dictionary id, a window of at most ZSTD_MAX_WINDOW, the declared content size."""
+    head = bytes(payload[:5])
+    if len(head) < 5 or head[:4] != ZSTD_MAGIC:
+        raise IntegrityError("not a zstd frame: the payload does not start with the zstd magic number")
+    descriptor = head[4]
+    if descriptor & 0x08 or descriptor & 0x03:
+        raise IntegrityError("zstd frame sets the reserved bit or names a dictionary")
     try:
+        params = zstandard.get_frame_parameters(payload)
         declared = zstandard.frame_content_size(payload)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"not a zstd frame: {exc}") from None
+    if params.dict_id != 0 or params.window_size > ZSTD_MAX_WINDOW:
+        raise IntegrityError(f"zstd frame needs a dictionary or a window of {params.window_size} bytes")
     if declared != expected:
         raise IntegrityError(f"zstd frame declares {declared} bytes, expected {expected}")
     try:

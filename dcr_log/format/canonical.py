@@ -24,17 +24,33 @@ def seal(obj: dict) -> bytes:
     return canonical_bytes({**body, "checksum": hashlib.sha256(canonical_bytes(body)).hexdigest()})
 
 
+def parse_json(data: bytes | str, what: str):
+    """json.loads with every failure an IntegrityError: invalid text, and nesting too deep
+    for the parser (RecursionError), which no value of this format needs."""
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{what}: not valid JSON ({_first_line(exc)})") from None
+    except RecursionError:
+        raise IntegrityError(f"{what}: JSON nested too deeply") from None
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).split("\n", 1)[0][:200]
+
+
 def unseal(data: bytes, what: str) -> dict:
     data = bytes(data)
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{what}: not valid JSON ({exc})") from None
+    obj = parse_json(data, what)
     if not isinstance(obj, dict) or "checksum" not in obj:
         raise IntegrityError(f"{what}: not a sealed JSON object")
-    if canonical_bytes(obj) != data:
+    try:
+        canonical = canonical_bytes(obj)
+    except (RecursionError, ValueError):
+        raise IntegrityError(f"{what}: bytes are not in canonical form") from None
+    if canonical != data:
         raise IntegrityError(f"{what}: bytes are not in canonical form")
     body = {k: v for k, v in obj.items() if k != "checksum"}
-    if hashlib.sha256(canonical_bytes(body)).hexdigest() != obj["checksum"]:
+    if not isinstance(obj["checksum"], str) or hashlib.sha256(canonical_bytes(body)).hexdigest() != obj["checksum"]:
         raise IntegrityError(f"{what}: checksum mismatch")
     return body

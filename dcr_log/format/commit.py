@@ -10,6 +10,7 @@ from ..digest import SUM_DIGESTS
 from ..errors import IntegrityError, UsageError
 from ..state import TensorInfo, digest_hex
 from .canonical import seal, unseal
+from . import limits as L
 from .keys import check_segment_key
 
 FORMAT_VERSION = 1
@@ -20,8 +21,6 @@ KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS})
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _UUID = re.compile(r"^[0-9a-f]{32}$")
-_TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?Z")
-_WRITER = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def _expect(cond: bool, what: str, msg: str) -> None:
@@ -30,7 +29,8 @@ def _expect(cond: bool, what: str, msg: str) -> None:
 
 
 def _int(v, what, name, minimum=0) -> int:
-    _expect(type(v) is int and v >= minimum, what, f"{name} must be an integer >= {minimum}")
+    _expect(type(v) is int and minimum <= v < 1 << 64, what,
+            f"{name} must be an integer >= {minimum} and below 2^64")
     return v
 
 
@@ -40,15 +40,29 @@ def _str(v, what, name, pattern: re.Pattern | None = None) -> str:
     return v
 
 
+def _text(v, what, name) -> str:
+    """An informative string (created_at, writer_id): any string within the limit."""
+    _expect(isinstance(v, str), what, f"{name} must be a string")
+    L.check(len(v) <= L.MAX_TEXT_CHARS, what, f"{name} longer than {L.MAX_TEXT_CHARS} characters")
+    return v
+
+
+def _shape(v, what) -> tuple[int, ...]:
+    _expect(isinstance(v, list), what, "shape must be a list")
+    L.check(len(v) <= L.MAX_RANK, what, f"rank {len(v)} above {L.MAX_RANK}")
+    shape = tuple(_int(d, what, "dimension") for d in v)
+    L.check(all(d <= L.MAX_DIM for d in shape), what, f"a dimension above {L.MAX_DIM}")
+    return shape
+
+
 def _valid_name(name) -> bool:
     """Non-empty, no NUL or LF (the state digest's separators), valid UTF-8 (no lone surrogates)."""
     if not isinstance(name, str) or not name or "\x00" in name or "\n" in name:
         return False
     try:
-        name.encode("utf-8")
+        return len(name.encode("utf-8")) <= L.MAX_NAME_BYTES
     except UnicodeEncodeError:
         return False
-    return True
 
 
 def _keys(obj: dict, what: str, keys: set[str]) -> None:
@@ -59,6 +73,7 @@ def _keys(obj: dict, what: str, keys: set[str]) -> None:
 def check_features(features, what: str) -> tuple[str, ...]:
     _expect(isinstance(features, list) and all(isinstance(f, str) for f in features), what,
             "features must be a list of strings")
+    L.check(len(features) <= 64, what, "too many features")
     unknown = sorted(set(features) - KNOWN_FEATURES)
     if unknown:
         raise IntegrityError(f"{what}: unsupported features {unknown}; upgrade dcr-log")
@@ -84,13 +99,14 @@ class LogIdentity:
     @staticmethod
     def from_bytes(data: bytes) -> "LogIdentity":
         what = "dcr.json"
+        L.check(len(data) <= L.MAX_IDENTITY_BYTES, what, f"more than {L.MAX_IDENTITY_BYTES} bytes")
         obj = unseal(data, what)
         _keys(obj, what, {"format_version", "log_id", "created_at", "features"})
-        if obj["format_version"] != FORMAT_VERSION:
+        if type(obj["format_version"]) is not int or obj["format_version"] != FORMAT_VERSION:
             raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
         return LogIdentity(
             log_id=_str(obj["log_id"], what, "log_id", _UUID),
-            created_at=_str(obj["created_at"], what, "created_at", _TIMESTAMP),
+            created_at=_text(obj["created_at"], what, "created_at"),
             format_version=obj["format_version"],
             features=check_features(obj["features"], what),
         )
@@ -168,12 +184,13 @@ class CommitRecord:
     @staticmethod
     def from_bytes(data: bytes, expect_version: int | None = None) -> "CommitRecord":
         what = "commit record" if expect_version is None else f"commit record {expect_version}"
+        L.check(len(data) <= L.MAX_COMMIT_BYTES, what, f"more than {L.MAX_COMMIT_BYTES} bytes")
         obj = unseal(data, what)
         _keys(obj, what, {
             "format_version", "features", "log_id", "version", "parent", "parent_state_digest",
             "state_digest", "segments", "tensors", "stats", "created_at", "writer_id",
         })
-        if obj["format_version"] != FORMAT_VERSION:
+        if type(obj["format_version"]) is not int or obj["format_version"] != FORMAT_VERSION:
             raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
         version = _int(obj["version"], what, "version")
         if expect_version is not None and version != expect_version:
@@ -188,23 +205,33 @@ class CommitRecord:
             parent_digest = int(_str(obj["parent_state_digest"], what, "parent_state_digest", _HEX16), 16)
         segments = []
         _expect(isinstance(obj["segments"], list), what, "segments must be a list")
+        L.check(len(obj["segments"]) <= L.MAX_SEGMENTS, what, f"more than {L.MAX_SEGMENTS} segments")
         for s in obj["segments"]:
             _keys(s, what, {"key", "size", "sha256", "records"})
             check_segment_key(_str(s["key"], what, "segment key"), version)
-            segments.append(SegmentRef(s["key"], _int(s["size"], what, "size"),
-                                       _str(s["sha256"], what, "sha256", _HEX64),
-                                       _int(s["records"], what, "records")))
+            ref = SegmentRef(s["key"], _int(s["size"], what, "size"),
+                             _str(s["sha256"], what, "sha256", _HEX64),
+                             _int(s["records"], what, "records"))
+            L.check(ref.size <= L.MAX_SEGMENT_BYTES, what, f"segment {ref.key} of {ref.size} bytes")
+            L.check(ref.records <= L.MAX_SEGMENT_RECORDS, what, f"segment {ref.key} of {ref.records} records")
+            segments.append(ref)
         _expect(len({s.key for s in segments}) == len(segments), what, "duplicate segment")
         tensors = []
         _expect(isinstance(obj["tensors"], list), what, "tensors must be a list")
+        L.check(len(obj["tensors"]) <= L.MAX_TENSORS, what, f"more than {L.MAX_TENSORS} tensors")
+        state_bytes = 0
         for t in obj["tensors"]:
             _keys(t, what, {"name", "dtype", "shape", "digest"})
             _expect(_valid_name(t["name"]), what, "bad tensor name")
-            _expect(t["dtype"] in DTYPE_WIDTH, what, f"unknown dtype {t['dtype']!r}")
-            _expect(isinstance(t["shape"], list), what, "shape must be a list")
-            shape = tuple(_int(d, what, "dimension") for d in t["shape"])
+            _expect(isinstance(t["dtype"], str) and t["dtype"] in DTYPE_WIDTH, what,
+                    f"unknown dtype {str(t['dtype'])[:40]!r}")
+            shape = _shape(t["shape"], what)
+            nbytes = numel(shape) * DTYPE_WIDTH[t["dtype"]]
+            L.check(nbytes <= L.MAX_TENSOR_BYTES, what, f"tensor {t['name'][:80]!r} of {nbytes} bytes")
+            state_bytes += nbytes
             tensors.append(TensorInfo(t["name"], t["dtype"], shape,
                                       int(_str(t["digest"], what, "digest", _HEX16), 16)))
+        L.check(state_bytes <= L.MAX_STATE_BYTES, what, f"a state of {state_bytes} bytes")
         names = [t.name.encode() for t in tensors]
         _expect(names == sorted(set(names)), what, "tensor names must be unique and sorted")
         st = obj["stats"]
@@ -214,6 +241,8 @@ class CommitRecord:
                             _int(st["records"], what, "records"))
         _expect(stats.total_elements == sum(numel(t.shape) for t in tensors), what,
                 "stats.total_elements differs from the tensor table")
+        _expect(stats.records == sum(s.records for s in segments), what,
+                "stats.records differs from the sum of the segments' records")
         return CommitRecord(
             log_id=_str(obj["log_id"], what, "log_id", _UUID),
             version=version,
@@ -223,8 +252,8 @@ class CommitRecord:
             segments=tuple(segments),
             tensors=tuple(tensors),
             stats=stats,
-            created_at=_str(obj["created_at"], what, "created_at", _TIMESTAMP),
-            writer_id=_str(obj["writer_id"], what, "writer_id", _WRITER),
+            created_at=_text(obj["created_at"], what, "created_at"),
+            writer_id=_text(obj["writer_id"], what, "writer_id"),
             format_version=obj["format_version"],
             features=check_features(obj["features"], what),
         )

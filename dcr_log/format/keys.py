@@ -26,10 +26,16 @@ def segment_key(version: int, writer_id: str, unique: str) -> str:
     return f"{SEGMENTS_PREFIX}{version}/{writer_id}-{unique}.arrow"
 
 
+# The file name of a segment key (after ``segments/<v>/``): 1 to 255 characters of
+# A-Z a-z 0-9 . _ - ending in ``.arrow`` (spec/FORMAT.md, section 2); the same on every store
+# and file system.
+_SEGMENT_NAME = re.compile(r"[A-Za-z0-9._-]{0,249}\.arrow")
+
+
 def check_segment_key(key: str, version: int) -> None:
     prefix = f"{SEGMENTS_PREFIX}{version}/"
-    if not key.startswith(prefix) or not key.endswith(".arrow") or "/" in key[len(prefix) :]:
-        raise IntegrityError(f"segment key {key!r} does not belong to version {version}")
+    if not key.startswith(prefix) or not _SEGMENT_NAME.fullmatch(key[len(prefix):]):
+        raise IntegrityError(f"segment key {key[:300]!r} does not belong to version {version}")
 
 
 def check_writer_id(writer_id: str) -> str:

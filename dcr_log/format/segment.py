@@ -12,7 +12,8 @@ import pyarrow as pa
 from ..coords import Box
 from ..codec import KINDS
 from ..errors import IntegrityError
-from .canonical import canonical_bytes
+from . import limits as L
+from .canonical import canonical_bytes, parse_json
 
 SEGMENT_SCHEMA = pa.schema([
     pa.field("tensor", pa.utf8(), nullable=False),
@@ -151,10 +152,8 @@ def encode_segment(records: Iterable[Record], log_id: str, version: int) -> byte
 
 
 def _parse_params(text: str) -> dict:
-    try:
-        params = json.loads(text)
-    except ValueError:
-        raise IntegrityError("record params are not JSON") from None
+    L.check(len(text) <= L.MAX_PARAMS_BYTES, "record params", f"more than {L.MAX_PARAMS_BYTES} bytes")
+    params = parse_json(text, "record params")
     if not isinstance(params, dict) or canonical_bytes(params).decode() != text:
         raise IntegrityError("record params are not a canonical JSON object")
     return params
@@ -188,6 +187,8 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
         for j in range(batch.num_rows):
             if len(offsets[j]) != len(shapes[j]):
                 raise IntegrityError(f"segment of version {version}: box rank mismatch")
+            if len(offsets[j]) > L.MAX_RANK or any(d > L.MAX_DIM for d in offsets[j] + shapes[j]):
+                raise IntegrityError(f"segment of version {version}: box beyond the limits")
             yield Record(
                 tensor=cols["tensor"][j].as_py(),
                 kind=cols["kind"][j].as_py(),

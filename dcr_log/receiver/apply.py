@@ -27,6 +27,7 @@ from ..delta import decode_record, flat_positions
 from ..errors import IntegrityError, LineageError, NotFoundError, UsageError
 from ..format import CommitRecord, Record
 from ..log import DeltaLog
+from ..signing import as_trust
 from ..digest import XXH3, DigestScheme
 from ..state import TensorInfo, digest_hex, state_digest
 from .journal import Journal, JournalState, SegmentProgress
@@ -102,6 +103,8 @@ class SegmentCache:
         self.budget = budget
         self._data: dict[int, memoryview] = {}
         self._used = 0
+        self._decoded: dict[tuple[int, int], Any] = {}
+        self._decoded_used = 0
 
     def data(self, index: int) -> memoryview:
         data = self._data.get(index)
@@ -115,6 +118,20 @@ class SegmentCache:
     def records(self, index: int) -> list[Record]:
         return list(self.log.segment_records(self.commit.version, self.commit.segments[index],
                                              self.data(index)))
+
+    def keep_changes(self, segment: int, record: int, changes) -> None:
+        """Keep a record decoded in pass 1 for the write pass, within the byte budget."""
+        nbytes = changes.values.nbytes + (0 if changes.positions is None else changes.positions.nbytes)
+        if self._decoded_used + nbytes <= self.budget:
+            self._decoded[(segment, record)] = changes
+            self._decoded_used += nbytes
+
+    def take_changes(self, segment: int, record: int):
+        changes = self._decoded.pop((segment, record), None)
+        if changes is not None:
+            self._decoded_used -= changes.values.nbytes + (
+                0 if changes.positions is None else changes.positions.nbytes)
+        return changes
 
 
 @dataclass
@@ -141,9 +158,13 @@ class _Undo:
 class Receiver:
     """One receiver: a storage and its journal. Not thread-safe; one apply at a time."""
 
-    def __init__(self, storage: Storage, journal: Journal, fault: FaultHook | None = None):
+    def __init__(self, storage: Storage, journal: Journal, fault: FaultHook | None = None,
+                 trust: Any = None):
         self.storage = storage
         self.journal = journal
+        # Under a trust policy, a version is bound or applied only with a valid signature by
+        # a trusted key (dcr_log.signing), checked before any write.
+        self.trust = as_trust(trust)
         self.fault = fault
         # The digest scheme of the log being applied (set by bind and apply).
         self.digests: DigestScheme = XXH3
@@ -160,7 +181,7 @@ class Receiver:
 
     @staticmethod
     def open(storage: Any, journal_path: str | os.PathLike | None = None,
-             fault: FaultHook | None = None, device: Any = None) -> "Receiver":
+             fault: FaultHook | None = None, device: Any = None, trust: Any = None) -> "Receiver":
         """Open a receiver: ``storage`` is a Storage, a dict of numpy arrays or torch tensors,
         or a checkpoint directory (whose journal defaults to DIR/.dcr)."""
         if journal_path is None:
@@ -169,7 +190,7 @@ class Receiver:
             journal_path = Path(storage) / JOURNAL_DIR
         journal = Journal.open(journal_path)  # the receiver lock comes before the storage
         try:
-            return Receiver(open_storage(storage, device=device), journal, fault)
+            return Receiver(open_storage(storage, device=device), journal, fault, trust)
         except BaseException:
             journal.close()
             raise
@@ -221,6 +242,8 @@ class Receiver:
             raise LineageError(f"receiver belongs to log {st.log_id}, not {log.log_id}")
         self.digests = log.digests
         commit = log.commit(version)
+        if self.trust is not None:
+            log.check_signed(version, self.trust)
         if self.storage.layout() != commit_layout(commit):
             raise LineageError(f"storage tensors (names, dtypes, shapes) differ from version {version}'s")
         if verify != "none" and self.storage_digest() != commit.state_digest:
@@ -280,6 +303,8 @@ class Receiver:
         storage = self.storage
         st = self._lineage_state(log)
         commit = log.commit(version)
+        if self.trust is not None:
+            log.check_signed(version, self.trust)
         if commit.parent != st.version or commit.parent_state_digest != st.state_digest:
             parent = "none" if commit.parent is None else f"{commit.parent} ({digest_hex(commit.parent_state_digest)})"
             raise LineageError(f"version {version} follows version {parent}; the receiver holds "
@@ -297,20 +322,28 @@ class Receiver:
         table = commit.tensor_map()
         report = ApplyReport(version, segments=len(commit.segments), delta_bytes=commit.delta_bytes,
                              recovered=recovering)
-        digest_checked = False
-        if not recovering and verify != "none":
-            if storage.layout() != commit_layout(log.commit(st.version)):
+        parent_layout = commit_layout(log.commit(st.version))
+        if not recovering:
+            # Cheap, so at every level: the layout the journal's version implies.
+            if storage.layout() != parent_layout:
                 raise LineageError(f"storage tensors differ from version {st.version}'s: "
                                    "changed behind the journal's back")
             if verify == "full":
                 if verified_digest != st.state_digest and self.storage_digest() != st.state_digest:
                     raise LineageError(f"storage does not hold version {st.version} (state digest "
                                        "differs): changed behind the journal's back")
-                digest_checked = True
         progress = self.journal.progress() if recovering else {}
+        for seg, prog in progress.items():
+            if seg >= len(commit.segments) or prog.started_end > commit.segments[seg].records:
+                raise IntegrityError(f"journal {self.journal.path}: progress of segment {seg} lies "
+                                     f"outside version {version}'s segments")
         cache = SegmentCache(log, commit)
-        if verify != "none" and not digest_checked:
-            self._precheck(commit, table, cache, progress, verify, recovering)
+        # Pass 1, at every level: every segment still to apply is read and checked (size,
+        # sha256, schema, record count) and every record decoded, so that nothing the version
+        # needs can fail after the first write; with verification, (sampled) preconditions.
+        journal_bytes = self._precheck(commit, table, cache, progress, verify, recovering,
+                                       parent_layout, classify=verify != "none")
+        storage.prepare_layout(commit_layout(commit), extra_bytes=journal_bytes)
 
         # -- writes start here --
         if not recovering:
@@ -348,34 +381,65 @@ class Receiver:
     # -- pass 1 ----------------------------------------------------------------------------
 
     def _precheck(self, commit: CommitRecord, table: dict[str, TensorInfo], cache: SegmentCache,
-                  progress: dict[int, SegmentProgress], verify: str, recovering: bool) -> None:
-        """Check (a sample of) the records' preconditions before anything is written."""
-        layout = self.storage.layout()
+                  progress: dict[int, SegmentProgress], verify: str, recovering: bool,
+                  parent_layout: Layout, classify: bool) -> int:
+        """Everything checked before the first write: each segment not yet done is read and
+        parsed, each of its records (from ``done`` on) checked against the tensor table (known
+        tensor, box inside, only ``tensor`` records for created tensors) and decoded; the
+        record counts and changed elements checked against the commit's stats when the whole
+        version is read; with ``classify``, (a sample of) the preconditions. Returns about how
+        many journal bytes the redo images of the largest batch will take."""
+        version = commit.version
+        records_seen = changed = 0
+        whole = True
+        redo_bytes = 0
         for seg, ref in enumerate(commit.segments):
             prog = progress.get(seg, SegmentProgress())
             if prog.done >= ref.records:
+                whole = False
                 continue
-            for i, rec in enumerate(cache.records(seg)):
-                if i < prog.done or rec.kind == "tensor":
+            recs = cache.records(seg)
+            whole = whole and prog.done == 0
+            records_seen += len(recs)
+            for i, rec in enumerate(recs):
+                changed += rec.n_changed
+                if i < prog.done:
                     continue
-                if verify == "sample" and not _sampled(commit.version, seg, i):
-                    continue
-                info = self._info(table, rec, commit.version)
-                if layout.get(rec.tensor) != (info.dtype, info.shape):
-                    if recovering:
-                        continue  # the layout change is still to be finished
-                    raise IntegrityError(f"version {commit.version}: {rec.kind} record for the new "
+                info = self._info(table, rec, version)
+                if rec.kind != "tensor" and parent_layout.get(rec.tensor) != (info.dtype, info.shape):
+                    raise IntegrityError(f"version {version}: {rec.kind} record for the new "
                                          f"or reshaped tensor {rec.tensor!r}")
                 changes = decode_record(rec, info)
+                cache.keep_changes(seg, i, changes)
+                if rec.kind == "xor":
+                    redo_bytes += rec.n_changed * DTYPE_WIDTH[info.dtype]
+                if not classify:
+                    continue
+                if verify == "sample" and not _sampled(version, seg, i):
+                    continue
                 where = flat_positions(rec, info.shape, changes)
+                if rec.kind == "tensor":  # no precondition; its values must be its target
+                    if self.digests.at(where, changes.values) != rec.target_digest:
+                        raise IntegrityError(f"version {version}: tensor record of {rec.tensor!r} "
+                                             "does not match its target digest")
+                    continue
                 cur = self.storage.gather(self.storage.locate(rec.tensor, where))
                 d = self.digests.at(where, cur)
-                if d in (rec.base_digest, rec.target_digest):
+                if d == rec.target_digest:
+                    continue
+                if d == rec.base_digest:
+                    target = np.bitwise_xor(cur, changes.values) if rec.kind == "xor" else changes.values
+                    if self.digests.at(where, target) != rec.target_digest:
+                        raise IntegrityError(f"version {version}: record of {rec.tensor!r} does not "
+                                             "lead to its target digest")
                     continue
                 if recovering and prog.done <= i < prog.started_end:
                     continue  # torn by the interrupted apply; the redo images finish it
-                raise LineageError(f"version {commit.version}: tensor {rec.tensor!r} holds neither the "
+                raise LineageError(f"version {version}: tensor {rec.tensor!r} holds neither the "
                                    "record's base nor its target: changed behind the journal's back")
+        if whole and (records_seen != commit.stats.records or changed != commit.stats.changed_elements):
+            raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
+        return 2 * min(redo_bytes, BATCH_BYTES)
 
     @staticmethod
     def _info(table: dict[str, TensorInfo], rec: Record, version: int) -> TensorInfo:
@@ -404,18 +468,18 @@ class Receiver:
                 budget += rec.n_changed * (8 + 3 * width)
                 end += 1
             self._apply_batch(commit, table, seg, records, start, end, torn, redo, verify,
-                              created, undo, report)
+                              created, undo, report, cache)
             start = end
 
     def _apply_batch(self, commit, table, seg, records, start, end, torn: range, redo, verify,
-                     created, undo: _Undo | None, report: ApplyReport) -> None:
+                     created, undo: _Undo | None, report: ApplyReport, cache: SegmentCache) -> None:
         storage = self.storage
         version = commit.version
         work: list[_Work] = []
         for i in range(start, end):
             rec = records[i]
             info = self._info(table, rec, version)
-            changes = decode_record(rec, info)
+            changes = cache.take_changes(seg, i) or decode_record(rec, info)
             where = flat_positions(rec, info.shape, changes)
             place = storage.locate(rec.tensor, where)
             report.records += 1

@@ -15,8 +15,8 @@ from ..log import DeltaLog
 from ..state import TensorBits
 from .apply import JOURNAL_DIR, Receiver
 from .journal import Journal, JournalState
-from .storage import (CheckpointStorage, FaultHook, fsync_dir, has_checkpoint, storage_state_digest,
-                      write_file_atomic)
+from .storage import (CheckpointStorage, FaultHook, check_regular, check_space, fsync_dir,
+                      has_checkpoint, storage_state_digest, write_file_atomic)
 
 MODEL_NAME = "model.safetensors"
 # A materialized checkpoint is split into shards only above this many bytes (Hugging Face's
@@ -75,8 +75,17 @@ def _remove_ours(directory: Path, keep: set[str] = frozenset()) -> None:
             p.unlink()
 
 
-def _materialize(log: DeltaLog, directory: Path, version: int, journal: Journal, say: Say) -> None:
-    state = log.materialize(version)
+def _state_bytes(log: DeltaLog, version: int) -> int:
+    from ..coords import DTYPE_WIDTH, numel
+
+    return sum(numel(t.shape) * DTYPE_WIDTH[t.dtype] for t in log.commit(version).tensors)
+
+
+def _materialize(log: DeltaLog, directory: Path, version: int, journal: Journal, say: Say,
+                 state=None) -> None:
+    if state is None:
+        check_space(directory, _state_bytes(log, version), f"write version {version} out")
+        state = log.materialize(version)
     _remove_ours(directory)
     paths = write_checkpoint(state, directory)
     commit = log.commit(version)
@@ -107,6 +116,9 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
     """
     directory = Path(directory)
     jpath = directory / JOURNAL_DIR
+    if directory.is_dir():
+        for name in (MODEL_NAME, INDEX_NAME):
+            check_regular(directory / name)  # a link here would be written through
     journal = Journal.open(jpath) if Journal.exists(jpath) else None
     try:
         st = journal.state() if journal is not None else JournalState(None, None, None, None, None)
@@ -132,13 +144,22 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
         version = latest if to is None else to
         if not 0 <= version <= latest:
             raise NotFoundError(f"no version {version} (latest is {latest})")
-        directory.mkdir(parents=True, exist_ok=True)
+        # Everything that can fail before the first write: room for the files, then the
+        # replay itself (every digest checked), in memory.
+        check_space(directory, _state_bytes(log, version), f"write version {version} out")
+        state = log.materialize(version)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            from ..errors import os_error
+
+            raise os_error(exc, f"cannot create {directory}") from None
         if journal is None:
             journal = Journal.open(jpath)
         if journal.state().log_id is not None:
             raise UsageError(f"receiver {directory} was bound by another process meanwhile")
         journal.begin_materialize(log.log_id, version)
-        _materialize(log, directory, version, journal, say)
+        _materialize(log, directory, version, journal, say, state)
         return Receiver(CheckpointStorage(directory), journal, fault)
     except BaseException:
         if journal is not None:

@@ -21,14 +21,18 @@ from typing import Iterable, Iterator, Mapping
 
 import lmdb
 
-from ..errors import IntegrityError, NotFoundError, UsageError
+from ..errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
 from ..state import digest_hex
 
 JOURNAL_FORMAT = b"dcr-receiver-journal/1"
 LOCK_NAME = "receiver.lock"
 DATA_NAME = "data.mdb"
-# Address space only: LMDB grows the file as pages are used, and frees pages for reuse.
-MAP_SIZE = 1 << 36
+# The map starts small (address space only: LMDB grows the file as pages are used) and grows
+# on demand: a transaction that finds the map full is retried on a map twice as large (or as
+# large as the transaction needs), up to MAX_MAP_SIZE. So a receiver runs under ``ulimit -v``.
+MAP_SIZE = 1 << 26
+MAX_MAP_SIZE = 1 << 40
+LMDB_FILES = (DATA_NAME, "lock.mdb", LOCK_NAME)
 
 K_FORMAT = b"format"
 K_LOG_ID = b"log_id"
@@ -100,7 +104,7 @@ def _read_state(txn) -> JournalState:
             materializing=None if materializing is None
             else int(json.loads(bytes(materializing))["version"]),
         )
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise IntegrityError("journal entries are not readable") from None
 
 
@@ -120,7 +124,14 @@ class Journal:
 
     @staticmethod
     def exists(path: str | os.PathLike) -> bool:
-        return (Path(path) / DATA_NAME).is_file()
+        from .storage import check_regular
+
+        path = Path(path)
+        if not check_regular(path, "directory"):
+            return False
+        for name in LMDB_FILES:
+            check_regular(path / name)
+        return (path / DATA_NAME).is_file()
 
     @staticmethod
     def open(path: str | os.PathLike) -> "Journal":
@@ -128,8 +139,13 @@ class Journal:
 
         Raises UsageError when another process holds the receiver."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        lock_file = open(path / LOCK_NAME, "a+b")
+        Journal.exists(path)  # refuses symbolic links: the journal never writes outside
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise os_error(exc, f"cannot open the receiver journal {path}") from None
+        lock_file = os.fdopen(fd, "a+b")
         try:
             fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -143,7 +159,10 @@ class Journal:
         path = Path(path)
         if not Journal.exists(path):
             raise NotFoundError(f"no receiver journal at {path}")
-        env = lmdb.open(str(path), readonly=True, lock=True, subdir=True, max_dbs=0)
+        try:
+            env = lmdb.open(str(path), readonly=True, lock=True, subdir=True, max_dbs=0)
+        except lmdb.Error as exc:
+            raise _lmdb_error(exc, path, "read") from None
         try:
             with env.begin() as txn:
                 return _read_state(txn)
@@ -154,15 +173,22 @@ class Journal:
         if self._env is None and Journal.exists(self.path):
             # No writer can run: this process holds the receiver lock. Opening without
             # LMDB's lock file keeps the directory byte-for-byte unchanged.
-            self._env = lmdb.open(str(self.path), readonly=True, lock=False, subdir=True, max_dbs=0)
+            try:
+                self._env = lmdb.open(str(self.path), readonly=True, lock=False, subdir=True, max_dbs=0)
+            except lmdb.Error as exc:
+                raise _lmdb_error(exc, self.path, "read") from None
         return self._env
 
     def _writer(self) -> lmdb.Environment:
         if not self._writable:
             if self._env is not None:
                 self._env.close()
-            self._env = lmdb.open(str(self.path), map_size=MAP_SIZE, subdir=True, sync=True,
-                                  metasync=True, max_dbs=0)
+            self._env = None
+            try:
+                self._env = lmdb.open(str(self.path), map_size=MAP_SIZE, subdir=True, sync=True,
+                                      metasync=True, max_dbs=0)
+            except lmdb.Error as exc:
+                raise _lmdb_error(exc, self.path, "open") from None
             self._writable = True
         return self._env
 
@@ -192,8 +218,15 @@ class Journal:
             return out
         with env.begin() as txn:
             for suffix, value in _scan(txn, SEG_PREFIX):
-                obj = json.loads(value)
-                out[int(suffix)] = SegmentProgress(obj["done"], obj["started_end"])
+                try:
+                    obj = json.loads(value)
+                    prog = SegmentProgress(obj["done"], obj["started_end"])
+                    if not (type(prog.done) is int and type(prog.started_end) is int
+                            and 0 <= prog.done <= prog.started_end):
+                        raise ValueError
+                    out[int(suffix)] = prog
+                except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                    raise IntegrityError(f"journal {self.path}: segment progress is not readable") from None
         return out
 
     def redo_images(self, segment: int) -> dict[int, bytes]:
@@ -213,10 +246,24 @@ class Journal:
     def _write(self, fn) -> None:
         env = self._writer()
         t0 = time.perf_counter()
-        with env.begin(write=True) as txn:
-            if txn.get(K_FORMAT) is None:
-                txn.put(K_FORMAT, JOURNAL_FORMAT)
-            fn(txn)
+        while True:
+            try:
+                with env.begin(write=True) as txn:
+                    if txn.get(K_FORMAT) is None:
+                        txn.put(K_FORMAT, JOURNAL_FORMAT)
+                    fn(txn)
+                break
+            except lmdb.MapFullError:
+                # The transaction was aborted: grow the map and run it again.
+                size = env.info()["map_size"]
+                if size >= MAX_MAP_SIZE:
+                    raise StoreError(f"receiver journal {self.path}: map full at {size} bytes") from None
+                try:
+                    env.set_mapsize(min(MAX_MAP_SIZE, 2 * size))
+                except lmdb.Error as exc:
+                    raise _lmdb_error(exc, self.path, "grow") from None
+            except lmdb.Error as exc:
+                raise _lmdb_error(exc, self.path, "write") from None
         self.txn_seconds += time.perf_counter() - t0
         self.txn_count += 1
 
@@ -282,6 +329,28 @@ class Journal:
     def abort(self) -> None:
         """Forget the version in flight (the storage was rolled back to the current version)."""
         self._write(self._clear_inflight)
+
+
+def _lmdb_error(exc: Exception, path: Path, op: str) -> StoreError:
+    """LMDB's errors as one readable line with their cause (a full disk shows as ENOSPC or,
+    at commit, as EIO: the free space says which)."""
+    from .storage import free_bytes
+
+    text = str(exc).split("\n", 1)[0]
+    errno_ = getattr(exc, "errno", None)
+    if isinstance(exc, OSError) and errno_:
+        return os_error(exc, f"cannot {op} the receiver journal {path}")
+    lowered = text.lower()
+    if "no space" in lowered or (("input/output" in lowered or "disk" in lowered)
+                                 and free_bytes(path) < (1 << 20)):
+        cause = "no space left on device"
+    elif "read-only" in lowered or "readonly" in lowered:
+        cause = "read-only file system"
+    elif "permission" in lowered:
+        cause = "permission denied"
+    else:
+        cause = text.split(": ", 1)[-1][:200] or type(exc).__name__
+    return StoreError(f"cannot {op} the receiver journal {path}: {cause}")
 
 
 def _scan(txn, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:

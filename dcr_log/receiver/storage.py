@@ -16,7 +16,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import stat
 import struct
+import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable, Mapping, MutableMapping
@@ -25,7 +27,7 @@ import numpy as np
 
 from ..checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
 from ..coords import DTYPE_WIDTH, numel, word_dtype
-from ..errors import IntegrityError, NotFoundError, UsageError
+from ..errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
 from ..digest import XXH3, DigestScheme
 from ..state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits, TensorInfo, state_digest
 
@@ -69,6 +71,12 @@ class Storage(ABC):
         """Undo ``set_layout`` (memory storage only)."""
         raise UsageError(f"{type(self).__name__} cannot undo a layout change")
 
+    def prepare_layout(self, layout: Layout, extra_bytes: int = 0) -> None:
+        """Before the first write of an apply: make sure ``set_layout(layout)`` (and about
+        ``extra_bytes`` more, the journal's) can be done, or raise StoreError. Memory storage
+        allocates the new tensors here (kept for set_layout); durable storage checks free
+        space. Writes nothing."""
+
     @abstractmethod
     def tensor_words(self, name: str) -> np.ndarray:
         """The tensor's flat words on the host (a view where the storage allows it)."""
@@ -96,6 +104,13 @@ def storage_state_digest(storage: Storage, digests: DigestScheme = XXH3) -> int:
 
 def _signed(width: int) -> np.dtype:
     return np.dtype(f"<i{width}")
+
+
+def _zeros(name: str, count: int, dtype: np.dtype) -> np.ndarray:
+    try:
+        return np.zeros(count, dtype=dtype)
+    except (MemoryError, ValueError):
+        raise StoreError(f"cannot allocate tensor {name!r} ({count} words): out of memory") from None
 
 
 # -- numpy ---------------------------------------------------------------------------------
@@ -150,8 +165,19 @@ class NumpyStorage(Storage):
         words, where = place
         words[where] = values
 
+    def prepare_layout(self, layout: Layout, extra_bytes: int = 0) -> None:
+        self._prepared = {}
+        for name, (dtype, shape) in layout.items():
+            old = self._bits.get(name)
+            if old is None or old.dtype != dtype or old.shape != shape:
+                self._prepared[name] = (dtype, shape, _zeros(name, numel(shape), word_dtype(dtype)))
+
     def _new(self, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
-        words = np.zeros(numel(shape), dtype=word_dtype(dtype))
+        prepared = getattr(self, "_prepared", {}).pop(name, None)
+        if prepared is not None and prepared[:2] == (dtype, shape):
+            words = prepared[2]
+        else:
+            words = _zeros(name, numel(shape), word_dtype(dtype))
         if self._as_bits:
             return TensorBits(dtype, shape, words)
         native = _NUMPY_NATIVE.get(dtype)
@@ -266,20 +292,34 @@ class TorchStorage(Storage):
         else:
             flat.index_put_((where,), src)
 
-    def set_layout(self, layout: Layout) -> Any:
+    def _zeros(self, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
         torch = self._torch
         from ..state import _DTYPE_TO_TORCH
 
+        try:
+            return torch.zeros(shape, dtype=getattr(torch, _DTYPE_TO_TORCH[dtype]), device=self.device)
+        except (MemoryError, RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise StoreError(f"cannot allocate tensor {name!r} on {self.device}: "
+                             f"{str(exc).splitlines()[0][:120] if str(exc) else 'out of memory'}") from None
+
+    def prepare_layout(self, layout: Layout, extra_bytes: int = 0) -> None:
+        self._prepared = {name: (dtype, shape, self._zeros(name, dtype, shape))
+                          for name, (dtype, shape) in layout.items()
+                          if self._meta.get(name) != (dtype, shape)}
+
+    def set_layout(self, layout: Layout) -> Any:
         undo: dict[str, Any] = {}
         for name in list(self._meta):
             if name not in layout:
                 undo[name] = self.tensors[name]
                 del self.tensors[name], self._meta[name], self._flat[name]
+        prepared = getattr(self, "_prepared", {})
         for name, (dtype, shape) in layout.items():
             if self._meta.get(name) == (dtype, shape):
                 continue
             undo[name] = self.tensors.get(name, _MISSING)
-            t = torch.zeros(shape, dtype=getattr(torch, _DTYPE_TO_TORCH[dtype]), device=self.device)
+            ready = prepared.pop(name, None)
+            t = ready[2] if ready is not None and ready[:2] == (dtype, shape) else self._zeros(name, dtype, shape)
             self.tensors[name] = t
             self._register(name, t)
         return undo
@@ -307,10 +347,62 @@ def _file_metadata(path: Path) -> dict[str, str] | None:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         try:
-            meta = json.loads(f.read(n)).get("__metadata__")
-        except ValueError:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError):
             raise IntegrityError(f"{path}: header is not JSON") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
     return meta if isinstance(meta, dict) else None
+
+
+def check_regular(path: Path, what: str = "file") -> bool:
+    """Whether ``path`` exists, refusing anything but a regular file (or a directory, for
+    ``what="directory"``): a receiver writes its files in place and must never follow a
+    symbolic link out of its directory."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise os_error(exc, f"cannot inspect {path}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UsageError(f"{path} is a symbolic link: a receiver writes in place and never "
+                         "outside its directory (copy the files in instead)")
+    ok = stat.S_ISDIR(st.st_mode) if what == "directory" else stat.S_ISREG(st.st_mode)
+    if not ok:
+        raise UsageError(f"{path} is not a regular {what}")
+    return True
+
+
+def plain_file_name(name, where: Path) -> str:
+    """An index entry must name a file directly inside the directory."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\x00" in name or len(name.encode("utf-8", "replace")) > 255):
+        raise IntegrityError(f"{where}: file name {str(name)[:80]!r} is not a file of this directory")
+    return name
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes this process may still allocate on ``directory``'s file system."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return 1 << 62  # unknown: do not refuse on its account
+    # root may use the blocks a file system reserves for it
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+
+# Kept free beyond what a write needs: file-system metadata and the journal's first pages.
+SPACE_SLACK = 1 << 20
+
+
+def check_space(directory: Path, needed: int, what: str) -> None:
+    available = free_bytes(directory)
+    if needed + SPACE_SLACK > available:
+        raise StoreError(f"cannot {what} in {directory}: no space left on device "
+                         f"({needed} bytes needed, {available} available)")
 
 
 def fsync_dir(path: Path) -> None:
@@ -321,11 +413,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """tmp + fsync + rename + fsync of the directory."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def replaced_mode(path: Path) -> int:
+    """The permission bits a file written over ``path`` gets: the old file's, else 0644
+    (mkstemp's 0600 would hide a checkpoint from a serving process of another user)."""
     try:
-        with open(tmp, "wb") as f:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o644
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """tmp (created exclusively: never through a planted link) + fsync + rename + fsync of
+    the directory."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
+    try:
+        os.fchmod(fd, replaced_mode(path))
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -336,17 +440,26 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+# A safetensors index of a few million tensor names stays far below this.
+MAX_INDEX_BYTES = 1 << 30
+
+
 def checkpoint_file_names(directory: Path) -> tuple[list[str], bool]:
     """The .safetensors files of a checkpoint directory and whether it has an index."""
     index = directory / INDEX_NAME
-    if index.exists():
+    if check_regular(index):
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise IntegrityError(f"{index}: more than {MAX_INDEX_BYTES} bytes")
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise IntegrityError(f"{index}: not a safetensors index") from None
+        for name in files:
+            plain_file_name(name, index)
         return files, True
-    return sorted(p.name for p in directory.glob("*.safetensors") if p.is_file()), False
+    names = sorted(p.name for p in directory.glob("*.safetensors"))
+    return [n for n in names if check_regular(directory / n)], False
 
 
 def has_checkpoint(directory: Path) -> bool:
@@ -380,7 +493,7 @@ class CheckpointStorage(Storage):
         self.files = [self.directory / f for f in files]
         self.locations: dict[str, TensorLocation] = {}
         for path in self.files:
-            if not path.is_file():
+            if not check_regular(path):
                 raise NotFoundError(f"{path} is missing")
             for name, loc in read_header(path).items():
                 if name in self.locations:
@@ -392,7 +505,10 @@ class CheckpointStorage(Storage):
         for (f1, _, end1, n1), (f2, start2, _, n2) in zip(spans, spans[1:]):
             if f1 == f2 and start2 < end1:
                 raise IntegrityError(f"{f1}: tensors {n1!r} and {n2!r} share bytes")
-        self._maps = {p: np.memmap(p, dtype=np.uint8, mode="r+") for p in self.files}
+        try:
+            self._maps = {p: np.memmap(p, dtype=np.uint8, mode="r+") for p in self.files}
+        except OSError as exc:
+            raise os_error(exc, f"cannot open {self.directory} for writing") from None
         self._words = {
             name: self._maps[loc.file][loc.start:loc.end].view(word_dtype(loc.dtype))
             for name, loc in self.locations.items()
@@ -465,6 +581,21 @@ class CheckpointStorage(Storage):
         for name in [p.name for p in self.files] + [INDEX_NAME]:
             for stale in self.directory.glob(f".{glob.escape(name)}.*.tmp"):
                 stale.unlink(missing_ok=True)
+
+    def _rewrites(self, layout: Layout, plan: dict[Path, list[str]]) -> dict[Path, int]:
+        """The files a layout change rewrites, with the tensor bytes each will hold."""
+        out = {}
+        for path, names in plan.items():
+            current = {n: (loc.dtype, loc.shape) for n, loc in self.locations.items() if loc.file == path}
+            if current != {n: layout[n] for n in names}:
+                out[path] = sum(numel(layout[n][1]) * DTYPE_WIDTH[layout[n][0]] for n in names)
+        return out
+
+    def prepare_layout(self, layout: Layout, extra_bytes: int = 0) -> None:
+        # Every rewritten file is whole on disk next to the old one (whose map stays open
+        # until the change is done).
+        needed = sum(self._rewrites(layout, self._plan(layout)).values())
+        check_space(self.directory, needed + extra_bytes, "apply the version")
 
     def set_layout(self, layout: Layout) -> None:
         plan = self._plan(layout)

@@ -1,0 +1,26 @@
+"""Limits on every size, count and depth a reader takes from stored metadata
+(spec/FORMAT.md, section 20). A value beyond a limit is an IntegrityError, raised before
+anything is allocated or read on its account. Pure: no I/O."""
+
+from __future__ import annotations
+
+from ..errors import IntegrityError
+
+MAX_IDENTITY_BYTES = 1 << 16          # dcr.json
+MAX_COMMIT_BYTES = 1 << 30            # one commit record
+MAX_SEGMENT_BYTES = 1 << 34           # one segment file (writers keep them near 64 MiB)
+MAX_SEGMENTS = 1 << 20                # segments of one version
+MAX_SEGMENT_RECORDS = 1 << 32         # records of one segment (`records`)
+MAX_TENSORS = 1 << 22                 # tensors of one state
+MAX_RANK = 32                         # dimensions of a tensor (and of a box)
+MAX_DIM = 1 << 48                     # one dimension, box offsets and shapes included
+MAX_TENSOR_BYTES = 1 << 48            # numel x width of one tensor (256 TiB)
+MAX_STATE_BYTES = 1 << 52             # the bytes of one state (4 PiB)
+MAX_NAME_BYTES = 4096                 # a tensor name, UTF-8
+MAX_TEXT_CHARS = 1024                 # informative strings (created_at, writer_id)
+MAX_PARAMS_BYTES = 4096               # a record's params text
+
+
+def check(cond: bool, what: str, msg: str) -> None:
+    if not cond:
+        raise IntegrityError(f"{what}: {msg} (limit exceeded)")

@@ -1,0 +1,409 @@
+#!/usr/bin/env python3
+"""Fuzz the readers and receivers with damaged inputs and report what they did.
+
+    python tools/fuzz.py --cases N --seed S [--keep DIR]
+
+One small template is built once: a sum-digests log of four versions (several segments per
+version, tensors added, dropped and reshaped in version 2), a checkpoint-directory receiver
+bound at version 1 and a sharded one (index plus shards) at version 1. Each case copies them,
+damages one thing and runs, in this process, what a user would: open and verify the log (deep),
+materialize, and ``open_directory(...).apply(verify=...)`` at a random level. Targets:
+
+- ``segment``: bytes of a segment of version 2 or 3 (bit flips, byte sets, truncation,
+  extension, insertion), the commit record unchanged (so the sha256 catches it);
+- ``segment-resealed``: the same, with the commit record re-sealed around the new bytes (so
+  only the Arrow, record and payload checks can catch it);
+- ``commit-bytes`` / ``identity-bytes``: raw bytes of a commit record or of dcr.json;
+- ``commit-json`` / ``identity-json``: a member replaced by a value of another type or size
+  (lists, objects, deep nesting, huge and negative numbers, floats, booleans, null, NUL and
+  newline strings, long strings), then re-sealed (a buggy or hostile writer);
+- ``journal``: bytes of the receiver's ``data.mdb``, or one of its entries rewritten;
+- ``receiver``: the receiver directory (safetensors header bytes, the index, a file removed).
+
+Every outcome is classified: ``typed`` (a dcr_log.errors.DcrError), ``accepted`` (no error),
+``untyped`` (any other exception: a bug), ``hang`` (over the per-case time limit: a bug),
+``changed`` (an apply that raised, yet changed bytes of the receiver directory or its journal:
+a bug), ``late`` (the exception RECEIVER.md section 6 allows below verify full: a re-sealed
+record that passes every check but its digests, found when its batch is written), and ``wrong`` (an apply or replay that succeeded
+on raw byte damage but produced other bits than the true version: a bug). Exit status 1 if any
+bug was found. Deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from dcr_log import DeltaLog  # noqa: E402
+from dcr_log.delta import EncodePolicy  # noqa: E402
+from dcr_log.errors import DcrError  # noqa: E402
+from dcr_log.format import version_key  # noqa: E402
+from dcr_log.format.canonical import seal  # noqa: E402
+from dcr_log.receiver import open_directory, write_checkpoint  # noqa: E402
+from dcr_log.receiver.journal import Journal  # noqa: E402
+from dcr_log.state import TensorBits  # noqa: E402
+from dcr_log.writer import LogWriter  # noqa: E402
+
+TARGETS = ("segment", "segment-resealed", "commit-bytes", "commit-json", "identity-bytes",
+           "identity-json", "journal", "receiver")
+CASE_SECONDS = 20
+
+
+# -- the template --------------------------------------------------------------------------------
+
+def _states() -> list[dict[str, TensorBits]]:
+    rng = np.random.default_rng(1234)
+    st = {"a.w": TensorBits("BF16", (32, 48), rng.integers(0, 1 << 16, 32 * 48, dtype=np.uint16)),
+          "b.w": TensorBits("F32", (10, 10), rng.integers(0, 1 << 32, 100, dtype=np.uint32)),
+          "c": TensorBits("I8", (7,), rng.integers(0, 256, 7, dtype=np.uint8)),
+          "s": TensorBits("I64", (), np.array([0], np.uint64))}
+    out = [st]
+    for v in range(1, 4):
+        nxt = {}
+        for n, b in out[-1].items():
+            w = b.words.copy()
+            if w.size:
+                w[rng.integers(0, w.size, max(1, w.size // 20))] ^= 1
+            nxt[n] = TensorBits(b.dtype, b.shape, w)
+        if v == 2:
+            del nxt["c"]
+            nxt["d.new"] = TensorBits("U16", (3, 5), rng.integers(0, 1 << 16, 15, dtype=np.uint16))
+            nxt["b.w"] = TensorBits("F32", (20, 5), nxt["b.w"].words.copy())
+        out.append(nxt)
+    return out
+
+
+@dataclass
+class Template:
+    dir: Path
+    states: list
+    log: Path = field(init=False)
+    rx: Path = field(init=False)
+    rx_sharded: Path = field(init=False)
+
+    def __post_init__(self):
+        self.log = self.dir / "log"
+        self.rx = self.dir / "rx"
+        self.rx_sharded = self.dir / "rxs"
+
+
+def build_template(root: Path) -> Template:
+    t = Template(root, _states())
+    w = LogWriter.create(t.log, t.states[0], cache_dir=False,
+                         policy=EncodePolicy(chunk_elements=256), segment_bytes=1500)
+    for st in t.states[1:]:
+        w.append(st)
+    log = DeltaLog.open(t.log)
+    for rx, shard in ((t.rx, None), (t.rx_sharded, 2000)):
+        rx.mkdir()
+        write_checkpoint(log.materialize(1), rx, shard_bytes=shard)
+        with open_directory(log, rx, to=1):
+            pass
+    return t
+
+
+# -- mutations -----------------------------------------------------------------------------------
+
+def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
+    data = bytearray(data)
+    op = rng.choice(("flip", "set", "truncate", "extend", "insert", "flips"))
+    if not data:
+        return bytes(rng.randbytes(rng.randint(1, 16)))
+    if op == "flip":
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+    elif op == "flips":
+        for _ in range(rng.randint(2, 16)):
+            i = rng.randrange(len(data))
+            data[i] ^= 1 << rng.randrange(8)
+    elif op == "set":
+        i = rng.randrange(len(data))
+        data[i] = rng.choice((0, 0xFF, 0x7F, 0x80, rng.randrange(256)))
+    elif op == "truncate":
+        del data[rng.randrange(len(data)):]
+    elif op == "extend":
+        data += rng.randbytes(rng.randint(1, 64))
+    else:
+        i = rng.randrange(len(data) + 1)
+        data[i:i] = rng.randbytes(rng.randint(1, 8))
+    return bytes(data)
+
+
+def _weird_value(rng: random.Random):
+    return rng.choice([
+        [], {}, [[[]]], {"a": []}, None, True, False, 0, -1, 1.5, 2**64, 2**63 - 1, 2**200,
+        -(2**70), "", "x" * 5000, "a\x00b", "a\nb", "\ud800", "segments/2/../x.arrow",
+        "0" * 16, "f" * 64, "ed25519", [1, 2, 3], [2**50, 2**50], ["BF16"], {"x": {"y": {"z": 1}}},
+    ])
+
+
+def _paths(obj, prefix=()):
+    """Every member path of a JSON value (objects and lists)."""
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+def mutate_json(rng: random.Random, data: bytes) -> bytes:
+    obj = json.loads(data)
+    del obj["checksum"]
+    paths = [p for p in _paths(obj) if p]
+    path = rng.choice(paths)
+    parent = obj
+    for k in path[:-1]:
+        parent = parent[k]
+    op = rng.random()
+    if op < 0.1 and isinstance(parent, dict):
+        del parent[path[-1]]
+    elif op < 0.15 and isinstance(parent, dict):
+        parent["zz_extra"] = _weird_value(rng)
+    elif op < 0.2 and isinstance(parent[path[-1]], int) and not isinstance(parent[path[-1]], bool):
+        parent[path[-1]] += rng.choice((1, -1, 2**40))
+    else:
+        parent[path[-1]] = _weird_value(rng)
+    if rng.random() < 0.05:  # deep nesting, written by hand (json.dumps would recurse)
+        body = seal(obj)
+        return body[:-1] + b',"zz":' + b"[" * 20000 + b"]" * 20000 + b"}"
+    try:
+        return seal(obj)
+    except (ValueError, UnicodeEncodeError, RecursionError):
+        return json.dumps(obj, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
+
+
+# -- running a case ------------------------------------------------------------------------------
+
+class Hang(BaseException):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Hang()
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    out = {}
+    if not root.exists():
+        return out
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            out[p.relative_to(root).as_posix()] = p.read_bytes()
+    return out
+
+
+def _reseal_segment(log: Path, version: int, index: int, data: bytes) -> None:
+    path = log / version_key(version)
+    obj = json.loads(path.read_bytes())
+    del obj["checksum"]
+    obj["segments"][index].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    path.write_bytes(seal(obj))
+
+
+def damage(rng: random.Random, target: str, log: Path, rx: Path) -> str:
+    """Apply one damage; returns a one-line description."""
+    if target in ("segment", "segment-resealed"):
+        version = rng.choice((2, 3))
+        refs = json.loads((log / version_key(version)).read_bytes())["segments"]
+        index = rng.randrange(len(refs))
+        path = log / refs[index]["key"]
+        path.write_bytes(mutate_bytes(rng, path.read_bytes()))
+        if target == "segment-resealed":
+            _reseal_segment(log, version, index, path.read_bytes())
+        return f"{target} v{version}#{index}"
+    if target in ("commit-bytes", "commit-json"):
+        version = rng.choice((1, 2, 3))
+        path = log / version_key(version)
+        fn = mutate_bytes if target == "commit-bytes" else mutate_json
+        path.write_bytes(fn(rng, path.read_bytes()))
+        return f"{target} v{version}"
+    if target in ("identity-bytes", "identity-json"):
+        path = log / "dcr.json"
+        fn = mutate_bytes if target == "identity-bytes" else mutate_json
+        path.write_bytes(fn(rng, path.read_bytes()))
+        return target
+    if target == "journal":
+        jdir = rx / ".dcr"
+        if rng.random() < 0.5:
+            path = jdir / "data.mdb"
+            data = bytearray(path.read_bytes())
+            i = rng.randrange(len(data))
+            data[i] ^= 1 << rng.randrange(8)
+            path.write_bytes(bytes(data))
+            return "journal bytes"
+        import lmdb
+
+        env = lmdb.open(str(jdir), map_size=1 << 26, subdir=True)
+        key = rng.choice((b"current", b"log_id", b"format", b"inflight", b"seg/00000000"))
+        value = rng.choice((b"", b"{}", b"[]", b'{"version":"x"}', b'{"state_digest":"zz","version":1}',
+                            b'{"version":7}', b'{"done":5,"started_end":2}', b"\xff" * 8,
+                            b"[" * 5000 + b"]" * 5000, b'{"version":-1,"state_digest":"0"}'))
+        with env.begin(write=True) as txn:
+            txn.put(key, value)
+        env.close()
+        # the LMDB lock file is ours, not the receiver's: remove it so the refusal is judged
+        (jdir / "lock.mdb").unlink(missing_ok=True)
+        return f"journal {key.decode()}={value[:20]!r}"
+    # receiver directory
+    files = sorted(p for p in rx.iterdir() if p.is_file())
+    path = rng.choice(files)
+    op = rng.random()
+    if op < 0.15:
+        path.unlink()
+        return f"receiver rm {path.name}"
+    data = path.read_bytes()
+    if path.suffix == ".safetensors":
+        n = int.from_bytes(data[:8], "little")
+        head = mutate_bytes(rng, data[: 8 + n])  # the header only: words changed behind the
+        path.write_bytes(head + data[8 + n:])    # journal's back are legal to find late
+    else:
+        path.write_bytes(mutate_bytes(rng, data))
+    return f"receiver {path.name}"
+
+
+@dataclass
+class Report:
+    outcomes: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    bugs: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def bug(self, kind: str, case: int, what: str, detail: str) -> None:
+        self.outcomes[kind] += 1
+        self.bugs.append({"kind": kind, "case": case, "damage": what, "detail": detail[:2000]})
+
+
+def _state_bytes(state) -> dict[str, tuple]:
+    return {n: (b.dtype, tuple(b.shape), np.ascontiguousarray(b.words).tobytes()) for n, b in state.items()}
+
+
+def _receiver_bytes(rx: Path) -> dict[str, tuple]:
+    from dcr_log.checkpoint import checkpoint_files, map_checkpoint
+
+    return _state_bytes(map_checkpoint(checkpoint_files(rx)))
+
+
+def _record_level(exc: Exception) -> bool:
+    text = str(exc)
+    return any(m in text for m in ("target digest", "holds neither", "differs from the record's target",
+                                   "differs from its digest", "state digest differs after apply"))
+
+
+def run_case(rng: random.Random, t: Template, work: Path, case: int, report: Report) -> None:
+    target = rng.choice(TARGETS)
+    log, rx = work / "log", work / "rx"
+    shutil.copytree(t.log, log)
+    shutil.copytree(t.rx_sharded if rng.random() < 0.3 else t.rx, rx)
+    what = damage(rng, target, log, rx)
+    raw = target in ("segment", "commit-bytes", "identity-bytes")
+    verify = rng.choice(("none", "sample", "full"))
+    if target == "receiver" and verify != "full":
+        verify = "full"
+    steps = ["verify", "materialize", "apply"] if target not in ("journal", "receiver") else ["apply"]
+    for step in steps:
+        before = tree(rx) if step == "apply" else None
+        t0 = time.perf_counter()
+        signal.alarm(CASE_SECONDS)
+        try:
+            if step == "verify":
+                DeltaLog.open(log).verify(deep=True)
+            elif step == "materialize":
+                version = rng.choice((1, 2, 3))
+                got = DeltaLog.open(log).materialize(version)
+                if raw and _state_bytes(got) != _state_bytes(t.states[version]):
+                    report.bug("wrong", case, what, f"materialize {version}")
+            else:
+                dlog = DeltaLog.open(log)
+                with open_directory(dlog, rx) as receiver:
+                    # One version at a time: a refusal must leave the bytes of the version
+                    # before it (earlier versions of the run were applied and committed).
+                    for v in range(receiver.version + 1, dlog.latest_version() + 1):
+                        before = tree(rx)
+                        receiver.apply(dlog, to=v, verify=verify)
+                    reached = receiver.version
+                if raw and _receiver_bytes(rx) != _state_bytes(t.states[reached]):
+                    report.bug("wrong", case, what, f"apply reached {reached} with other bits")
+            report.outcomes["accepted"] += 1
+        except DcrError as exc:
+            signal.alarm(0)
+            report.outcomes["typed"] += 1
+            report.errors[type(exc).__name__] += 1
+            after = tree(rx) if step == "apply" else None
+            if step == "apply" and after != before:
+                changed = sorted(k for k in set(after) | set(before) if after.get(k) != before.get(k))
+                detail = f"{step} verify={verify}: {type(exc).__name__}: {exc}; changed {changed[:5]}"
+                if verify != "full" and target == "segment-resealed" and _record_level(exc):
+                    # RECEIVER.md section 6: below full, a record whose re-sealed payload passes
+                    # every check but its digests (a forger's or a buggy writer's) may be found
+                    # only when its batch is written; the version stays in flight.
+                    report.outcomes["late"] += 1
+                else:
+                    report.bug("changed", case, what, detail)
+        except Hang:
+            report.bug("hang", case, what, f"{step} over {CASE_SECONDS} s")
+        except Exception as exc:  # noqa: BLE001 - an untyped error is what we look for
+            signal.alarm(0)
+            report.bug("untyped", case, what, f"{step}: {type(exc).__name__}: {exc}\n"
+                       + "".join(traceback.format_exception(exc)[-3:]))
+        finally:
+            signal.alarm(0)
+        report.seconds = max(report.seconds, time.perf_counter() - t0)
+
+
+def run(cases: int, seed: int, keep: Path | None = None) -> Report:
+    rng = random.Random(seed)
+    report = Report()
+    old = signal.signal(signal.SIGALRM, _alarm)
+    base = Path(tempfile.mkdtemp(prefix="dcr-fuzz-"))
+    try:
+        t = build_template(base / "template")
+        for case in range(cases):
+            work = base / f"case-{case}"
+            run_case(random.Random(rng.getrandbits(64)), t, work, case, report)
+            if keep is not None and any(b["case"] == case for b in report.bugs):
+                shutil.copytree(work, keep / f"case-{case}", dirs_exist_ok=True)
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+        shutil.rmtree(base, ignore_errors=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", type=Path, default=None, help="copy the inputs of failing cases here")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    report = run(args.cases, args.seed, args.keep)
+    for bug in report.bugs[:50]:
+        print(json.dumps(bug))
+    print(f"{args.cases} cases (seed {args.seed}) in {time.perf_counter() - t0:.1f} s: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items()))
+          + "; errors " + ", ".join(f"{k} {v}" for k, v in sorted(report.errors.items())))
+    return 1 if report.bugs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

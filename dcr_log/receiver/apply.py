@@ -346,8 +346,10 @@ class Receiver:
         storage.prepare_layout(commit_layout(commit), extra_bytes=journal_bytes)
 
         # -- writes start here --
-        if not recovering:
-            self.journal.begin(version)
+        # The first write is always a journal transaction, also when recovering (where it
+        # rewrites the same in-flight entry): a damaged journal (LMDB has no page checksums)
+        # then fails here, before any byte of the storage is written.
+        self.journal.begin(version)
         undo = None if storage.durable else _Undo()
         try:
             self._hook("inflight", version=version)

@@ -25,6 +25,7 @@ fuzz: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) tools/bench_delta.py
 	$(PY) tools/bench_apply.py
+	$(PY) tools/bench_sharded.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

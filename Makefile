@@ -28,4 +28,4 @@ bench: $(VENV)/.installed
 	$(PY) tools/bench_sharded.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis dcr_log/*.so

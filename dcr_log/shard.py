@@ -21,16 +21,16 @@ import hashlib
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import xxhash
 
 from .baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline, piece_key
-from .coords import DTYPE_WIDTH, Box, box_view, flat_range_boxes, numel
+from .coords import DTYPE_WIDTH, Box, flat_range_boxes, numel
 from .delta import Differ, EncodePolicy, map_ordered
-from .digest import MASK64, SUM_DIGESTS, scheme_for
+from .digest import MASK64, SUM_DIGESTS
 from .signing import as_signing_key
 from .errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, StoreError, UsageError
 from .format import (

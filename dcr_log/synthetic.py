@@ -293,6 +293,16 @@ def adam_step_pair(n: int, seed: int, lrs: tuple[float, ...] = (1.5e-6,),
     return outs
 
 
+def carve(flat: np.ndarray, specs: list[TensorSpec]) -> dict[str, TensorBits]:
+    """A state of bf16 tensors with these names and shapes, views into one flat word array."""
+    out, start = {}, 0
+    for spec in specs:
+        n = math.prod(spec.shape)
+        out[spec.name] = TensorBits("BF16", spec.shape, flat[start:start + n])
+        start += n
+    return out
+
+
 def rate_of(base: np.ndarray, new: np.ndarray) -> float:
     """Fraction of words that differ."""
     return float(np.count_nonzero(base != new)) / max(base.size, 1)

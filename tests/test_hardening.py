@@ -6,7 +6,6 @@ Each test here failed on the code before the fix it names."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal

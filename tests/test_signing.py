@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_file_holds, assert_one_line, copy_state, snapshot_files
+from conftest import assert_one_line, copy_state, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.cli import main
 from dcr_log.errors import TrustError
@@ -132,7 +132,7 @@ def _replace_history(root: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("attack", ["unsigned", "forged", "unknown-key", "other-record", "replaced-history"])
 def test_attacks_refused_before_any_write(tmp_path, capsys, attack):
     root = tmp_path / "log"
-    sts = signed_log(root)
+    signed_log(root)
     trust = trust_file(tmp_path / "trust", KEY_A, KEY_B)
     rx = tmp_path / "rx"
     rc, _, err = dcr(capsys, "apply", root, "--receiver", rx, "--to", 2, "--trust", trust)

@@ -28,18 +28,8 @@ import numpy as np
 from dcr_log import DeltaLog, TensorBits
 from dcr_log.receiver import Receiver, write_checkpoint
 from dcr_log.state import to_torch
-from dcr_log.synthetic import adam_step_pair, lr_for_rate, rate_of, specs_for_params
+from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, rate_of, specs_for_params
 from dcr_log.writer import LogWriter
-
-
-def carve(flat: np.ndarray, specs) -> dict[str, TensorBits]:
-    """Tensors of a transformer's names and shapes over one flat bf16 word array (views)."""
-    out, start = {}, 0
-    for spec in specs:
-        n = math.prod(spec.shape)
-        out[spec.name] = TensorBits("BF16", spec.shape, flat[start:start + n])
-        start += n
-    return out
 
 
 def copy_state(state: dict[str, TensorBits]) -> dict[str, TensorBits]:

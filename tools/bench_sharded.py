@@ -224,17 +224,6 @@ def run_ranks(world: int, work: Path, repeats: int, changed: int, timeout: float
     return [json.loads((work / f"result-w{world}-r{r}.json").read_text()) for r in range(world)]
 
 
-def carve(flat: np.ndarray, specs):
-    from dcr_log import TensorBits
-
-    out, start = {}, 0
-    for s in specs:
-        n = math.prod(s.shape)
-        out[s.name] = TensorBits("BF16", s.shape, flat[start:start + n])
-        start += n
-    return out
-
-
 # Runs a module as `python -m` would and writes its own VmHWM to $BENCH_HWM at exit. (wait4's
 # ru_maxrss of a child is no use here: it includes the RSS of the parent it was forked from.)
 HWM_WRAPPER = """
@@ -269,7 +258,7 @@ def run_cli(args: list[str], env: dict, work: Path, rss: bool = False) -> tuple[
 def cli_bench(mib: float, versions: int, lr: float, seed: int, repeats: int, work: Path, say) -> dict:
     from dcr_log import LogWriter
     from dcr_log.checkpoint import save_safetensors
-    from dcr_log.synthetic import adam_step_pair, specs_for_params
+    from dcr_log.synthetic import adam_step_pair, carve, specs_for_params
 
     specs = specs_for_params(int(mib * (1 << 20)) // 2)
     n = sum(math.prod(s.shape) for s in specs)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import shutil
 import signal
@@ -59,7 +58,6 @@ from dcr_log.errors import DcrError, StoreError  # noqa: E402
 from dcr_log.format import version_key  # noqa: E402
 from dcr_log.format.canonical import seal  # noqa: E402
 from dcr_log.receiver import open_directory, write_checkpoint  # noqa: E402
-from dcr_log.receiver.journal import Journal  # noqa: E402
 from dcr_log.state import TensorBits  # noqa: E402
 from dcr_log.writer import LogWriter  # noqa: E402
 

@@ -54,7 +54,7 @@ from dcr_log.format import (
     version_key,
 )
 from dcr_log.format.canonical import canonical_bytes, seal
-from dcr_log.format.signature import SignatureRecord, signature_message
+from dcr_log.format.signature import signature_message
 from dcr_log.signing import SigningKey, public_text
 from dcr_log.state import TensorBits, TensorInfo, state_digest
 

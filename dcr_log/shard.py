@@ -385,9 +385,9 @@ def validate_layout(summaries: list[dict], previous: Mapping[str, tuple[str, tup
         if name not in dtypes:
             if numel(shape):
                 raise UsageError(f"tensor {name!r}: no rank holds any of its {numel(shape)} elements")
-            dtypes[name] = previous.get(name, ("U8", ()))[0] if name in previous else None
-            if dtypes[name] is None:
+            if name not in previous:
                 raise UsageError(f"tensor {name!r} is empty and new: give it as an empty shard")
+            dtypes[name] = previous[name][0]
         check_cover(name, shape, boxes[name])
         tensors[name] = (dtypes[name], shape)
     return Layout(tensors, owner)
@@ -529,7 +529,7 @@ class ShardedWriter:
             raise UsageError(f"append kind must be xor or overwrite, not {kind!r}")
         g = self.group
         version = self._version + 1
-        previous = {} if version == 0 else {t.name: t for t in self.log.commit(self._version).tensors}
+        previous = {} if version == 0 else self.log.commit(self._version).tensor_map()
         prev_layout = {n: (t.dtype, t.shape) for n, t in previous.items()}
         shapes = {} if shapes is None else {n: tuple(int(d) for d in s) for n, s in shapes.items()}
         known = {**{n: s for n, (_, s) in prev_layout.items()}, **shapes}
@@ -681,8 +681,6 @@ class ShardedWriter:
                 if delta is None:
                     continue
                 pending.add(piece, r0 * piece.row, delta)
-                if delta.digest_delta is not None:
-                    report.contrib[piece.name] = (report.contrib.get(piece.name, 0) + delta.digest_delta) & MASK64
                 builder.add(delta.record)
                 report.changed += delta.record.n_changed
                 report.records += 1
@@ -690,6 +688,8 @@ class ShardedWriter:
                     flush()
             for i, whole in wholes.items():
                 report.whole[infos[i][0].name] = whole.intdigest()
+            for (name, _, _), d in pending.contrib.items():  # the pieces' digest changes, per tensor
+                report.contrib[name] = (report.contrib.get(name, 0) + d) & MASK64
             flush()
             uploads.finish()
             report.segments = uploads.refs

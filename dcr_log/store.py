@@ -8,7 +8,6 @@ delete. obstore gives all of these on local disk, memory, S3, GCS and Azure.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import re
 import threading
@@ -163,16 +162,13 @@ class Store:
             raise _failed(exc, "write", self.url, key) from None
 
     def create_file(self, key: str, write: Callable[[Any], None]) -> tuple[int, str]:
-        """Create ``key`` with the bytes ``write(f)`` writes to a binary file object, and return
-        their (size, sha256 hex). In a local directory they go straight into a temporary file
-        that is then hard-linked into place (create-if-absent, atomic: FORMAT.md section 15);
-        elsewhere they are buffered and put. Raises AlreadyExists like put_new."""
+        """Create ``key`` in a local directory (``local_root``) with the bytes ``write(f)`` writes
+        to a binary file object, and return their (size, sha256 hex). They go straight into a
+        temporary file that is then hard-linked into place (create-if-absent, atomic: FORMAT.md
+        section 15). Raises AlreadyExists like put_new; other stores take put_new."""
         check_key(key)
         if self.local_root is None:
-            sink = _HashingWriter(io.BytesIO())
-            write(sink)
-            self.put_new(key, sink.raw.getbuffer())
-            return sink.size, sink.sha.hexdigest()
+            raise UsageError(f"{self.url} is not a local directory: use put_new")
         final = self.local_root / key
         tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
         try:

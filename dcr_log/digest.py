@@ -156,6 +156,18 @@ def box_runs(box: Box, tensor_shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
 def sum_box(box: Box, tensor_shape: tuple[int, ...], words: np.ndarray) -> int:
     """Sum of e over a box whose words are given in box-local row-major order."""
     starts, run = box_runs(box, tensor_shape)
+    return sum_runs(starts, run, words)
+
+
+def sum_runs(starts: np.ndarray, run: int, words: np.ndarray) -> int:
+    """Sum of e over runs of ``run`` flat indices from each of ``starts``; ``words`` holds the
+    runs one after another (any array of ``starts.size * run`` words, strided views copied in
+    bounded pieces)."""
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    if words.ndim == 2 and not words.flags.c_contiguous and starts.size:
+        rows = max(1, (1 << 22) // max(run, 1))
+        return sum(sum_runs(starts[r:r + rows], run, np.ascontiguousarray(words[r:r + rows]))
+                   for r in range(0, starts.size, rows)) & MASK64
     words = np.ascontiguousarray(words).reshape(-1)
     if _native is not None and starts.size:
         return _native.sum_runs(np.ascontiguousarray(starts), run, _unsigned(words), words.itemsize)

@@ -39,6 +39,7 @@ K_LOG_ID = b"log_id"
 K_CURRENT = b"current"
 K_INFLIGHT = b"inflight"
 K_MATERIALIZING = b"materializing"
+K_PLACEMENT = b"placement"
 SEG_PREFIX = b"seg/"
 REDO_PREFIX = b"redo/"
 
@@ -229,6 +230,15 @@ class Journal:
                     raise IntegrityError(f"journal {self.path}: segment progress is not readable") from None
         return out
 
+    def placement_digest(self) -> str | None:
+        """The placement the receiver was bound with (engine receivers), if any."""
+        env = self._reader()
+        if env is None:
+            return None
+        with env.begin() as txn:
+            value = txn.get(K_PLACEMENT)
+        return None if value is None else bytes(value).decode()
+
     def redo_images(self, segment: int) -> dict[int, bytes]:
         """Redo images (target words) of a segment's batch in flight, by record index."""
         env = self._reader()
@@ -281,13 +291,18 @@ class Journal:
         self._delete_prefix(txn, SEG_PREFIX)
         self._delete_prefix(txn, REDO_PREFIX)
 
-    def bind(self, log_id: str, version: int, state_digest: int) -> None:
-        """Declare that the storage holds ``version``; forgets anything in flight."""
+    def bind(self, log_id: str, version: int, state_digest: int, placement: str | None = None) -> None:
+        """Declare that the storage holds ``version``; forgets anything in flight. An engine
+        receiver records the sha256 of its placement."""
         def fn(txn):
             old = txn.get(K_LOG_ID)
             if old is not None and bytes(old).decode() != log_id:
                 raise IntegrityError("journal already belongs to another log")
             txn.put(K_LOG_ID, log_id.encode())
+            if placement is None:
+                txn.delete(K_PLACEMENT)
+            else:
+                txn.put(K_PLACEMENT, placement.encode())
             txn.put(K_CURRENT, _json({"version": version, "state_digest": digest_hex(state_digest)}))
             txn.delete(K_MATERIALIZING)
             self._clear_inflight(txn)

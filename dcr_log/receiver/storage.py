@@ -91,6 +91,22 @@ class Storage(ABC):
     def close(self) -> None:
         pass
 
+    # Storages that hold part of a tensor (engine layouts, tensor-parallel ranks) override
+    # these three; a plain storage holds every element of every tensor.
+
+    def holds(self, name: str) -> bool:
+        """Whether the storage (with its group) holds the tensor at all."""
+        return True
+
+    def select(self, place: Any, values: np.ndarray) -> np.ndarray:
+        """The record values for the positions ``place`` holds here."""
+        return values
+
+    def owned(self, place: Any, where: Where) -> tuple[Where, np.ndarray | None]:
+        """The positions whose digest this storage adds to its group's sum, and their indices
+        among the held words (None: all)."""
+        return where, None
+
     def _fault(self, point: str, **info) -> None:
         if self.fault is not None:
             self.fault(point, **info)

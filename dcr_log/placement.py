@@ -1,0 +1,572 @@
+"""Placement: where a serving engine keeps each canonical tensor element, found through the
+engine's own loader (spec/RECEIVER.md section 12).
+
+Engines do not hold the checkpoint's tensors: they fuse q, k and v (and gate and up) into one
+parameter, keep a tensor-parallel slice per rank, pad the vocabulary, stack MoE experts and
+sometimes transform values. Their ``load_weights(iterable of (name, tensor))`` knows all that.
+``discover`` feeds it probe tensors whose words encode each element's global index (a few
+rounds when indices are wider than a word), reads the parameters back and derives:
+
+- **pieces**: per canonical tensor, affine maps from canonical flat indices to a parameter's
+  flat indices where the loader copied bits unchanged. A piece is ``count`` runs of ``length``
+  elements: run ``i`` covers canonical ``c0 + i*cstride ..`` and parameter ``p0 + i*pstride ..``
+  (a row slice, a column slice of every row, a stacked expert, ...);
+- **residual** parameters: written by the loader but not bit for bit (a cast, a scale), with
+  the canonical tensors they are made from. Receivers rebuild them by calling the loader on
+  the new canonical tensors.
+
+A last round of pseudo-random words (NaN payloads, -0.0 and every other pattern included)
+checks every piece: a loader that canonicalises NaNs or rounds makes its parameter residual.
+Discovery overwrites the parameters: run it on a fresh engine instance (or before the engine
+loads its weights). Pure computation plus the loader calls; no store I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from .coords import DTYPE_WIDTH, numel, word_dtype
+from .errors import UsageError
+
+PLACEMENT_FORMAT = "dcr-placement/1"
+
+Loader = Callable[[Iterable[tuple[str, Any]]], Any]
+TableLayout = dict[str, tuple[str, tuple[int, ...]]]
+
+
+class PlacementError(UsageError):
+    """A placement does not fit the engine or the log's tensor table, or the engine's loader
+    places tensors in a way receivers cannot follow."""
+
+
+class LayoutError(PlacementError):
+    """A version changes the tensor table in a way this receiver cannot follow through its
+    engine; refused before any write."""
+
+
+# -- pieces ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    """``count`` runs of ``length`` elements of one canonical tensor copied bit for bit into
+    ``param``: run i is canonical [c0 + i*cstride, +length) -> param [p0 + i*pstride, +length)."""
+
+    param: str
+    c0: int
+    cstride: int
+    p0: int
+    pstride: int
+    length: int
+    count: int
+
+    @property
+    def size(self) -> int:
+        return self.length * self.count
+
+    def map(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For canonical flat indices: which lie in the piece, and their parameter indices."""
+        rel = flat - self.c0
+        if self.count == 1:
+            inside = (rel >= 0) & (rel < self.length)
+            return inside, rel + self.p0
+        run = np.floor_divide(rel, self.cstride)
+        col = rel - run * self.cstride
+        inside = (rel >= 0) & (run < self.count) & (col < self.length)
+        return inside, self.p0 + run * self.pstride + col
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Canonical starts and parameter starts of the runs."""
+        i = np.arange(self.count, dtype=np.int64)
+        return self.c0 + i * self.cstride, self.p0 + i * self.pstride
+
+    def to_json(self) -> list:
+        return [self.param, self.c0, self.cstride, self.p0, self.pstride, self.length, self.count]
+
+    @staticmethod
+    def from_json(obj) -> "Piece":
+        if (not isinstance(obj, list) or len(obj) != 7 or not isinstance(obj[0], str)
+                or not all(type(v) is int and v >= 0 for v in obj[1:])):
+            raise PlacementError(f"placement: malformed piece {str(obj)[:80]}")
+        return Piece(*obj)
+
+
+def _pieces_from_runs(param: str, c: np.ndarray, p: np.ndarray, n: np.ndarray) -> list[Piece]:
+    """Runs (canonical start, parameter start, length) in parameter order -> pieces, merging
+    runs of one length whose canonical and parameter starts advance by constant strides."""
+    out: list[Piece] = []
+    i, total = 0, c.size
+    while i < total:
+        j = i + 1
+        if j < total and n[j] == n[i]:
+            dc, dp = c[j] - c[i], p[j] - p[i]
+            if dc >= n[i] and dp >= n[i]:
+                # extend while the strides hold (vectorised scan of the rest)
+                k = np.arange(j, total)
+                ok = (n[j:] == n[i]) & (c[j:] - c[i] == (k - i) * dc) & (p[j:] - p[i] == (k - i) * dp)
+                bad = np.flatnonzero(~ok)
+                j = total if bad.size == 0 else j + int(bad[0])
+                out.append(Piece(param, int(c[i]), int(dc), int(p[i]), int(dp), int(n[i]), j - i))
+                i = j
+                continue
+        out.append(Piece(param, int(c[i]), int(n[i]), int(p[i]), int(n[i]), int(n[i]), 1))
+        i += 1
+    return out
+
+
+# -- placement -------------------------------------------------------------------------------
+
+@dataclass
+class Placement:
+    """Where an engine keeps each canonical tensor, for one tensor table and one engine
+    layout. ``params`` is the engine's layout (name -> (dtype, shape)); ``pieces`` maps a
+    canonical tensor to its bit-exact pieces; ``residual`` a parameter to the canonical
+    tensors its loader builds it from."""
+
+    table: TableLayout
+    params: TableLayout
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)
+    residual: dict[str, list[str]] = field(default_factory=dict)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def residual_sources(self) -> set[str]:
+        return {s for srcs in self.residual.values() for s in srcs}
+
+    def used(self) -> set[str]:
+        """Canonical tensors the engine holds (in pieces) or builds residuals from."""
+        return {t for t, ps in self.pieces.items() if ps} | self.residual_sources()
+
+    def check(self, table: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+              params: Mapping[str, tuple[str, tuple[int, ...]]] | None = None) -> None:
+        """Refuse (PlacementError) a table or engine layout this placement was not found for."""
+        if table is not None and _norm(table) != self.table:
+            diff = _diff(self.table, _norm(table))
+            raise PlacementError(f"placement was discovered for another tensor table ({diff}): "
+                                 "discover it again")
+        if params is not None and _norm(params) != self.params:
+            diff = _diff(self.params, _norm(params))
+            raise PlacementError(f"placement was discovered for another engine layout ({diff}): "
+                                 "discover it again")
+
+    def describe(self) -> dict:
+        exact = sum(p.size for ps in self.pieces.values() for p in ps)
+        return {"tensors": len(self.table), "params": len(self.params),
+                "pieces": sum(len(ps) for ps in self.pieces.values()), "exact_elements": exact,
+                "residual_params": sorted(self.residual),
+                "unused_tensors": sorted(set(self.table) - self.used())}
+
+    # -- JSON ------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "format": PLACEMENT_FORMAT,
+            "table": [[n, d, list(s)] for n, (d, s) in sorted(self.table.items())],
+            "params": [[n, d, list(s)] for n, (d, s) in sorted(self.params.items())],
+            "pieces": {t: [p.to_json() for p in ps] for t, ps in sorted(self.pieces.items())},
+            "residual": {p: sorted(s) for p, s in sorted(self.residual.items())},
+        }
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the canonical JSON: what a journal records to refuse another placement."""
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    @staticmethod
+    def from_json(obj: Any) -> "Placement":
+        if not isinstance(obj, dict) or obj.get("format") != PLACEMENT_FORMAT:
+            raise PlacementError(f"not a placement (expected format {PLACEMENT_FORMAT!r})")
+        try:
+            table = {n: (d, tuple(s)) for n, d, s in obj["table"]}
+            params = {n: (d, tuple(s)) for n, d, s in obj["params"]}
+            pieces = {t: [Piece.from_json(p) for p in ps] for t, ps in obj["pieces"].items()}
+            residual = {p: list(s) for p, s in obj["residual"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise PlacementError("placement: malformed JSON") from None
+        placement = Placement(table, params, pieces, residual)
+        placement.validate()
+        return placement
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "Placement":
+        try:
+            return Placement.from_json(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            raise PlacementError(f"cannot read placement {path}: {exc}") from None
+
+    def validate(self) -> None:
+        """Every piece inside its tensor and parameter, of equal width; sources known."""
+        for name, (dtype, shape) in list(self.table.items()) + list(self.params.items()):
+            if dtype not in DTYPE_WIDTH or any(type(s) is not int or s < 0 for s in shape):
+                raise PlacementError(f"placement: bad dtype or shape for {name!r}")
+        for t, ps in self.pieces.items():
+            if t not in self.table:
+                raise PlacementError(f"placement: pieces for unknown tensor {t!r}")
+            tn = numel(self.table[t][1])
+            for p in ps:
+                if p.param not in self.params:
+                    raise PlacementError(f"placement: piece of {t!r} in unknown parameter {p.param!r}")
+                pd, pshape = self.params[p.param]
+                if DTYPE_WIDTH[pd] != DTYPE_WIDTH[self.table[t][0]]:
+                    raise PlacementError(f"placement: {t!r} -> {p.param!r} changes the word width")
+                last = p.count - 1
+                if p.length == 0 or p.count == 0 or (p.count > 1 and (p.cstride < p.length or p.pstride < p.length)):
+                    raise PlacementError(f"placement: degenerate piece of {t!r}")
+                if p.c0 + last * p.cstride + p.length > tn or p.p0 + last * p.pstride + p.length > numel(pshape):
+                    raise PlacementError(f"placement: piece of {t!r} lies outside {t!r} or {p.param!r}")
+        for param, srcs in self.residual.items():
+            if param not in self.params or any(s not in self.table for s in srcs):
+                raise PlacementError(f"placement: residual {param!r} names an unknown tensor")
+
+    # -- combining -------------------------------------------------------------------------
+
+    @staticmethod
+    def merge(parts: Mapping[str, "Placement"]) -> "Placement":
+        """One placement for several engines kept side by side under name prefixes (for
+        instance every tensor-parallel rank's parameters in one checkpoint directory)."""
+        tables = {p.to_bytes() and tuple(sorted(p.table.items())) for p in parts.values()}
+        if len(tables) != 1:
+            raise PlacementError("placements to merge were found for different tensor tables")
+        first = next(iter(parts.values()))
+        out = Placement(dict(first.table), {}, {}, {})
+        for prefix, part in parts.items():
+            out.params.update({prefix + n: v for n, v in part.params.items()})
+            for t, ps in part.pieces.items():
+                out.pieces.setdefault(t, []).extend(
+                    Piece(prefix + p.param, p.c0, p.cstride, p.p0, p.pstride, p.length, p.count) for p in ps)
+            out.residual.update({prefix + n: list(s) for n, s in part.residual.items()})
+        return out
+
+
+def _norm(layout: Any) -> TableLayout:
+    """A tensor table as name -> (dtype, shape): from a mapping of (dtype, shape), TensorInfos,
+    a CommitRecord or a Placement's table."""
+    if hasattr(layout, "tensors") and not isinstance(layout, Mapping):
+        layout = layout.tensors
+    if isinstance(layout, Mapping):
+        items = layout.items()
+    else:
+        items = ((t.name, (t.dtype, t.shape)) for t in layout)
+    out = {}
+    for name, v in items:
+        if hasattr(v, "dtype") and hasattr(v, "shape") and not isinstance(v, tuple):
+            v = (v.dtype, v.shape)
+        dtype, shape = v
+        out[name] = (str(dtype), tuple(int(s) for s in shape))
+    return dict(sorted(out.items(), key=lambda kv: kv[0].encode()))
+
+
+def table_layout(table: Any) -> TableLayout:
+    return _norm(table)
+
+
+def _diff(a: TableLayout, b: TableLayout) -> str:
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            return f"{name!r} missing"
+        if name not in a:
+            return f"{name!r} not expected"
+        if a[name] != b[name]:
+            return f"{name!r} is {b[name][0]} {list(b[name][1])}, expected {a[name][0]} {list(a[name][1])}"
+    return "same"
+
+
+# -- engine tensors as words -----------------------------------------------------------------
+
+class _ParamWords:
+    """Host access to one engine parameter's flat words: zero it, read it."""
+
+    def __init__(self, name: str, value: Any, dtype: str | None):
+        self.name = name
+        self.value = value
+        self.torch = type(value).__module__.startswith("torch")
+        if self.torch:
+            from .state import _TORCH_TO_DTYPE
+            self.dtype = _TORCH_TO_DTYPE.get(str(value.dtype))
+            self.shape = tuple(int(s) for s in value.shape)
+            self.key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.numel())
+        else:
+            from .state import _NUMPY_TO_DTYPE
+            arr = value
+            if not isinstance(arr, np.ndarray):
+                raise PlacementError(f"parameter {name!r}: expected a torch tensor or numpy array")
+            self.dtype = dtype or _NUMPY_TO_DTYPE.get(arr.dtype.name)
+            self.shape = tuple(int(s) for s in arr.shape)
+            self.key = (arr.__array_interface__["data"][0], 0, arr.size)
+        if self.dtype is None:
+            raise PlacementError(f"parameter {name!r}: unsupported dtype {value.dtype}")
+        self.width = DTYPE_WIDTH[self.dtype]
+        self.size = numel(self.shape)
+
+    def zero(self) -> None:
+        if self.torch:
+            import torch
+            with torch.no_grad():
+                self.value.zero_()
+        else:
+            self.value[...] = 0
+
+    def restore(self, words: np.ndarray) -> None:
+        if self.size == 0:
+            return
+        if self.torch:
+            import torch
+            with torch.no_grad():
+                src = torch.from_numpy(words.view(np.uint8)).view(self.value.dtype).reshape(self.value.shape)
+                self.value.copy_(src)
+        else:
+            np.ascontiguousarray(self.value).reshape(-1).view(words.dtype)[...] = words
+            if not self.value.flags.c_contiguous:
+                raise PlacementError(f"parameter {self.name!r}: arrays must be C-contiguous")
+
+    def read(self) -> np.ndarray:
+        if self.torch:
+            import torch
+            t = self.value.detach()
+            if t.numel() == 0:
+                return np.empty(0, dtype=word_dtype(self.dtype))
+            raw = t.reshape(-1).view(torch.uint8)
+            if raw.device.type != "cpu":
+                raw = raw.cpu()
+            return raw.numpy().copy().view(word_dtype(self.dtype))
+        return np.ascontiguousarray(self.value).reshape(-1).view(word_dtype(self.dtype)).copy()
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    x = x.copy()
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+_FLOATS = {"F64": (11, 52), "F32": (8, 23), "F16": (5, 10), "BF16": (8, 7), "F8_E4M3": (4, 3), "F8_E5M2": (5, 2)}
+
+
+def check_words(g: np.ndarray, dtype: str, seed: int) -> np.ndarray:
+    """The check round's word for global ids ``g``: pseudo-random, with NaN payloads and
+    -0.0 planted for float dtypes (a loader that canonicalises them is not bit-exact)."""
+    width = DTYPE_WIDTH[dtype]
+    h = _mix64(g.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed))
+    bits = 8 * width
+    if bits < 64:
+        h &= np.uint64((1 << bits) - 1)
+    if dtype in _FLOATS:
+        exp, man = _FLOATS[dtype]
+        nan = (g % 97) == 0
+        neg0 = (g % 89) == 0
+        sign = np.uint64(1 << (bits - 1))
+        expmask = np.uint64(((1 << exp) - 1) << man)
+        h[nan] = (h[nan] | expmask) | np.uint64(1)  # exponent all ones, payload nonzero
+        h[neg0] = sign
+    return h.astype(word_dtype(dtype))
+
+
+def _constant_word(dtype: str, which: int) -> int:
+    """Two distinct ordinary values per dtype (1 and 2) as words, for the residual rounds."""
+    if dtype == "BOOL":
+        return which - 1  # False, True
+    if dtype in _FLOATS:
+        exp, man = _FLOATS[dtype]
+        bias = (1 << (exp - 1)) - 1
+        if dtype == "F8_E4M3":
+            bias = 7
+        return (bias + which - 1) << man
+    return which
+
+
+# -- discovery -------------------------------------------------------------------------------
+
+def _probe_tensor(words: np.ndarray, dtype: str, shape: tuple[int, ...], torch_probes: bool, device=None):
+    if torch_probes:
+        import torch
+        from .state import _DTYPE_TO_TORCH
+        t = torch.from_numpy(words.view(np.uint8)).view(getattr(torch, _DTYPE_TO_TORCH[dtype]))
+        t = t.reshape(shape)
+        return t if device is None else t.to(device)
+    from .state import _NUMPY_TO_DTYPE
+    native = {v: k for k, v in _NUMPY_TO_DTYPE.items()}.get(dtype)
+    if native in (None, "bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        return words.reshape(shape)
+    return words.view(np.dtype(native)).reshape(shape)
+
+
+def discover(load_weights: Loader, table: Any, params: Mapping[str, Any],
+             dtypes: Mapping[str, str] | None = None, seed: int = 0x5EED,
+             device: Any = None, restore: bool = True) -> Placement:
+    """Find where ``load_weights`` puts every element of ``table``'s tensors in ``params``.
+
+    ``table``: the log's tensor table (a CommitRecord, TensorInfos, or name -> (dtype, shape));
+    ``params``: the engine's tensors (``dict(model.named_parameters())`` plus buffers), torch
+    tensors or numpy arrays (``dtypes`` names the safetensors dtype of arrays holding raw words,
+    e.g. bf16 as uint16). The loader receives torch tensors when the parameters are torch
+    tensors (on ``device``, default CPU), else numpy arrays. The parameters are overwritten by
+    the probes and, with ``restore`` (default), given back their words at the end (a copy of
+    the engine's parameters is held meanwhile; pass ``restore=False`` on a scratch engine).
+    Loader calls: ``ceil(bits / word bits)`` index rounds plus one check round, and, when some
+    parameter is residual, ``2 + ceil(log2(tensors + 1))`` rounds finding its sources."""
+    layout = _norm(table)
+    words_of = {}
+    seen: dict[tuple, str] = {}
+    for name, value in params.items():
+        pw = _ParamWords(name, value, (dtypes or {}).get(name))
+        if pw.key in seen and pw.size:
+            continue  # the same storage under two names (a tied weight): one parameter
+        seen[pw.key] = name
+        words_of[name] = pw
+    param_layout = {n: (pw.dtype, pw.shape) for n, pw in words_of.items()}
+    saved = {n: pw.read() for n, pw in words_of.items()} if restore else None
+    try:
+        return _discover(load_weights, layout, words_of, param_layout, seed, device)
+    finally:
+        if saved is not None:
+            for n, pw in words_of.items():
+                pw.restore(saved[n])
+
+
+def _discover(load_weights, layout, words_of, param_layout, seed, device) -> Placement:
+    torch_probes = any(pw.torch for pw in words_of.values())
+    names = list(layout)
+    sizes = np.array([numel(layout[n][1]) for n in names], dtype=np.int64)
+    base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # global id = base + f + 1
+    total = int(base[-1])
+    bits = max(1, (total + 1).bit_length())
+    widths = [DTYPE_WIDTH[layout[n][0]] for n in names]
+    rounds = max([math.ceil(bits / (8 * w)) for w in widths] or [1])
+
+    def feed(make_words: Callable[[int], np.ndarray | None]) -> dict[str, np.ndarray]:
+        for pw in words_of.values():
+            pw.zero()
+
+        def probes():
+            for k, name in enumerate(names):
+                dtype, shape = layout[name]
+                w = make_words(k)
+                if w is not None:
+                    yield name, _probe_tensor(w, dtype, shape, torch_probes, device)
+        try:
+            load_weights(probes())
+        except Exception as exc:
+            raise PlacementError(f"the engine's loader refused the probe tensors: "
+                                 f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+        return {n: pw.read() for n, pw in words_of.items()}
+
+    def gids(k: int) -> np.ndarray:
+        return np.arange(base[k] + 1, base[k + 1] + 1, dtype=np.uint64)
+
+    # Index rounds: round r carries bits [8w r, 8w (r+1)) of each element's global id.
+    acc = {n: np.zeros(pw.size, dtype=np.uint64) for n, pw in words_of.items()}
+    touched = {n: np.zeros(pw.size, dtype=bool) for n, pw in words_of.items()}
+    bad = {n: np.zeros(pw.size, dtype=bool) for n, pw in words_of.items()}
+    for r in range(rounds):
+        def index_words(k: int, r=r) -> np.ndarray | None:
+            dtype = layout[names[k]][0]
+            if dtype == "BOOL":
+                return np.zeros(sizes[k], dtype=np.uint8)
+            w = widths[k]
+            shift = 8 * w * r
+            g = gids(k)
+            part = (g >> np.uint64(shift)) if shift < 64 else np.zeros_like(g)
+            if w < 8:
+                part &= np.uint64((1 << (8 * w)) - 1)
+            return part.astype(word_dtype(dtype))
+        got = feed(index_words)
+        for n, pw in words_of.items():
+            v = got[n].astype(np.uint64)
+            touched[n] |= v != 0
+            shift = 8 * pw.width * r
+            if shift < 64 and r < math.ceil(bits / (8 * pw.width)):
+                acc[n] |= v << np.uint64(shift)
+            else:
+                bad[n] |= v != 0  # bits beyond the id: not a copy of a word this wide
+    # Check round: every candidate must hold exactly the check word of its source element.
+    got = feed(lambda k: None if layout[names[k]][0] == "BOOL"
+               else check_words(gids(k), layout[names[k]][0], seed))
+    pieces: dict[str, list[Piece]] = {}
+    residual_params: list[str] = []
+    for n, pw in words_of.items():
+        v = got[n]
+        touched[n] |= v.astype(np.uint64) != 0
+        g = acc[n]
+        cand = (g > 0) & (g <= total) & ~bad[n]
+        idx = np.flatnonzero(cand)
+        k = np.searchsorted(base, g[idx].astype(np.int64) - 1, side="right") - 1
+        ok = np.zeros(idx.size, dtype=bool)
+        for kk in np.unique(k):
+            sel = k == kk
+            dtype = layout[names[kk]][0]
+            if DTYPE_WIDTH[dtype] != pw.width or dtype == "BOOL":
+                continue
+            expect = check_words(g[idx[sel]], dtype, seed)
+            ok[sel] = v[idx[sel]] == expect
+        if not np.array_equal(idx[ok], np.flatnonzero(touched[n])):
+            residual_params.append(n)  # written, but not (only) as bit copies
+            continue
+        idx, k = idx[ok], k[ok]
+        if idx.size == 0:
+            continue
+        f = g[idx].astype(np.int64) - 1 - base[k]
+        # Runs: consecutive parameter elements from consecutive elements of one tensor.
+        brk = np.ones(idx.size, dtype=bool)
+        brk[1:] = (idx[1:] != idx[:-1] + 1) | (k[1:] != k[:-1]) | (f[1:] != f[:-1] + 1)
+        starts = np.flatnonzero(brk)
+        lengths = np.diff(np.append(starts, idx.size))
+        run_k = k[starts]
+        for kk in np.unique(run_k):
+            sel = run_k == kk
+            pieces.setdefault(names[kk], []).extend(
+                _pieces_from_runs(n, f[starts[sel]], idx[starts[sel]], lengths[sel]))
+    residual = _residual_sources(feed, names, layout, sizes, residual_params, touched) if residual_params else {}
+    for t in pieces:
+        pieces[t].sort(key=lambda p: (p.c0, p.param))
+    placement = Placement(layout, dict(sorted(param_layout.items())), pieces, residual)
+    placement.validate()
+    return placement
+
+
+def _residual_sources(feed, names, layout, sizes, residual_params, touched) -> dict[str, list[str]]:
+    """Which canonical tensors each residual parameter is built from: tensor k gets value 2
+    in round j when bit j of k+1 is set, else 1; an element that differs from the all-1 round
+    in round j depends on a tensor with that bit."""
+    def constant(k: int, which: int) -> np.ndarray:
+        dtype = layout[names[k]][0]
+        return np.full(sizes[k], _constant_word(dtype, which), dtype=word_dtype(dtype))
+
+    ref = feed(lambda k: constant(k, 1))
+    bits_needed = max(1, len(names).bit_length())
+    code = {n: np.zeros(ref[n].size, dtype=np.int64) for n in residual_params}
+    for j in range(bits_needed):
+        got = feed(lambda k, j=j: constant(k, 2 if ((k + 1) >> j) & 1 else 1))
+        for n in residual_params:
+            code[n] |= (got[n] != ref[n]).astype(np.int64) << j
+    out = {}
+    for n in residual_params:
+        c = np.unique(code[n][touched[n]])
+        c = c[c > 0]
+        if np.any(c > len(names)):
+            raise PlacementError(f"parameter {n!r}: built from several tensors per element; "
+                                 "the probes cannot tell which")
+        out[n] = sorted(names[i - 1] for i in c.tolist())
+    # Changing every other tensor must leave the residual parameters alone.
+    sources = {s for srcs in out.values() for s in srcs}
+    got = feed(lambda k: constant(k, 1 if names[k] in sources else 2))
+    for n in residual_params:
+        if not np.array_equal(got[n], ref[n]):
+            raise PlacementError(f"parameter {n!r} depends on tensors the probes could not "
+                                 "single out (values combined across tensors)")
+    return out

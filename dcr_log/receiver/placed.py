@@ -102,10 +102,11 @@ class PlacedStorage(Storage):
                  shadow: Storage | None = None, loader: Loader | None = None,
                  loader_params: Mapping[str, Any] | None = None, rediscover: Rediscover | None = None,
                  to_loader: Callable[[TensorBits], Any] | None = None):
-        from ..shard import as_group
+        from ..shard import LocalGroup, as_group
 
         self.engine = engine
-        self.group = as_group(group)
+        # No group: this process alone (without importing torch.distributed).
+        self.group = LocalGroup() if group is None else as_group(group)
         self.durable = engine.durable
         if self.durable and self.group.size > 1:
             raise UsageError("durable engine-layout receivers hold every rank's parameters in one "

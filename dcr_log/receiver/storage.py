@@ -324,6 +324,9 @@ class TorchStorage(Storage):
                           if self._meta.get(name) != (dtype, shape)}
 
     def set_layout(self, layout: Layout) -> Any:
+        """A reshaped or retyped tensor is changed in place (``tensor.data = new``): the mapping
+        keeps the same object, so a model whose parameters the mapping holds sees the new
+        tensor instead of keeping a detached old one."""
         undo: dict[str, Any] = {}
         for name in list(self._meta):
             if name not in layout:
@@ -333,11 +336,16 @@ class TorchStorage(Storage):
         for name, (dtype, shape) in layout.items():
             if self._meta.get(name) == (dtype, shape):
                 continue
-            undo[name] = self.tensors.get(name, _MISSING)
             ready = prepared.pop(name, None)
             t = ready[2] if ready is not None and ready[:2] == (dtype, shape) else self._zeros(name, dtype, shape)
-            self.tensors[name] = t
-            self._register(name, t)
+            old = self.tensors.get(name, _MISSING)
+            if old is _MISSING:
+                undo[name] = _MISSING
+                self.tensors[name] = t
+            else:
+                undo[name] = (old, old.data)
+                old.data = t
+            self._register(name, self.tensors[name])
         return undo
 
     def restore_layout(self, undo: Any) -> None:
@@ -346,6 +354,11 @@ class TorchStorage(Storage):
                 self.tensors.pop(name, None)
                 self._meta.pop(name, None)
                 self._flat.pop(name, None)
+            elif isinstance(value, tuple):
+                obj, data = value
+                obj.data = data
+                self.tensors[name] = obj
+                self._register(name, obj)
             else:
                 self.tensors[name] = value
                 self._register(name, value)

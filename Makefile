@@ -26,6 +26,7 @@ bench: $(VENV)/.installed
 	$(PY) tools/bench_delta.py
 	$(PY) tools/bench_apply.py
 	$(PY) tools/bench_sharded.py
+	$(PY) tools/bench_engine.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis dcr_log/*.so

@@ -532,6 +532,9 @@ def _discover(load_weights, layout, words_of, param_layout, seed, device) -> Pla
             pieces.setdefault(names[kk], []).extend(
                 _pieces_from_runs(n, f[starts[sel]], idx[starts[sel]], lengths[sel]))
     residual = _residual_sources(feed, names, layout, sizes, residual_params, touched) if residual_params else {}
+    if not pieces and not residual:
+        raise PlacementError("the loader placed no element of the table in these parameters "
+                             "(a loader bound to another engine instance?)")
     for t in pieces:
         pieces[t].sort(key=lambda p: (p.c0, p.param))
     placement = Placement(layout, dict(sorted(param_layout.items())), pieces, residual)

@@ -457,3 +457,22 @@ def test_durable_engine_with_residual_parameters_recovers(tmp_path):
     with pytest.raises(Exception, match="another placement"):
         with Receiver.open(directory, placement=other, loader=loader, loader_params=scratch_params) as rx:
             rx.apply(log)
+
+
+def test_apply_of_a_staged_version_keeps_its_level(tmp_path, schedule_log):
+    engine = fresh_engine(CFG, job.canonical_at(CFG, 0))
+    with Receiver.open(engine_params(engine), tmp_path / "j", loader=engine.load_weights,
+                       placement=rediscover_on(TestEngine(CFG))(schedule_log.commit(0))) as rx:
+        rx.bind(schedule_log, 0)
+        rx.stage(schedule_log, 1, verify="none")
+        with pytest.raises(Exception, match="staged with verify='none'"):
+            rx.apply(verify="full")
+        with pytest.raises(Exception, match="staged"):
+            rx.apply(to=2)
+        assert rx.apply(verify="none") == [1]
+
+
+def test_a_loader_of_another_engine_places_nothing_and_is_refused(schedule_log):
+    one, other = NumpyEngine(CFG), NumpyEngine(CFG)
+    with pytest.raises(PlacementError, match="placed no element"):
+        discover(one.load_weights, schedule_log.commit(0), other.params, dtypes=other.dtypes)

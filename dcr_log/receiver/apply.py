@@ -234,7 +234,7 @@ class Receiver:
              fault: FaultHook | None = None, device: Any = None, trust: Any = None,
              placement: Any = None, loader: Callable | None = None, group: Any = None,
              rediscover: Callable | None = None, loader_params: Any = None,
-             shadow: Any = None) -> "Receiver":
+             shadow: Any = None, dtypes: Any = None) -> "Receiver":
         """Open a receiver: ``storage`` is a Storage, a dict of numpy arrays or torch tensors,
         or a checkpoint directory (whose journal defaults to DIR/.dcr).
 
@@ -244,14 +244,19 @@ class Receiver:
         engine's ``load_weights``; with ``loader_params``, the tensors it writes, copied into
         ``storage``), ``group`` is the tensor-parallel group whose ranks share the digests,
         and ``rediscover(table)`` gives a placement for a version that changes the tensor
-        table (run on a scratch engine), without which such a version is refused."""
+        table (run on a scratch engine), without which such a version is refused. ``dtypes``
+        names the safetensors dtype of numpy arrays holding raw words (bf16 as uint16)."""
         if journal_path is None:
             if not isinstance(storage, (str, os.PathLike)):
                 raise UsageError("a journal path is needed for in-memory storage")
             journal_path = Path(storage) / JOURNAL_DIR
         journal = Journal.open(journal_path)  # the receiver lock comes before the storage
         try:
-            base = open_storage(storage, device=device)
+            if dtypes is not None:
+                from .storage import NumpyStorage
+                base = NumpyStorage(storage, dtypes)
+            else:
+                base = open_storage(storage, device=device)
             if placement is not None:
                 from ..placement import Placement
                 if isinstance(placement, (str, os.PathLike)):
@@ -365,20 +370,25 @@ class Receiver:
 
     # -- apply -----------------------------------------------------------------------------
 
-    def apply(self, log: DeltaLog | None = None, to: int | None = None, verify: str = "sample",
+    def apply(self, log: DeltaLog | None = None, to: int | None = None, verify: str | None = None,
               on_version: Callable[[ApplyReport], None] | None = None) -> list[int]:
         """Apply versions current+1 .. ``to`` (default: the latest) in order; returns them.
-        Without ``log``: apply the version ``stage`` prepared (only the writes remain)."""
+        ``verify`` defaults to "sample". Without ``log``: apply the version ``stage`` prepared
+        (only the writes remain), at the verification level it was staged with."""
         if log is None:
             if self._staged is None:
                 raise UsageError("nothing is staged: call stage(log, version) first, or pass the log")
+            if to not in (None, self._staged.version) or verify not in (None, self._staged.verify):
+                raise UsageError(f"version {self._staged.version} was staged with verify="
+                                 f"{self._staged.verify!r}: apply() applies exactly that (stage again "
+                                 "to change it)")
             staged, self._staged = self._staged, None
             report = self._write_version(staged)
             if on_version is not None:
                 on_version(report)
             return [staged.version]
         self._staged = None
-        _check_verify(verify)
+        verify = _check_verify("sample" if verify is None else verify)
         st = self._lineage_state(log)
         latest = log.latest_version()
         if st.version > latest:

@@ -488,15 +488,20 @@ class ShardedWriter:
         if g.rank == 0:
             identity = LogIdentity(log_id=uuid.uuid4().hex, created_at=utc_now(), features=features)
             try:
+                if files is not None:  # read and checked before the log exists
+                    files = {e.name: data for e, data in resolve_files(files)}
                 store.put_new(IDENTITY_KEY, identity.to_bytes())
                 outcome = {"ok": True, "identity": identity.to_bytes()}
             except AlreadyExists:
                 outcome = {"ok": False, "conflict": True, "error": f"{store.url} already holds a log"}
+            except UsageError as exc:
+                outcome = {"ok": False, "usage": True, "error": str(exc)}
             except Exception as exc:
                 outcome = {"ok": False, "error": f"cannot create {store.url}: {_describe(exc)}"}
         outcome = g.broadcast(outcome)
         if not outcome["ok"]:
-            raise (CommitConflict if outcome.get("conflict") else DcrError)(outcome["error"])
+            error = CommitConflict if outcome.get("conflict") else UsageError if outcome.get("usage") else DcrError
+            raise error(outcome["error"])
         identity = LogIdentity.from_bytes(outcome["identity"])
         log = DeltaLog(store, identity)
         writer = ShardedWriter(log, g, -1, BaselineCache.resolve(cache_dir, store, identity.log_id),

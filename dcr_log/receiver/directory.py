@@ -151,7 +151,8 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
             # The version's files: fetched and checked, with room for them, before any write.
             plan = plan_files(log, log.commit(version), directory,
                               journal.files() if journal is not None else (), storage.weight_names())
-            check_space(directory, plan.nbytes, f"write the files of version {version}")
+            if plan.writes:
+                check_space(directory, plan.nbytes, f"write the files of version {version}")
             if journal is None:
                 journal = Journal.open(jpath)
             if journal.state().log_id is not None:

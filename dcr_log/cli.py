@@ -18,9 +18,11 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from .checkpoint import load_checkpoint, save_safetensors
 from .errors import DcrError, IntegrityError, Interrupted, StoreError, UsageError, os_error
+from .files import collect_files
 from .log import DeltaLog
 from .writer import LogWriter
 
@@ -107,45 +109,86 @@ def sign(log: str = typer.Argument(..., help="log directory or URL"),
     out.print(f"signed {len(versions)} versions with key {k.key_id}", markup=False)
 
 
+FILES_HELP = ("carry the checkpoint directory's other files (config, tokenizer, ...: every regular "
+              "file at its top level but the weights and dot files); default: when there are any. "
+              "--no-files carries none (append: the previous version's are kept)")
+
+
+def _checkpoint_files(from_: Path, wanted: Optional[bool]) -> Optional[dict[str, Path]]:
+    """The files ``--from`` carries: None when none are to be carried (not a directory, or
+    --no-files), else the directory's files (possibly none)."""
+    if wanted is False:
+        return None
+    if not from_.is_dir():
+        if wanted:
+            raise UsageError(f"--files needs a checkpoint directory; {from_} is a file")
+        return None
+    return collect_files(from_)
+
+
+def _files_said(commit) -> str:
+    if commit.files is None:
+        return ""
+    return f", {len(commit.files)} files ({sum(f.size for f in commit.files)} bytes)"
+
+
 @app.command()
 def init(log: str = typer.Argument(..., help="log directory or URL"),
          from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
+         files: Optional[bool] = typer.Option(None, "--files/--no-files", help=FILES_HELP + "; "
+                                              "--files makes a log that carries files even if there are none yet"),
          cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
          sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
-    """Create LOG; version 0 is the full state of the checkpoint."""
+    """Create LOG; version 0 is the full state of the checkpoint (and its files: the log then
+    carries every version's files)."""
     key = _signing_key(sign_key)
     state = load_checkpoint(from_)
+    carried = _checkpoint_files(from_, files)
+    if carried is not None and not carried and files is None:
+        carried = None  # a directory of weights only: a log without files, unless --files
+    if carried is None and files:
+        carried = {}
     _left(lambda: "version 0 not committed")
     with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
         writer = LogWriter.create(log, state, progress=advance, cache_dir=_cache_dir(cache),
-                                  signing_key=key)
+                                  signing_key=key, files=carried)
     _left(lambda: "version 0 committed")
     commit = writer.log.commit(0)
-    out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes")
+    out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes{_files_said(commit)}")
 
 
 @app.command()
 def append(log: str = typer.Argument(..., help="log directory or URL"),
            from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
+           files: Optional[bool] = typer.Option(None, "--files/--no-files", help=FILES_HELP),
            cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
            sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
-    """Append the checkpoint's state as the next version, stored as a delta.
+    """Append the checkpoint's state as the next version, stored as a delta (and, in a log
+    that carries files, the directory's files: the whole set, a file left out is dropped).
 
     The baseline (the latest version's state) comes from the local cache that init and append
     keep, checked against the commit's digests; without one the log is replayed.
     """
     key = _signing_key(sign_key)
     dlog = DeltaLog.open(log)
+    if files and not dlog.has_files:
+        raise UsageError(f"{log} was created without the feature 'files': its versions carry no "
+                         "files (the feature is chosen by dcr init)")
     state = load_checkpoint(from_)
+    carried = _checkpoint_files(from_, files)
+    if carried and not dlog.has_files:
+        err.print(f"dcr: note: {log} carries no files (created without them): "
+                  f"{len(carried)} files of {from_} not logged", markup=False)
+        carried = None
     _left(lambda: f"version {dlog.latest_version() + 1} not committed")
     writer = LogWriter.open(dlog, cache_dir=_cache_dir(cache), signing_key=key)
     _left(lambda: f"version {writer.version + 1} not committed")
     with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
-        commit = writer.append(state, progress=advance)
+        commit = writer.append(state, progress=advance, files=carried if dlog.has_files else None)
     _left(lambda: f"version {commit.version} committed")
     pct = 100.0 * commit.stats.changed_elements / max(commit.stats.total_elements, 1)
     out.print(f"version {commit.version}: {commit.stats.changed_elements} changed ({pct:.3f}%), "
-              f"{commit.delta_bytes} bytes")
+              f"{commit.delta_bytes} bytes{_files_said(commit)}")
 
 
 def _log_rows(dlog: DeltaLog) -> list[dict]:
@@ -159,6 +202,8 @@ def _log_rows(dlog: DeltaLog) -> list[dict]:
             "records": c.stats.records, "tensors": len(c.tensors), "created_at": c.created_at,
             "writer_id": c.writer_id, "state_digest": f"{c.state_digest:016x}",
         })
+        if c.files is not None:
+            rows[-1]["files"] = [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in c.files]
     return rows
 
 
@@ -166,17 +211,25 @@ def _log_rows(dlog: DeltaLog) -> list[dict]:
 def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
             as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
             trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
-    """One line per version: version, parent, bytes, changed elements and %."""
-    rows = _log_rows(_open_log(log, trust))
+    """One line per version: version, parent, bytes, changed elements and %, and in a log that
+    carries files their count and bytes (--json: each file's name, size and sha256)."""
+    dlog = _open_log(log, trust)
+    rows = _log_rows(dlog)
     if as_json:
         for r in rows:
             out.print(json.dumps(r), markup=False)
         return
-    table = Table("version", "parent", "bytes", "changed", "%", "records", "created")
+    columns = ["version", "parent", "bytes", "changed", "%", "records", "created"]
+    if dlog.has_files:
+        columns.append("files")
+    table = Table(*columns)
     for r in rows:
-        table.add_row(str(r["version"]), "-" if r["parent"] is None else str(r["parent"]),
-                      str(r["bytes"]), str(r["changed_elements"]), f"{r['changed_pct']:.3f}",
-                      str(r["records"]), r["created_at"])
+        cells = [str(r["version"]), "-" if r["parent"] is None else str(r["parent"]),
+                 str(r["bytes"]), str(r["changed_elements"]), f"{r['changed_pct']:.3f}",
+                 str(r["records"]), r["created_at"]]
+        if dlog.has_files:
+            cells.append(f"{len(r['files'])} files, {sum(f['size'] for f in r['files'])} B")
+        table.add_row(*cells)
     out.print(table)
 
 
@@ -185,7 +238,8 @@ def show(log: str = typer.Argument(..., help="log directory or URL"),
          version: int = typer.Argument(..., help="version number"),
          as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
          trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
-    """Per tensor: records, encodings, changed elements and payload bytes of one version."""
+    """Per tensor: records, encodings, changed elements and payload bytes of one version; then
+    its files (name, size, sha256), in a log that carries files."""
     dlog = _open_log(log, trust)
     commit = dlog.commit(version)
     per = {t.name: {"tensor": t.name, "dtype": t.dtype, "shape": list(t.shape), "records": 0,
@@ -207,6 +261,8 @@ def show(log: str = typer.Argument(..., help="log directory or URL"),
         for row in per.values():
             out.print(json.dumps({**row, "kinds": dict(row["kinds"]), "encodings": dict(row["encodings"])}),
                       markup=False)
+        for f in commit.files or ():
+            out.print(json.dumps({"file": f.name, "size": f.size, "sha256": f.sha256}), markup=False)
         return
     table = Table("tensor", "dtype", "shape", "records", "kinds", "encodings", "changed", "%", "bytes")
     for row in per.values():
@@ -216,6 +272,11 @@ def show(log: str = typer.Argument(..., help="log directory or URL"),
                       ",".join(f"{k}:{v}" for k, v in row["encodings"].items()),
                       str(row["changed_elements"]), f"{pct:.3f}", str(row["bytes"]))
     out.print(table)
+    if commit.files is not None:
+        files = Table("file", "size", "sha256")
+        for f in commit.files:
+            files.add_row(Text(f.name), str(f.size), f.sha256)  # a name is never markup
+        out.print(files)
 
 
 @app.command()
@@ -230,7 +291,8 @@ def verify(log: str = typer.Argument(..., help="log directory or URL"),
         raise IntegrityError(f"{dlog.store.url}: log has no versions")
     with progress_bar("verify", len(versions)) as advance:
         report = dlog.verify(deep=deep, progress=lambda v: advance())
-    out.print(f"ok: {report.versions} versions, {report.segments} segments, "
+    files = f", {report.files} files" if dlog.has_files else ""
+    out.print(f"ok: {report.versions} versions, {report.segments} segments{files}, "
               f"{report.bytes_checked} bytes{' (deep)' if deep else ''}{', signed' if trust else ''}")
 
 
@@ -287,8 +349,10 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
 
     with open_directory(dlog, receiver, to=to, say=say) as rx:
         def line(r) -> None:
+            files = (f", {r.files_written} files written, {r.files_removed} removed"
+                     if r.files_written or r.files_removed else "")
             say(f"applied version {r.version}: {r.written} records written, {r.skipped} already applied, "
-                f"{r.repaired} repaired, {r.changed_elements} changed elements, {r.seconds:.3f} s")
+                f"{r.repaired} repaired, {r.changed_elements} changed elements{files}, {r.seconds:.3f} s")
         rx.apply(dlog, to=to, verify=verify, on_version=line)
         if not said:
             say(f"receiver at version {rx.version}")

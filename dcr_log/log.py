@@ -14,8 +14,10 @@ import numpy as np
 from .delta import apply_to_words, decode_record, empty_words, shared_pool
 from .errors import CommitConflict, CommitStateUnknown, IntegrityError, NotFoundError, UsageError
 from .format import (
+    FILES,
     IDENTITY_KEY,
     CommitRecord,
+    FileEntry,
     LogIdentity,
     Record,
     SegmentRef,
@@ -50,6 +52,7 @@ class VerifyReport:
     segments: int
     bytes_checked: int
     deep: bool
+    files: int = 0  # distinct file objects checked (feature files)
 
 
 class DeltaLog:
@@ -69,6 +72,11 @@ class DeltaLog:
     @property
     def log_id(self) -> str:
         return self.identity.log_id
+
+    @property
+    def has_files(self) -> bool:
+        """Whether the log carries its versions' non-tensor files (feature ``files``)."""
+        return FILES in self.identity.features
 
     @staticmethod
     def open(location: str | os.PathLike | Store, trust=None) -> "DeltaLog":
@@ -228,6 +236,47 @@ class DeltaLog:
                 raise CommitConflict(f"version {record.version} already exists in {self.store.url}") from None
         self._commits[record.version] = record
 
+    # -- files (feature files, spec/FORMAT.md section 22) ------------------------------------
+
+    def files(self, version: int) -> list[FileEntry]:
+        """Every file of ``version``, sorted by name ([] in a log without the feature)."""
+        return list(self.commit(version).files or ())
+
+    def read_file(self, entry: FileEntry) -> bytes:
+        """A file's bytes, checked against its entry: the object's size (from its metadata,
+        before its bytes are read), then its SHA-256. IntegrityError otherwise, a missing
+        object included (a committed version's files never go away)."""
+        try:
+            data = self.store.get(entry.key, size=entry.size)
+        except NotFoundError:
+            raise IntegrityError(f"file {entry.name!r}: object {entry.key} is missing") from None
+        except IntegrityError as exc:
+            raise IntegrityError(f"file {entry.name!r}: {exc}") from None
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise IntegrityError(f"file {entry.name!r}: object {entry.key} fails its sha256")
+        return bytes(data)
+
+    def read_files(self, version: int) -> dict[str, bytes]:
+        """name -> bytes of every file of ``version``, each checked (read_file)."""
+        return {e.name: self.read_file(e) for e in self.files(version)}
+
+    def write_files(self, files: list[tuple[FileEntry, bytes]], known: set[str] = frozenset()) -> None:
+        """Create the objects of a version's files (create-if-absent), before its commit record.
+        Objects are content-addressed and shared by versions: one that exists already is left
+        as it is (after its size is checked; readers check its sha256), and ``known`` (the
+        sha256s a committed version lists) are not uploaded at all. File objects are never
+        deleted: a lost or failed commit leaves only orphans."""
+        for entry, data in files:
+            if entry.sha256 in known:
+                continue
+            try:
+                self.store.put_new(entry.key, data)
+            except AlreadyExists:
+                info = self.store.head(entry.key)
+                if info is not None and info.size != entry.size:
+                    raise IntegrityError(f"file {entry.name!r}: the store holds {entry.key} with "
+                                         f"{info.size} bytes, not {entry.size}: a damaged object") from None
+
     # -- segments -------------------------------------------------------------------------
 
     def read_segment(self, ref: SegmentRef) -> memoryview:
@@ -339,7 +388,8 @@ class DeltaLog:
         return state
 
     def verify(self, deep: bool = False, progress: Progress | None = None) -> VerifyReport:
-        """Check every commit record, the parent chain and every segment's size and sha256.
+        """Check every commit record, the parent chain, every segment's size and sha256 and
+        every file object's size and sha256 (feature files).
 
         ``deep`` also replays every version and checks every tensor digest of every version.
         """
@@ -348,6 +398,7 @@ class DeltaLog:
             raise IntegrityError(f"{self.store.url}: log has no versions")
         nbytes = 0
         nsegments = 0
+        checked_files: set[tuple[str, int]] = set()
         previous = None
         for v in versions:
             commit = self.commit(v)
@@ -362,6 +413,11 @@ class DeltaLog:
                     nbytes += ref.size
             else:
                 nbytes += commit.delta_bytes
+            for entry in commit.files or ():  # shared objects are checked once
+                if (entry.key, entry.size) not in checked_files:
+                    self.read_file(entry)
+                    checked_files.add((entry.key, entry.size))
+                    nbytes += entry.size
             nsegments += len(commit.segments)
             previous = commit
             if progress and not deep:
@@ -369,7 +425,7 @@ class DeltaLog:
         if deep:
             for _ in self.replay(versions[-1], check_all=True, progress=progress):
                 pass
-        return VerifyReport(len(versions), nsegments, nbytes, deep)
+        return VerifyReport(len(versions), nsegments, nbytes, deep, len(checked_files))
 
 
 # Threads that decode and apply records (numpy and zstd release the GIL).

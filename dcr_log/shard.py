@@ -42,6 +42,8 @@ from .format import (
     SegmentRef,
     segment_key,
 )
+from .files import Files, resolve_files
+from .format import FILES, FileEntry
 from .format.keys import check_writer_id
 from .log import DeltaLog
 from .state import TensorBits, TensorInfo, check_name, dtype_of, state_digest, to_bits
@@ -470,32 +472,42 @@ class ShardedWriter:
                shapes: Mapping[str, Sequence[int]], group: Any = None, *, cache_dir: Any = None,
                features: Sequence[str] = (SUM_DIGESTS,), writer_id: str | None = None,
                policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-               progress: Callable[[int], None] | None = None, signing_key: Any = None) -> "ShardedWriter":
+               progress: Callable[[int], None] | None = None, signing_key: Any = None,
+               files: Files | None = None) -> "ShardedWriter":
         """Create a new log whose version 0 is the ranks' shards (collective). With
         ``signing_key`` (a dcr_log.signing.SigningKey, an ed25519 private key or a key file)
-        every version is signed (spec/FORMAT.md, section 21)."""
+        every version is signed (spec/FORMAT.md, section 21). ``files`` (rank 0's; see
+        ``append``) are version 0's non-tensor files: given, they turn the feature ``files``
+        on (as does ``files`` in ``features``), fixed for the log's life."""
         g = as_group(group)
+        if files is not None:
+            features = tuple(features) + (FILES,)
+        features = tuple(sorted(set(features)))
         store = location if isinstance(location, Store) else Store.open(location, create=True)
         outcome = None
         if g.rank == 0:
-            identity = LogIdentity(log_id=uuid.uuid4().hex, created_at=utc_now(),
-                                   features=tuple(sorted(features)))
+            identity = LogIdentity(log_id=uuid.uuid4().hex, created_at=utc_now(), features=features)
             try:
+                if files is not None:  # read and checked before the log exists
+                    files = {e.name: data for e, data in resolve_files(files)}
                 store.put_new(IDENTITY_KEY, identity.to_bytes())
                 outcome = {"ok": True, "identity": identity.to_bytes()}
             except AlreadyExists:
                 outcome = {"ok": False, "conflict": True, "error": f"{store.url} already holds a log"}
+            except UsageError as exc:
+                outcome = {"ok": False, "usage": True, "error": str(exc)}
             except Exception as exc:
                 outcome = {"ok": False, "error": f"cannot create {store.url}: {_describe(exc)}"}
         outcome = g.broadcast(outcome)
         if not outcome["ok"]:
-            raise (CommitConflict if outcome.get("conflict") else DcrError)(outcome["error"])
+            error = CommitConflict if outcome.get("conflict") else UsageError if outcome.get("usage") else DcrError
+            raise error(outcome["error"])
         identity = LogIdentity.from_bytes(outcome["identity"])
         log = DeltaLog(store, identity)
         writer = ShardedWriter(log, g, -1, BaselineCache.resolve(cache_dir, store, identity.log_id),
                                writer_id, policy, segment_bytes, signing_key)
         writer._baseline = Baseline.empty(-1)
-        writer.append(shards, shapes, progress=progress)
+        writer.append(shards, shapes, progress=progress, files=files)
         return writer
 
     @staticmethod
@@ -517,10 +529,16 @@ class ShardedWriter:
     # -- append -----------------------------------------------------------------------------
 
     def append(self, shards: Mapping[str, Sequence[Shard]], shapes: Mapping[str, Sequence[int]] | None = None,
-               kind: str = "xor", progress: Callable[[int], None] | None = None) -> CommitRecord:
+               kind: str = "xor", progress: Callable[[int], None] | None = None,
+               files: Files | None = None) -> CommitRecord:
         """Commit this step as the next version (collective; every rank gets the same commit
         record). ``shapes`` gives the canonical shapes of new or reshaped tensors (and of
         tensors held by flat shards); ``kind`` is ``xor`` or ``overwrite`` for the box shards.
+
+        ``files`` (feature ``files``): the version's non-tensor files, the whole set, as a
+        mapping of file names to bytes or paths; None keeps the parent version's files. The
+        coordinator (rank 0) writes the commit record, so only rank 0's ``files`` is used; the
+        other ranks' argument is ignored. Files in a log without the feature: UsageError.
 
         A rank's exception, a conflict or a dead rank aborts the step on every rank: nothing is
         committed and the baselines stay as they were.
@@ -538,7 +556,9 @@ class ShardedWriter:
         # A bad description (UsageError) fails everywhere as such; any other exception (a
         # converter that raised) is that rank's failure, and aborts the others.
         local_error: BaseException | None = None
+        file_set = None
         try:
+            file_set = self._resolve_files(files)
             pieces = resolve_pieces(shards, known)
             for p in pieces:
                 if p.kind == "xor":
@@ -578,12 +598,21 @@ class ShardedWriter:
         else:
             report, pending, error = (_RankReport(ok=False, error=_describe(baseline_error)),
                                       _Pending(True, set(), None), baseline_error)
+        # The coordinator's files: their objects are created after the segments and before
+        # the commit record (content-addressed: a failed commit leaves only orphans).
+        file_entries = None
+        if g.rank == 0 and self.log.has_files and report.ok:
+            try:
+                file_entries = self._write_files(version, file_set)
+            except Exception as exc:
+                error = error or exc
+                report = _RankReport(ok=False, error=_describe(exc))
         local_error = local_error or error
 
         # Phase 2: the coordinator commits only if every rank succeeded.
         try:
             reports = g.gather(report)
-            outcome = self._decide(version, layout, previous, reports) if g.rank == 0 else None
+            outcome = self._decide(version, layout, previous, reports, file_entries) if g.rank == 0 else None
             outcome = g.broadcast(outcome)
         except CollectiveFailed as exc:
             # Another rank may have died after reporting: the commit may exist. Keep our
@@ -613,6 +642,26 @@ class ShardedWriter:
         self._baseline = self._baseline.advance(version, commit, pending, mine)
         self._version = version
         return commit
+
+    def _resolve_files(self, files: Files | None) -> list[tuple[FileEntry, bytes]] | None:
+        """Rank 0: the version's new file set, read and checked (UsageError on every rank), or
+        None for the parent's files."""
+        if self.group.rank != 0 or files is None:
+            return None
+        if not self.log.has_files:
+            if not isinstance(files, Mapping) or len(files):
+                raise UsageError(f"{self.log.store.url} was created without the feature {FILES!r}: its "
+                                 "versions carry no files (the feature is chosen when a log is created)")
+            return None
+        return resolve_files(files)
+
+    def _write_files(self, version: int, file_set) -> tuple[FileEntry, ...]:
+        """Rank 0: the version's file entries; new objects created (the parent's are known)."""
+        parent = () if version == 0 else self.log.commit(version - 1).files or ()
+        if file_set is None:
+            return tuple(parent)
+        self.log.write_files(file_set, known={e.sha256 for e in parent})
+        return tuple(e for e, _ in file_set)
 
     def _ensure_baseline(self, layout: Layout, previous: Mapping[str, TensorInfo], mine: list[Piece]) -> None:
         """Make sure this rank's baseline holds every owned piece of a tensor that keeps its
@@ -701,7 +750,7 @@ class ShardedWriter:
         return report, pending, error
 
     def _decide(self, version: int, layout: Layout, previous: Mapping[str, TensorInfo],
-                reports: list[_RankReport]) -> dict:
+                reports: list[_RankReport], files: tuple[FileEntry, ...] | None = None) -> dict:
         """The coordinator: write the commit record if every rank succeeded."""
         failed = [(r, rep) for r, rep in enumerate(reports) if not rep.ok]
         if failed:
@@ -729,6 +778,7 @@ class ShardedWriter:
             stats=CommitStats(sum(rep.changed for rep in reports), sum(numel(s) for _, s in layout.tensors.values()),
                               sum(rep.records for rep in reports)),
             created_at=utc_now(), writer_id=self.writer_id, features=self.log.identity.features,
+            files=(files or ()) if self.log.has_files else None,
         )
         try:
             if self.signing_key is not None:

@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .delta import EncodePolicy
 from .digest import SUM_DIGESTS
+from .files import Files
 from .format import CommitRecord
 from .log import DeltaLog
 from .shard import DEFAULT_SEGMENT_BYTES, LocalGroup, Shard, ShardedWriter, default_writer_id, utc_now
@@ -48,15 +49,21 @@ class LogWriter:
                progress: Callable[[int], None] | None = None, *, cache_dir: Any = None,
                features: Sequence[str] = (SUM_DIGESTS,), writer_id: str | None = None,
                policy: EncodePolicy | None = None,
-               segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> "LogWriter":
+               segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None,
+               files: Files | None = None) -> "LogWriter":
         """Create a new log whose version 0 is the full ``state``. New logs use
         ``sum-digests``; ``features=()`` writes a plain format-1 log (xxh3 digests). With
-        ``signing_key`` every version this writer commits is signed."""
+        ``signing_key`` every version this writer commits is signed.
+
+        ``files`` maps file names (config.json, tokenizer files, ...) to bytes or paths:
+        version 0's non-tensor files. Given (even empty), the log gets the feature ``files``
+        (so does ``"files"`` in ``features``) and every later version carries a file set;
+        without it the log carries none, for good (spec/FORMAT.md section 22)."""
         shards, shapes = _whole(state)
         return LogWriter(ShardedWriter.create(
             location, shards, shapes, LocalGroup(), cache_dir=cache_dir, features=features,
             writer_id=writer_id, policy=policy, segment_bytes=segment_bytes, progress=progress,
-            signing_key=signing_key))
+            signing_key=signing_key, files=files))
 
     @staticmethod
     def open(location: str | os.PathLike | Store | DeltaLog, *, cache_dir: Any = None,
@@ -69,14 +76,17 @@ class LogWriter:
                                             signing_key=signing_key))
 
     def append(self, state: Mapping[str, Any], kind: str = "xor",
-               progress: Callable[[int], None] | None = None) -> CommitRecord:
+               progress: Callable[[int], None] | None = None, files: Files | None = None) -> CommitRecord:
         """Commit ``state`` as the next version. ``kind`` is ``xor`` or ``overwrite``.
+        ``files``: the version's whole file set (names to bytes or paths; a file left out is
+        dropped), or None for the parent version's files (nothing uploaded). A log created
+        without the feature ``files`` takes none (UsageError).
 
         Raises CommitConflict (and leaves the baseline as it was) if another writer already
         committed that version.
         """
         shards, shapes = _whole(state)
-        return self._writer.append(shards, shapes, kind=kind, progress=progress)
+        return self._writer.append(shards, shapes, kind=kind, progress=progress, files=files)
 
 
 def create_log(location, state, **kwargs) -> LogWriter:

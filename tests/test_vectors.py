@@ -2,8 +2,8 @@
 
 Every valid log reads back, version by version, to the tensors its expected.json lists, both
 through dcr_log.DeltaLog and through a small independent reader written from spec/FORMAT.md
-alone (pyarrow, zstandard, xxhash and numpy; nothing from dcr_log), feature sum-digests
-(section 7.1) included. Every invalid log fails with the stated error class at the stated
+alone (pyarrow, zstandard, xxhash and numpy; nothing from dcr_log), features sum-digests
+(section 7.1) and files (section 22) included. Every invalid log fails with the stated error class at the stated
 stage and not before. The generator reproduces the committed files byte for byte.
 """
 
@@ -198,9 +198,72 @@ class Refused(Exception):
         self.version = version
 
 
+# Feature files, FORMAT.md section 22.
+FILES = "files"
+FILE_OBJECT = {"key", "name", "sha256", "size"}
+
+
+def spec_file_name_ok(name) -> bool:
+    """Section 22: 1 to 255 bytes of UTF-8, no / \\ or control characters, no leading '.',
+    not a receiver's weights (ASCII letters compared case-insensitively)."""
+    if not isinstance(name, str):
+        return False
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    if not 1 <= len(raw) <= 255 or name.startswith(".") or "/" in name or "\\" in name:
+        return False
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return False
+    folded = raw.lower()
+    return not folded.endswith(b".safetensors") and folded != b"model.safetensors.index.json"
+
+
+def spec_read_files(root: Path, c: dict, features: list[str], facts: set[str],
+                    previous: dict[str, bytes] | None) -> dict[str, bytes]:
+    """name -> bytes of a commit record's files (section 22), every object checked."""
+    if FILES not in features:
+        assert "files" not in c, "a files member in a log without the feature"
+        return {}
+    files = c["files"]
+    assert isinstance(files, list) and len(files) <= 4096
+    names = []
+    out = {}
+    for f in files:
+        assert isinstance(f, dict) and set(f) == FILE_OBJECT
+        assert spec_file_name_ok(f["name"]), f"bad file name {f['name']!r}"
+        assert isinstance(f["sha256"], str) and re.fullmatch("[0-9a-f]{64}", f["sha256"])
+        assert f["key"] == "files/" + f["sha256"]
+        assert type(f["size"]) is int and 0 <= f["size"] <= 1 << 30
+        names.append(f["name"].encode("utf-8"))
+    assert names == sorted(set(names)), "file names unsorted or repeated"
+    assert sum(f["size"] for f in files) <= 1 << 32
+    for f in files:
+        path = root / f["key"]
+        assert path.is_file(), f"file object {f['key']} is missing"
+        assert path.stat().st_size == f["size"], "file object size"  # before reading it
+        data = path.read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f["sha256"], "file object sha256"
+        out[f["name"]] = data
+    if previous is not None:
+        facts.update("file-added" for n in out if n not in previous)
+        facts.update("file-removed" for n in previous if n not in out)
+        facts.update("file-changed" if previous[n] != d else "file-unchanged"
+                     for n, d in out.items() if n in previous)
+    if not out:
+        facts.add("no-files")
+    if len({f["sha256"] for f in files}) < len(files):
+        facts.add("file-shared-object")
+    facts.update("file-empty" for d in out.values() if not d)
+    facts.update("file-non-ascii-name" for n in out if not n.isascii())
+    return out
+
+
 def spec_replay(root: Path, facts: set[str]) -> list[tuple[dict, dict]]:
     """[(commit record, {name: (dtype, shape, words)})] for every version; ``facts`` collects
-    what the log exercises. Raises Refused at the first check that fails."""
+    what the log exercises. Raises Refused at the first check that fails. With the feature
+    files, each commit record gets ``_files``: name -> the bytes of its files."""
     where: dict[str, int | None] = {"version": None}
     try:
         return _spec_replay(root, facts, where)
@@ -212,17 +275,17 @@ def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, d
     identity = spec_unseal((root / "dcr.json").read_bytes())
     assert set(identity) == {"format_version", "log_id", "created_at", "features"}
     features = identity["features"]
-    # format 1 defines one feature; a name is never listed twice
-    assert identity["format_version"] == 1 and features in ([], [SUM_DIGESTS]), features
-    if features:
-        facts.add(SUM_DIGESTS)
+    # format 1 defines two features; a name is never listed twice
+    assert identity["format_version"] == 1 and features in (
+        [], [SUM_DIGESTS], [FILES], [FILES, SUM_DIGESTS]), features
+    facts.update(features)
     keys = sorted(p.name for p in (root / "versions").iterdir())
     assert keys == [f"{v:020d}.json" for v in range(len(keys))], "versions are not contiguous"
     state: dict[str, tuple[str, tuple, np.ndarray]] = {}
     # sum-digests: each tensor's digest followed in O(changes) from the records alone (section
     # 7.1, informative), checked below against a full pass and the table
     running: dict[str, int] = {}
-    out, previous = [], None
+    out, previous, previous_files = [], None, None
     for v, key in enumerate(keys):
         where["version"] = v
         c = spec_unseal((root / "versions" / key).read_bytes())
@@ -279,6 +342,8 @@ def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, d
                     changed += row["n_changed"]
             assert in_segment == ref["records"]
             records += in_segment
+        files = spec_read_files(root, c, features, facts, previous_files)
+        previous_files = files
         assert (records, changed) == (c["stats"]["records"], c["stats"]["changed_elements"])
         assert c["stats"]["total_elements"] == sum(w.size for _, _, w in state.values())
         for name, (dtype, shape, words) in state.items():
@@ -289,6 +354,7 @@ def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, d
             facts.add(f"dtype:{dtype}")
             facts.add(f"width:{WIDTH[dtype]}")
             facts.add("0-d" if shape == () else "empty" if words.size == 0 else "n-d")
+        c["_files"] = files
         out.append((c, {n: (d, s, w.copy()) for n, (d, s, w) in state.items()}))
         previous = c
     return out
@@ -357,6 +423,16 @@ def check_tensors(state_words: dict[str, tuple[str, tuple, np.ndarray]], expecte
         assert f"{tensor_digest(features, words):016x}" == t.get("digest", t["xxh3"]), t["name"]
 
 
+def check_files(files: dict[str, bytes], expected: dict, features: list[str]) -> None:
+    """A version's files (name -> bytes) against expected.json's ``files`` (feature files)."""
+    assert ("files" in expected) == (FILES in features)
+    want = expected.get("files", [])
+    assert list(files) == [f["name"] for f in want]
+    for f in want:
+        data = files[f["name"]]
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (f["size"], f["sha256"]), f["name"]
+
+
 @pytest.mark.parametrize("name", VALID)
 def test_valid_vector_reads_back(name):
     expected = load_expected(VECTORS / name)
@@ -372,8 +448,12 @@ def test_valid_vector_reads_back(name):
         assert list(commit.features) == features
         assert [(t.name, f"{t.digest:016x}") for t in commit.tensors] == [
             (t["name"], t.get("digest", t["xxh3"])) for t in v["tensors"]]
+        assert (commit.files is not None) == (FILES in features)
+        check_files(log.read_files(v["version"]), v, features)
     report = log.verify(deep=True)
     assert report.versions == len(expected["versions"])
+    keys = {f["sha256"] for v in expected["versions"] for f in v.get("files", [])}
+    assert report.files == len(keys)  # each object checked once
 
 
 @pytest.mark.parametrize("name", VALID)
@@ -385,6 +465,7 @@ def test_valid_vector_spec_reader(name):
     for (commit, state), v in zip(versions, expected["versions"]):
         assert commit["state_digest"] == v["state_digest"]
         check_tensors(state, v, commit["features"])
+        check_files(commit["_files"], v, commit["features"])
 
 
 def test_vectors_cover_the_format():
@@ -411,6 +492,16 @@ def test_sum_digest_vectors_cover_the_format():
               "xor/raw", "xor/sparse", "xor/dense", "overwrite/raw", "overwrite/sparse", "tensor/raw",
               "tensor/dense", "0-d", "empty", "interior-box-2d", "interior-box-3d", "added", "removed",
               "reshaped", "retyped", "zero-records", "tensor-on-existing", "overwrite-repair"}
+    assert wanted <= facts, sorted(wanted - facts)
+
+
+def test_file_vectors_cover_the_feature():
+    """The logs with feature files exercise every way a file set changes."""
+    facts: set[str] = set()
+    for name in [n for n in VALID if FILES in log_features(n)]:
+        spec_replay(VECTORS / name / "log", facts)
+    wanted = {FILES, SUM_DIGESTS, "file-added", "file-removed", "file-changed", "file-unchanged",
+              "no-files", "file-shared-object", "file-empty", "file-non-ascii-name"}
     assert wanted <= facts, sorted(wanted - facts)
 
 
@@ -515,10 +606,16 @@ def test_invalid_vector_is_refused(name):
         return
     if version > 0:  # everything before the broken version reads back
         DeltaLog.open(log_dir).materialize(version - 1)
+        DeltaLog.open(log_dir).read_files(version - 1)
     if stage == "segment":
         DeltaLog.open(log_dir).commit(version)
         with pytest.raises(error):
             list(DeltaLog.open(log_dir).records(version))
+    if stage == "files":
+        DeltaLog.open(log_dir).commit(version)
+        list(DeltaLog.open(log_dir).records(version))
+        with pytest.raises(error):
+            DeltaLog.open(log_dir).read_files(version)
     if stage == "apply":
         DeltaLog.open(log_dir).verify(deep=False)  # only applying the records finds it
     else:
@@ -526,6 +623,9 @@ def test_invalid_vector_is_refused(name):
             DeltaLog.open(log_dir).verify(deep=False)
     with pytest.raises(error):
         DeltaLog.open(log_dir).verify(deep=True)
+    if stage == "files":  # a replay reads tensors only; the version's files are refused
+        DeltaLog.open(log_dir).materialize(version)
+        return
     with pytest.raises(error):
         DeltaLog.open(log_dir).materialize(version)
 
@@ -542,7 +642,7 @@ def test_invalid_vector_is_refused_by_the_spec_reader(name):
 
 def test_invalid_vectors_cover_the_stages():
     stages = {load_expected(VECTORS / "invalid" / n)["stage"] for n in INVALID}
-    assert stages == {"identity", "listing", "commit", "segment", "apply"}
+    assert stages == {"identity", "listing", "commit", "segment", "files", "apply"}
 
 
 # -- the generator -----------------------------------------------------------------------------

@@ -4,12 +4,15 @@
     python tools/crash_apply.py [--kills 1000] [--mb 4] [--versions 6] [--seed 0] [--dir DIR]
 
 A log of a small bf16 model is built (versions with 1-5% changes, many segments, a tensor
-added, one dropped, one reshaped, an overwrite version). Each round starts a receiver
+added, one dropped, one reshaped, an overwrite version; its files, feature files: a config
+changed at every version, a file added, one dropped, a large tokenizer file rewritten). Each
+round starts a receiver
 (a bound single-file checkpoint, a bound sharded one, or an empty directory that
 ``dcr apply`` materializes), kills ``dcr apply`` 1-4 times at random instants, then lets it
 finish. After every kill that leaves no version in flight, the checkpoint must hold the
-journal's version bit for bit; at the end of every round it must hold the latest version,
-load with the safetensors library, and ``dcr status --json`` must say so.
+journal's version bit for bit, its files included; at the end of every round it must hold the
+latest version (its files, none the log dropped, no temporary file left), load with the
+safetensors library, and ``dcr status --json`` must say so.
 
 Prints counts: kills, kills that landed mid-apply (a version or a materialization in flight
 afterwards), kills after which the journal's version was checked bit for bit, runs that
@@ -42,6 +45,7 @@ from dcr_log import DeltaLog, TensorBits, state_equal
 from dcr_log.checkpoint import load_checkpoint
 from dcr_log.delta import EncodePolicy
 from dcr_log.receiver import JOURNAL_DIR, Journal, open_directory, write_checkpoint
+from dcr_log.receiver.files import TMP_PREFIX
 from dcr_log.writer import LogWriter
 
 MIB = 1 << 20
@@ -52,6 +56,7 @@ class Fixture:
     log: Path
     expected: list[dict[str, TensorBits]]  # the materialized state of every version
     pristine: dict[str, Path]              # receiver kind -> a bound receiver at version 0
+    files: list[dict[str, bytes]] = field(default_factory=list)  # every version's files
 
 
 def _bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> TensorBits:
@@ -74,6 +79,22 @@ def _step(rng: np.random.Generator, state: dict[str, TensorBits], rate: float) -
     return new
 
 
+def _files(rng: np.random.Generator, version: int, previous: dict[str, bytes] | None) -> dict[str, bytes]:
+    """The files of a version: config.json changes every time, notes.txt goes at version 2 and
+    generation_config.json comes, tokenizer.json (256 KiB) is rewritten at version 4."""
+    if previous is None:
+        text = rng.integers(97, 123, 256 * 1024, dtype=np.uint8).tobytes()
+        return {"tokenizer.json": text, "vocab.txt": b"[PAD]\n[UNK]\nthe\n", "notes.txt": b"v0\n",
+                "config.json": b'{"step": 0}\n'}
+    files = {**previous, "config.json": b'{"step": %d}\n' % version}
+    if version == 2:
+        del files["notes.txt"]
+        files["generation_config.json"] = b'{"max_length": 32}\n'
+    if version == 4:
+        files["tokenizer.json"] = rng.integers(97, 123, 256 * 1024, dtype=np.uint8).tobytes()
+    return files
+
+
 def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
                   segment_bytes: int = 2048, chunk_elements: int = 4096) -> Fixture:
     """A log under ``root/log`` and pristine receivers under ``root/pristine-*``."""
@@ -83,8 +104,9 @@ def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
     state["norm.scale"] = TensorBits("F32", (64,), rng.integers(0, 2**32, 64, dtype=np.uint32))
     state["step"] = TensorBits("I64", (), np.array([0], dtype=np.uint64))
     log_path = root / "log"
+    files = [_files(rng, 0, None)]
     writer = LogWriter.create(log_path, state, policy=EncodePolicy(chunk_elements=chunk_elements),
-                              segment_bytes=segment_bytes, cache_dir=False)
+                              segment_bytes=segment_bytes, cache_dir=False, files=files[0])
     for v in range(1, versions + 1):
         state = _step(rng, state, rate=float(rng.uniform(0.01, 0.05)))
         state["step"] = TensorBits("I64", (), np.array([v], dtype=np.uint64))
@@ -93,7 +115,8 @@ def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
             del state["norm.scale"]
             old = state["layers.00.weight"]
             state["layers.00.weight"] = TensorBits("BF16", (512, old.words.size // 512), old.words.copy())
-        writer.append(state, kind="overwrite" if v == 3 else "xor")
+        files.append(_files(rng, v, files[-1]))
+        writer.append(state, kind="overwrite" if v == 3 else "xor", files=files[-1])
     log = DeltaLog.open(log_path)
     expected = [log.materialize(v) for v in log.versions()]
     pristine = {"single": root / "pristine-single", "sharded": root / "pristine-sharded"}
@@ -103,7 +126,7 @@ def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
     write_checkpoint(expected[0], pristine["sharded"], shard_bytes=max(1, mb * MIB // 3))
     with open_directory(log, pristine["sharded"], to=0):
         pass
-    return Fixture(log_path, expected, pristine)
+    return Fixture(log_path, expected, pristine, files)
 
 
 @dataclass
@@ -221,7 +244,21 @@ class CrashRunner:
             return False
         if not ok:
             self.counts.failures.append(f"{what}: bits differ from version {version}")
-        return ok
+        return self._check_files(receiver, version, what) and ok
+
+    def _check_files(self, receiver: Path, version: int, what: str) -> bool:
+        """The version's files, and none the log dropped (every name it ever listed)."""
+        want = self.fx.files[version] if self.fx.files else {}
+        ever = set().union(*self.fx.files) if self.fx.files else set()
+        for name in sorted(ever):
+            path = receiver / name
+            if name in want and (not path.is_file() or path.read_bytes() != want[name]):
+                self.counts.failures.append(f"{what}: file {name} differs from version {version}'s")
+                return False
+            if name not in want and path.exists():
+                self.counts.failures.append(f"{what}: file {name}, dropped by version {version}, is there")
+                return False
+        return True
 
     def one_round(self, index: int, kills: int) -> int:
         kind = ("single", "sharded", "empty")[index % 3]
@@ -272,6 +309,8 @@ class CrashRunner:
         if before is not None and before.inflight is not None:
             self.counts.recoveries += 1
         self._check_bits(receiver, self.latest, f"round {index} ({kind}) final")
+        if list(receiver.glob(f"{TMP_PREFIX}*")):
+            self.counts.failures.append(f"round {index} ({kind}): a temporary file was left behind")
         self._check_loads(receiver, f"round {index} ({kind}) final")
         row = self._status(receiver, subprocess_too=index % 4 == 0)
         if row.get("version") != self.latest or row.get("inflight", 0) is not None:

@@ -7,7 +7,8 @@ LogWriter, so that each record kind, encoding, dtype and box shape appears on pu
 Each payload and segment is also re-encoded here from the rules of spec/FORMAT.md and must
 come out byte-identical to the library's, and every digest of the feature `sum-digests` is
 computed here from FORMAT.md section 7.1 and must equal dcr_log.digest's, so the spec text and
-the code are checked against each other. Expected states are the dense states generated here,
+the code are checked against each other; so are the file names and file objects of the feature
+`files` (section 22). Expected states are the dense states generated here,
 never a replay of the log.
 
 The output is byte-for-byte reproducible: fixed log ids, timestamps, writer ids and segment
@@ -46,6 +47,8 @@ from dcr_log.format import (
     SEGMENT_SCHEMA,
     CommitRecord,
     CommitStats,
+    FileEntry,
+    file_name_problem,
     LogIdentity,
     Record,
     SegmentRef,
@@ -341,6 +344,52 @@ def rows_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
     return Box((start,) + (0,) * (len(shape) - 1), (stop - start,) + tuple(shape[1:]))
 
 
+# -- files (feature files, FORMAT.md section 22) -----------------------------------------------
+
+FILES = "files"
+
+
+def spec_file_name_ok(name: str) -> bool:
+    """A file name by the rules of FORMAT.md section 22, written out here."""
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    lowered = raw.lower()  # ASCII letters only
+    return (0 < len(raw) <= 255 and not any(c in name for c in "/\\")
+            and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in name) and not name.startswith(".")
+            and not lowered.endswith(b".safetensors") and lowered != b"model.safetensors.index.json")
+
+
+def file_entries(file_set: dict[str, bytes]) -> list[FileEntry]:
+    """A version's file objects, from section 22 (and the library's name check against it)."""
+    out = []
+    for name in sorted(file_set, key=str.encode):
+        assert spec_file_name_ok(name) and file_name_problem(name) is None, name
+        data = file_set[name]
+        entry = FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
+        assert entry.key == "files/" + entry.sha256
+        out.append(entry)
+    return out
+
+
+def _check_file_names() -> None:
+    """Names section 22 refuses, refused by the spec's rules here and by the library alike."""
+    bad = ["", "a/b", "a\\b", "../x", ".", "..", ".dcr", ".hidden", "model.safetensors",
+           "Model.SafeTensors", "shard-00001-of-00002.safetensors", "model.safetensors.index.json",
+           "MODEL.SAFETENSORS.INDEX.JSON", "tab\tname", "nul\x00", "del\x7f", "\ud800", "x" * 256,
+           "\u00e9" * 128]
+    good = ["config.json", "tokenizer.json", "vocab.txt", "x" * 255, "\u00e9" * 127,
+            "model.safetensors.txt", "safetensors", "caf\u00e9 notes.md", "a..b"]
+    for name in bad:
+        assert not spec_file_name_ok(name) and file_name_problem(name) is not None, repr(name)
+    for name in good:
+        assert spec_file_name_ok(name) and file_name_problem(name) is None, repr(name)
+
+
+_check_file_names()
+
+
 # -- segments ---------------------------------------------------------------------------------
 
 
@@ -414,14 +463,26 @@ class LogBuilder:
         self.files: dict[str, bytes] = {IDENTITY_KEY: self.identity.to_bytes()}
         self.states: list[dict[str, TensorBits]] = []
         self.commits: list[CommitRecord] = []
+        self.file_sets: list[dict[str, bytes]] = []  # feature files: each version's files
 
     def step(self, new: dict[str, TensorBits]) -> Step:
         return Step(self.states[-1] if self.states else {}, new, self.digests)
 
     def commit(self, step: Step, segments: list[Seg], *, check: bool = True,
                commit_hook: Callable[[CommitRecord], CommitRecord] | None = None,
-               ref_hook: Callable[[SegmentRef], SegmentRef] | None = None) -> CommitRecord:
+               ref_hook: Callable[[SegmentRef], SegmentRef] | None = None,
+               file_set: dict[str, bytes] | None = None) -> CommitRecord:
+        """``file_set`` (feature files): the version's files, name -> bytes; their objects are
+        added to the log and their entries to the commit record."""
         version = len(self.commits)
+        entries = None
+        if FILES in self.features:
+            file_set = dict(file_set or {})
+            entries = tuple(file_entries(file_set))
+            for e in entries:
+                self.files[e.key] = file_set[e.name]
+        else:
+            assert file_set is None, "files in a log without the feature"
         if check:
             check_records(step, [r for s in segments for r in s.records])
         refs, changed, nrecords = [], 0, 0
@@ -456,13 +517,14 @@ class LogBuilder:
             stats=CommitStats(changed, sum(b.words.size for b in new.values()), nrecords),
             created_at=f"2025-01-01T00:{version // 60:02d}:{version % 60:02d}.000000Z",
             writer_id=segments[0].writer if segments else WRITER,
-            features=self.features,
+            features=self.features, files=entries,
         )
         if commit_hook:
             commit = commit_hook(commit)
         self.files[version_key(version)] = commit.to_bytes()
         self.commits.append(commit)
         self.states.append(new)
+        self.file_sets.append(file_set or {})
         return commit
 
 
@@ -494,8 +556,12 @@ def expected_json(b: LogBuilder, description: str) -> dict:
             if b.digests.sum:
                 entry["digest"] = f"{b.digests.tensor(t):016x}"
             tensors.append(entry)
-        versions.append({"version": v, "state_digest": f"{spec_state_digest(state, b.digests):016x}",
-                         "tensors": tensors})
+        entry = {"version": v, "state_digest": f"{spec_state_digest(state, b.digests):016x}",
+                 "tensors": tensors}
+        if FILES in b.features:
+            entry["files"] = [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
+                              for n, d in sorted(b.file_sets[v].items(), key=lambda kv: kv[0].encode())]
+        versions.append(entry)
     return {"vector": b.name, "description": description, "log_id": b.log_id, "versions": versions}
 
 
@@ -843,6 +909,38 @@ def v_sum_digests() -> LogBuilder:
     return b
 
 
+def v_files() -> LogBuilder:
+    """Feature files (with sum-digests): files added, changed, removed and unchanged, an empty
+    file, binary bytes, a name needing JSON escapes, two names with the same bytes (one object),
+    a version without files and an object listed again by a later version."""
+    b = LogBuilder("files", features=(FILES, SUM_DIGESTS))
+    config0 = b'{"architectures":["BertModel"],"hidden_size":8,"model_type":"bert"}\n'
+    config1 = b'{"architectures":["BertModel"],"hidden_act":"gelu","hidden_size":8,"model_type":"bert"}\n'
+    vocab = b"".join(b"%s\n" % t for t in (b"[PAD]", b"[UNK]", b"[CLS]", b"[SEP]", b"the", b"caf\xc3\xa9"))
+    files = {"config.json": config0, "tokenizer.json": b'{"model":{"type":"WordPiece"},"version":"1.0"}\n',
+             "vocab.txt": vocab, "special_tokens_map.json": b"{}\n", "added_tokens.json": b"{}\n",
+             "tokenizer.model": shake("files/tokenizer.model", 300)}
+    st = {"w": det_tensor("fw0", "BF16", (4, 8)), "b": det_tensor("fb0", "F32", (8,))}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor("w", "raw"), s.tensor("b", "dense")])], file_set=files)
+
+    files = {**files, "config.json": config1, "generation_config.json": b'{"max_length":20}\n'}
+    st = {**st, "w": flipped(st["w"], "fw1", 3)}
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("w", "sparse")])], file_set=files)  # changed and added
+
+    files = {k: v for k, v in files.items() if k != "vocab.txt"}  # removed
+    files.update({"merges.txt": b"", "caf\u00e9 notes.md": "r\u00e9sum\u00e9\n".encode()})
+    b.commit(b.step(dict(st)), [], file_set=files)  # files change, tensors do not
+
+    st = {**st, "b": flipped(st["b"], "fb3", 2)}
+    s = b.step(st)
+    b.commit(s, [Seg([s.overwrite("b", "raw")])], file_set={})  # no files at all
+
+    b.commit(b.step(dict(st)), [], file_set={"config.json": config0})  # version 0's object again
+    return b
+
+
 VALID = [
     (v_worked_example, "one BF16 tensor; version 1 is the sparse xor record decoded in FORMAT.md"),
     (v_kinds_and_encodings, "every record kind with every encoding it allows; gap_bytes 1, 2, 4 and "
@@ -859,6 +957,10 @@ VALID = [
      "every encoding it allows; interior boxes of 2-D and 3-D tensors; tensor records on existing "
      "tensors; an overwrite repair; a version with zero records; tensors added, removed, reshaped "
      "and retyped"),
+    (v_files, "feature files (with sum-digests): a version's non-tensor files: added, changed, "
+     "removed and unchanged across versions; an empty file; binary bytes; a name needing JSON "
+     "escapes; two names with the same bytes (one object); a version without files; an object "
+     "listed again by a later version"),
 ]
 
 
@@ -870,7 +972,9 @@ def invalid_base(name: str, *, identity_kw: dict | None = None, v1_records=None,
                  v1_state=None, check: bool = True, features: tuple[str, ...] = ()) -> LogBuilder:
     """A 3-version log: v0 creates three tensors, v1 adds one and changes the others with one
     record per kind/encoding family, v2 changes nothing. ``features`` are the log's (dcr.json's
-    and every commit record's). The hooks break one thing in it."""
+    and every commit record's); with ``files``, the versions have the files INVALID_FILES. The
+    hooks break one thing in it."""
+    sets = INVALID_FILES if FILES in features else [None] * 3
     identity = None
     if identity_kw:
         identity = LogIdentity(**{"log_id": vector_log_id(name), "created_at": CREATED_AT,
@@ -881,7 +985,7 @@ def invalid_base(name: str, *, identity_kw: dict | None = None, v1_records=None,
           "x": det_tensor("x0", "F32", (6,))}
     s = b.step(st)
     b.commit(s, [Seg([s.tensor("n", "raw"), s.tensor("w", "raw"), s.tensor("x", "dense")])],
-             commit_hook=hooks.get(0))
+             commit_hook=hooks.get(0), file_set=sets[0])
     st = {"added": det_tensor("added1", "U8", (5,)), "n": flipped(st["n"], "n1", 6),
           "w": flipped(st["w"], "w1", 3), "x": flipped(st["x"], "x1", 2)}
     if v1_state:
@@ -891,9 +995,55 @@ def invalid_base(name: str, *, identity_kw: dict | None = None, v1_records=None,
     if v1_records:
         recs = v1_records(s, recs)
     b.commit(s, [Seg(recs, rows_hook=rows_hook, **(seg_kw or {}))], check=check,
-             ref_hook=ref_hook, commit_hook=hooks.get(1))
-    b.commit(b.step(dict(st)), [], commit_hook=hooks.get(2))
+             ref_hook=ref_hook, commit_hook=hooks.get(1), file_set=sets[1])
+    b.commit(b.step(dict(st)), [], commit_hook=hooks.get(2), file_set=sets[2])
     return b
+
+
+# Files of the invalid vectors with the feature files: version 1 changes config.json and adds
+# tokenizer.json; version 2 keeps them.
+_CONFIG0, _CONFIG1 = b'{"hidden_size":8}\n', b'{"hidden_size":8,"vocab_size":6}\n'
+_TOKENIZER, _VOCAB = b'{"model":{"type":"WordPiece"}}\n', b"[PAD]\n[UNK]\nthe\n"
+INVALID_FILES = [{"config.json": _CONFIG0, "vocab.txt": _VOCAB},
+                 {"config.json": _CONFIG1, "tokenizer.json": _TOKENIZER, "vocab.txt": _VOCAB},
+                 {"config.json": _CONFIG1, "tokenizer.json": _TOKENIZER, "vocab.txt": _VOCAB}]
+FILES_FEATURES = (FILES, SUM_DIGESTS)
+
+
+def _file_object(data: bytes) -> str:
+    return "files/" + hashlib.sha256(data).hexdigest()
+
+
+def _edit_v1_files(fn: Callable[[list[dict]], list[dict] | None]):
+    """Edit commit record 1's file objects (the record re-sealed); ``fn`` returns the new list
+    or edits it in place. Names are kept in order unless ``fn`` returns a list."""
+    def edit(b: LogBuilder) -> None:
+        def change(obj):
+            files = [dict(f) for f in obj["files"]]
+            out = fn(files)
+            obj["files"] = out if out is not None else sorted(files, key=lambda f: f["name"].encode())
+        replace_commit(b, 1, reseal(change))
+    return edit
+
+
+def _rename_tokenizer(name: str):
+    def fn(files):
+        next(f for f in files if f["name"] == "tokenizer.json")["name"] = name
+    return _edit_v1_files(fn)
+
+
+def _tokenizer_key_of_vocab(files):
+    next(f for f in files if f["name"] == "tokenizer.json")["key"] = _file_object(_VOCAB)
+
+
+def _drop_files_member(b: LogBuilder) -> None:
+    replace_commit(b, 1, reseal(lambda obj: obj.pop("files")))
+
+
+def _files_without_feature(b: LogBuilder) -> None:
+    (entry,) = file_entries({"config.json": _CONFIG1})
+    b.files[entry.key] = _CONFIG1
+    replace_commit(b, 1, reseal(lambda obj: obj.update(files=[entry.to_json()])))
 
 
 def row_hook(tensor: str, fn: Callable[[dict], None]):
@@ -1226,6 +1376,42 @@ INVALID = [
      "in a sum-digests log, commit record 1's tensor table has xxh3 tensor digests (state digest "
      "computed from them, so it matches): only the tensor digest check catches it",
      {"features": (SUM_DIGESTS,)}, _xxh3_table),
+    # feature files
+    ("files-sha256", "IntegrityError", "files", 1,
+     "in a log with files, a byte of the object of version 1's config.json is flipped (same size): "
+     "it fails its sha256",
+     {"features": FILES_FEATURES},
+     lambda b: replace_file(b, _file_object(_CONFIG1), lambda d: flip_byte(d, 3))),
+    ("files-size", "IntegrityError", "files", 1,
+     "in a log with files, the object of version 1's tokenizer.json has one byte more than its size",
+     {"features": FILES_FEATURES}, lambda b: replace_file(b, _file_object(_TOKENIZER), lambda d: d + b"\n")),
+    ("files-missing", "IntegrityError", "files", 1,
+     "in a log with files, the object of version 1's tokenizer.json is missing",
+     {"features": FILES_FEATURES}, lambda b: b.files.pop(_file_object(_TOKENIZER))),
+    ("commit-file-name-parent", "IntegrityError", "commit", 1,
+     "in a log with files, commit record 1 names a file '../x' (not a file of the directory)",
+     {"features": FILES_FEATURES}, _rename_tokenizer("../x")),
+    ("commit-file-name-weights", "IntegrityError", "commit", 1,
+     "in a log with files, commit record 1 names a file 'model.safetensors' (a receiver's weights)",
+     {"features": FILES_FEATURES}, _rename_tokenizer("model.safetensors")),
+    ("commit-file-name-journal", "IntegrityError", "commit", 1,
+     "in a log with files, commit record 1 names a file '.dcr' (a receiver's journal)",
+     {"features": FILES_FEATURES}, _rename_tokenizer(".dcr")),
+    ("commit-file-duplicate-name", "IntegrityError", "commit", 1,
+     "in a log with files, commit record 1 lists two files named config.json",
+     {"features": FILES_FEATURES}, _rename_tokenizer("config.json")),
+    ("commit-files-unsorted", "IntegrityError", "commit", 1,
+     "in a log with files, commit record 1 lists its files in reverse order",
+     {"features": FILES_FEATURES}, _edit_v1_files(lambda files: files[::-1])),
+    ("commit-file-key", "IntegrityError", "commit", 1,
+     "in a log with files, tokenizer.json's key in commit record 1 names vocab.txt's object, not "
+     "files/ + its sha256", {"features": FILES_FEATURES}, _edit_v1_files(_tokenizer_key_of_vocab)),
+    ("commit-files-member-missing", "IntegrityError", "commit", 1,
+     "in a log with files, commit record 1 has no files member",
+     {"features": FILES_FEATURES}, _drop_files_member),
+    ("commit-files-without-feature", "IntegrityError", "commit", 1,
+     "in a log without the feature files, commit record 1 lists a file (its object present)",
+     {"features": (SUM_DIGESTS,)}, _files_without_feature),
 ]
 
 
@@ -1397,10 +1583,12 @@ invalid/<name>/expected.json    the defect and the error a reader must report
   `sha256` (of the tensor's little-endian bytes, row-major) and `xxh3` (`xxh3_64` of those
   bytes: the tensor digest of a log without features); in a log with the feature
   `sum-digests`, also `digest` (its tensor digest under the log's scheme, FORMAT.md
-  section 7.1).
+  section 7.1); in a log with the feature `files`, also `files`: the version's files, sorted by
+  the UTF-8 bytes of their names, each with `name`, `size` and `sha256` (FORMAT.md section 22).
 
 A reader passes a valid vector when, for every version, it lists exactly these tensors with
-these dtypes, shapes and bytes, and verifies every digest on the way.
+these dtypes, shapes and bytes (and these files, with these bytes), and verifies every digest
+on the way.
 
 `expected.json` of an invalid vector: `reason` (one line), `error` (the error class of
 FORMAT.md, section "Errors"), `stage` and `version`. `stage` names the first step of reading at
@@ -1412,12 +1600,16 @@ which the defect must be reported; every earlier step must succeed:
 | `listing` | listing the versions |
 | `commit` | reading and checking commit record `version` (parent chain and state digest included) |
 | `segment` | reading the segments of `version`: size, sha256, Arrow schema and metadata, record fields |
+| `files` | reading the file objects of `version` (feature `files`): each one's size and sha256 |
 | `apply` | decoding and applying the records of `version`: payloads, digests, stats |
 
 The stages are listed in the order a reader goes through them (for each version `u`, its
-`commit`, then its `segment`s, then `apply`, before version `u + 1`). `version` is the version
+`commit`, then its `segment`s, then its `files`, then `apply`, before version `u + 1`). A
+defect at `files` is found by reading the version's files and by verification; a replay of
+the tensors alone does not read files and reads such a log back. `version` is the version
 whose reading fails, and `null` for the stages `identity` and `listing`, which concern no
-version. At `commit`, `segment` and `apply`, every version before `version` reads back.
+version. At `commit`, `segment`, `files` and `apply`, every version before `version`
+reads back.
 
 A reader may report a defect earlier than its stage (for example a reader that checks payloads
 while listing records); it must never accept the log.

@@ -8,11 +8,13 @@ from .commit import (
     LogIdentity,
     SegmentRef,
 )
+from .files import FILES, FILES_PREFIX, FileEntry, check_file_name, file_key, file_name_problem
 from .keys import IDENTITY_KEY, parse_version_key, segment_key, version_key
 from .segment import SEGMENT_SCHEMA, Record, SegmentBuilder, encode_segment, iter_segment
 
 __all__ = [
     "FORMAT_VERSION", "KNOWN_FEATURES", "CommitRecord", "CommitStats", "LogIdentity", "SegmentRef",
+    "FILES", "FILES_PREFIX", "FileEntry", "check_file_name", "file_key", "file_name_problem",
     "IDENTITY_KEY", "parse_version_key", "segment_key", "version_key",
     "SEGMENT_SCHEMA", "Record", "SegmentBuilder", "encode_segment", "iter_segment",
 ]

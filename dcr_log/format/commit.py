@@ -11,12 +11,13 @@ from ..errors import IntegrityError, UsageError
 from ..state import TensorInfo, digest_hex
 from .canonical import seal, unseal
 from . import limits as L
+from .files import FILES, FileEntry, parse_files
 from .keys import check_segment_key
 
 FORMAT_VERSION = 1
 # Features this implementation reads and writes. A reader MUST refuse a log or commit that
 # lists a feature it does not know.
-KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS})
+KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS, FILES})
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -151,6 +152,9 @@ class CommitRecord:
     writer_id: str
     format_version: int = FORMAT_VERSION
     features: tuple[str, ...] = field(default=())
+    # Feature ``files``: every file of the version, sorted by name; None in a log without it
+    # (the record then has no ``files`` member).
+    files: tuple[FileEntry, ...] | None = None
 
     @property
     def delta_bytes(self) -> int:
@@ -164,7 +168,7 @@ class CommitRecord:
             self.parent_state_digest is None
         ):
             raise UsageError("version 0 and only version 0 has no parent")
-        return seal({
+        body = {
             "format_version": self.format_version,
             "features": list(self.features),
             "log_id": self.log_id,
@@ -179,17 +183,23 @@ class CommitRecord:
             "stats": self.stats.to_json(),
             "created_at": self.created_at,
             "writer_id": self.writer_id,
-        })
+        }
+        if self.files is not None:
+            body["files"] = [f.to_json() for f in sorted(self.files, key=lambda f: f.name.encode())]
+        return seal(body)
 
     @staticmethod
     def from_bytes(data: bytes, expect_version: int | None = None) -> "CommitRecord":
         what = "commit record" if expect_version is None else f"commit record {expect_version}"
         L.check(len(data) <= L.MAX_COMMIT_BYTES, what, f"more than {L.MAX_COMMIT_BYTES} bytes")
         obj = unseal(data, what)
-        _keys(obj, what, {
+        _expect(isinstance(obj, dict), what, "expected an object")
+        features = check_features(obj.get("features"), what)
+        members = {
             "format_version", "features", "log_id", "version", "parent", "parent_state_digest",
             "state_digest", "segments", "tensors", "stats", "created_at", "writer_id",
-        })
+        }
+        _keys(obj, what, members | {"files"} if FILES in features else members)
         if type(obj["format_version"]) is not int or obj["format_version"] != FORMAT_VERSION:
             raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
         version = _int(obj["version"], what, "version")
@@ -243,6 +253,7 @@ class CommitRecord:
                 "stats.total_elements differs from the tensor table")
         _expect(stats.records == sum(s.records for s in segments), what,
                 "stats.records differs from the sum of the segments' records")
+        files = parse_files(obj["files"], what) if FILES in features else None
         return CommitRecord(
             log_id=_str(obj["log_id"], what, "log_id", _UUID),
             version=version,
@@ -255,5 +266,6 @@ class CommitRecord:
             created_at=_text(obj["created_at"], what, "created_at"),
             writer_id=_text(obj["writer_id"], what, "writer_id"),
             format_version=obj["format_version"],
-            features=check_features(obj["features"], what),
+            features=features,
+            files=files,
         )

@@ -19,6 +19,10 @@ MAX_STATE_BYTES = 1 << 52             # the bytes of one state (4 PiB)
 MAX_NAME_BYTES = 4096                 # a tensor name, UTF-8
 MAX_TEXT_CHARS = 1024                 # informative strings (created_at, writer_id)
 MAX_PARAMS_BYTES = 4096               # a record's params text
+MAX_FILES = 4096                      # files of one version (feature files)
+MAX_FILE_NAME_BYTES = 255             # a file name, UTF-8 (one directory entry)
+MAX_FILE_BYTES = 1 << 30              # one file (1 GiB)
+MAX_VERSION_FILE_BYTES = 1 << 32      # the files of one version, in all (4 GiB)
 
 
 def check(cond: bool, what: str, msg: str) -> None:

@@ -8,7 +8,9 @@ The protocol is normative in spec/RECEIVER.md; in short, applying version v+1:
   5. per batch of records of a segment: one transaction with the redo images, the writes
      (overwrites of target values, so a torn batch is finished by writing them again and an
      xor is never applied twice), flush, one transaction marking the batch applied;
-  6. checks, then the joint commit: one transaction binding v+1 to its state digest.
+  6. the version's files (checkpoint directories, feature files: fetched and checked in
+     pass 1), each written atomically;
+  7. checks, then the joint commit: one transaction binding v+1 to its state digest.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..log import DeltaLog
 from ..signing import as_trust
 from ..digest import MASK64, XXH3, DigestScheme
 from ..state import TensorInfo, digest_hex, state_digest
+from .files import FilePlan, plan_files, write_files
 from .journal import Journal, JournalState, SegmentProgress
 from .placed import PlacedStorage
 from .storage import FaultHook, Layout, Storage, open_storage, storage_state_digest
@@ -92,6 +95,8 @@ class ApplyReport:
     recovered: bool = False   # the version was in flight when this apply started
     unheld: int = 0           # records of tensors the (engine) storage does not hold
     rebuilt: list = field(default_factory=list)  # residual parameters rebuilt by the loader
+    files_written: int = 0    # files of the version written (feature files, directories)
+    files_removed: int = 0    # files the log had written that the version drops
     seconds: float = 0.0
     journal_seconds: float = 0.0
 
@@ -198,6 +203,7 @@ class _Staged:
     journal_bytes: int
     recovering: bool
     report: StageReport
+    file_plan: Any = None
 
 
 class Receiver:
@@ -366,7 +372,19 @@ class Receiver:
             raise LineageError(f"storage tensors (names, dtypes, shapes) differ from version {version}'s")
         if verify != "none" and not self._holds_state(commit):
             raise LineageError(f"storage does not hold version {version} (state digest differs)")
-        self.journal.bind(log.log_id, version, commit.state_digest, placement=placement)
+        plan = self.plan_files(log, commit)
+        if plan is not None:
+            write_files(plan, log, self.storage.files_dir, self._fault_hook)
+        self.journal.bind(log.log_id, version, commit.state_digest, placement=placement,
+                          files=None if plan is None else plan.names)
+
+    def plan_files(self, log: DeltaLog, commit: CommitRecord) -> FilePlan | None:
+        """Storage with a directory (a checkpoint directory): what writing the version's files
+        takes, fetched and checked (no writes); None for storage that ignores files."""
+        directory = getattr(self.storage, "files_dir", None)
+        if directory is None:
+            return None
+        return plan_files(log, commit, directory, self.journal.files(), self.storage.weight_names())
 
     # -- apply -----------------------------------------------------------------------------
 
@@ -495,11 +513,15 @@ class Receiver:
         # needs can fail after the first write; with verification, (sampled) preconditions.
         journal_bytes = self._precheck(commit, table, cache, progress, verify, recovering,
                                        parent_layout, classify=verify != "none")
+        # The version's files (a checkpoint directory): fetched and checked before any write.
+        file_plan = self.plan_files(log, commit)
         # A layout change is prepared here (allocations, space, an engine's new placement).
-        storage.prepare_layout(commit_layout(commit), extra_bytes=journal_bytes)
+        storage.prepare_layout(commit_layout(commit), extra_bytes=journal_bytes + (
+            0 if file_plan is None else file_plan.nbytes))
         report = StageReport(version, records=commit.stats.records, delta_bytes=commit.delta_bytes,
                              staged_bytes=cache.staged_bytes(), seconds=time.perf_counter() - t0)
-        return _Staged(log, version, verify, commit, cache, progress, journal_bytes, recovering, report)
+        return _Staged(log, version, verify, commit, cache, progress, journal_bytes, recovering, report,
+                       file_plan)
 
     def _write_version(self, staged: _Staged) -> ApplyReport:
         t0 = time.perf_counter()
@@ -539,6 +561,11 @@ class Receiver:
                 report.rebuilt = self.storage.rebuild_residuals(None if staged.recovering else touched)
                 if report.rebuilt:
                     self._hook("residual", version=version)
+            file_plan = staged.file_plan
+            if file_plan is not None:  # before the joint commit; idempotent when run again
+                write_files(file_plan, staged.log, storage.files_dir, self._fault_hook)
+                report.files_written = len(file_plan.writes)
+                report.files_removed = len(file_plan.removes)
             if verify == "full":
                 if not self._holds_state(commit):
                     raise IntegrityError(f"version {version}: storage state digest differs after apply")
@@ -552,7 +579,8 @@ class Receiver:
             if self.group.size > 1:
                 self.group.all_gather(True)  # every rank got here: none commits alone
             self._hook("before_commit", version=version)
-            self.journal.commit(version, commit.state_digest)
+            self.journal.commit(version, commit.state_digest,
+                                files=None if file_plan is None else file_plan.names)
         except (Exception, KeyboardInterrupt):
             if undo is not None:
                 self._rollback(table, cache, undo)

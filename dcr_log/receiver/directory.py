@@ -14,6 +14,7 @@ from ..errors import LineageError, NotFoundError, UsageError
 from ..log import DeltaLog
 from ..state import TensorBits
 from .apply import JOURNAL_DIR, Receiver
+from .files import FilePlan, plan_files, write_files
 from .journal import Journal, JournalState
 from .storage import (CheckpointStorage, FaultHook, check_regular, check_space, fsync_dir,
                       has_checkpoint, storage_state_digest, write_file_atomic)
@@ -76,23 +77,36 @@ def _remove_ours(directory: Path, keep: set[str] = frozenset()) -> None:
 
 
 def _state_bytes(log: DeltaLog, version: int) -> int:
+    """The bytes writing ``version`` out takes: its tensors and its files."""
     from ..coords import DTYPE_WIDTH, numel
 
-    return sum(numel(t.shape) * DTYPE_WIDTH[t.dtype] for t in log.commit(version).tensors)
+    commit = log.commit(version)
+    return (sum(numel(t.shape) * DTYPE_WIDTH[t.dtype] for t in commit.tensors)
+            + sum(f.size for f in commit.files or ()))
+
+
+def _files_said(plan: FilePlan) -> str:
+    return f", {len(plan.writes)} files written" if plan.writes or plan.removes else ""
 
 
 def _materialize(log: DeltaLog, directory: Path, version: int, journal: Journal, say: Say,
-                 state=None) -> None:
+                 state=None, plan: FilePlan | None = None, fault: FaultHook | None = None) -> None:
+    commit = log.commit(version)
     if state is None:
         check_space(directory, _state_bytes(log, version), f"write version {version} out")
         state = log.materialize(version)
+    if plan is None:
+        plan = plan_files(log, commit, directory, journal.files())
     _remove_ours(directory)
     paths = write_checkpoint(state, directory)
-    commit = log.commit(version)
-    journal.bind(log.log_id, version, commit.state_digest)
+    # The version's files, after the weights and before the bind (a run killed in between
+    # finds the materialization in flight and writes it out again).
+    write_files(plan, log, directory, fault)
+    journal.bind(log.log_id, version, commit.state_digest, files=plan.names)
     nbytes = sum(b.nbytes for b in state.values())
+    files = f", {len(plan.entries)} files" if plan.entries else ""
     say(f"materialized version {version} into {', '.join(p.name for p in paths)}: "
-        f"{len(state)} tensors, {nbytes} bytes")
+        f"{len(state)} tensors, {nbytes} bytes{files}")
 
 
 def _bound_version(log: DeltaLog, digest: int, to: int | None) -> int:
@@ -112,7 +126,8 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
     With a journal (DIR/.dcr) it is opened as is. Without one, a checkpoint in DIR is bound
     to the newest version (at most ``to``) with its state digest (LineageError if none
     has it); an empty or missing DIR gets version ``to`` (default latest) written out whole.
-    Nothing is written before these checks pass.
+    Binding and writing out also write the version's files (feature files). Nothing is
+    written before these checks pass, the files' SHA-256s included.
     """
     directory = Path(directory)
     jpath = directory / JOURNAL_DIR
@@ -127,18 +142,24 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
         if st.bound:
             return Receiver(CheckpointStorage(directory), journal, fault)
         if st.materializing is not None:
-            _materialize(log, directory, st.materializing, journal, say)
+            _materialize(log, directory, st.materializing, journal, say, fault=fault)
             return Receiver(CheckpointStorage(directory), journal, fault)
         if has_checkpoint(directory):
             storage = CheckpointStorage(directory)
             digest = storage_state_digest(storage, log.digests)
             version = _bound_version(log, digest, to)
+            # The version's files: fetched and checked, with room for them, before any write.
+            plan = plan_files(log, log.commit(version), directory,
+                              journal.files() if journal is not None else (), storage.weight_names())
+            if plan.writes:
+                check_space(directory, plan.nbytes, f"write the files of version {version}")
             if journal is None:
                 journal = Journal.open(jpath)
             if journal.state().log_id is not None:
                 raise UsageError(f"receiver {directory} was bound by another process meanwhile")
-            journal.bind(log.log_id, version, digest)
-            say(f"bound {directory} to version {version} of log {log.log_id}")
+            write_files(plan, log, directory, fault)
+            journal.bind(log.log_id, version, digest, files=plan.names)
+            say(f"bound {directory} to version {version} of log {log.log_id}{_files_said(plan)}")
             return Receiver(storage, journal, fault)
         latest = log.latest_version()
         version = latest if to is None else to
@@ -148,6 +169,7 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
         # replay itself (every digest checked), in memory.
         check_space(directory, _state_bytes(log, version), f"write version {version} out")
         state = log.materialize(version)
+        plan = plan_files(log, log.commit(version), directory)  # fetched and checked
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -159,7 +181,7 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
         if journal.state().log_id is not None:
             raise UsageError(f"receiver {directory} was bound by another process meanwhile")
         journal.begin_materialize(log.log_id, version)
-        _materialize(log, directory, version, journal, say, state)
+        _materialize(log, directory, version, journal, say, state, plan, fault)
         return Receiver(CheckpointStorage(directory), journal, fault)
     except BaseException:
         if journal is not None:

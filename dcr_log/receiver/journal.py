@@ -17,11 +17,12 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import lmdb
 
 from ..errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
+from ..format import file_name_problem
 from ..state import digest_hex
 
 JOURNAL_FORMAT = b"dcr-receiver-journal/1"
@@ -40,6 +41,7 @@ K_CURRENT = b"current"
 K_INFLIGHT = b"inflight"
 K_MATERIALIZING = b"materializing"
 K_PLACEMENT = b"placement"
+K_FILES = b"files"
 SEG_PREFIX = b"seg/"
 REDO_PREFIX = b"redo/"
 
@@ -239,6 +241,24 @@ class Journal:
             value = txn.get(K_PLACEMENT)
         return None if value is None else bytes(value).decode()
 
+    def files(self) -> list[str]:
+        """The names of the files the log wrote into the receiver's directory for its current
+        version (feature files); a receiver removes only these when a version drops them."""
+        env = self._reader()
+        if env is None:
+            return []
+        with env.begin() as txn:
+            value = txn.get(K_FILES)
+        if value is None:
+            return []
+        try:
+            names = json.loads(bytes(value))
+            if not isinstance(names, list) or any(file_name_problem(n) is not None for n in names):
+                raise ValueError
+        except (ValueError, RecursionError):
+            raise IntegrityError(f"journal {self.path}: the file list is not readable") from None
+        return names
+
     def redo_images(self, segment: int) -> dict[int, bytes]:
         """Redo images (target words) of a segment's batch in flight, by record index."""
         env = self._reader()
@@ -291,9 +311,20 @@ class Journal:
         self._delete_prefix(txn, SEG_PREFIX)
         self._delete_prefix(txn, REDO_PREFIX)
 
-    def bind(self, log_id: str, version: int, state_digest: int, placement: str | None = None) -> None:
-        """Declare that the storage holds ``version``; forgets anything in flight. An engine
-        receiver records the sha256 of its placement."""
+    @staticmethod
+    def _put_files(txn, files: Sequence[str] | None) -> None:
+        if files is None:
+            return  # storage without files: nothing to record
+        if files:
+            txn.put(K_FILES, _json(sorted(files, key=str.encode)))
+        else:
+            txn.delete(K_FILES)
+
+    def bind(self, log_id: str, version: int, state_digest: int, files: Sequence[str] | None = None,
+             placement: str | None = None) -> None:
+        """Declare that the storage holds ``version`` (and, given ``files``, that the log wrote
+        these files of it); forgets anything in flight. An engine receiver records the sha256
+        of its placement."""
         def fn(txn):
             old = txn.get(K_LOG_ID)
             if old is not None and bytes(old).decode() != log_id:
@@ -305,6 +336,7 @@ class Journal:
                 txn.put(K_PLACEMENT, placement.encode())
             txn.put(K_CURRENT, _json({"version": version, "state_digest": digest_hex(state_digest)}))
             txn.delete(K_MATERIALIZING)
+            self._put_files(txn, files)
             self._clear_inflight(txn)
         self._write(fn)
 
@@ -334,10 +366,12 @@ class Journal:
             txn.put(_seg_key(segment), _json({"done": done, "started_end": started_end}))
         self._write(fn)
 
-    def commit(self, version: int, state_digest: int) -> None:
-        """The joint commit: the new version bound to its state digest, nothing in flight."""
+    def commit(self, version: int, state_digest: int, files: Sequence[str] | None = None) -> None:
+        """The joint commit: the new version bound to its state digest (and, given ``files``,
+        the names of its files the log wrote), nothing in flight."""
         def fn(txn):
             txn.put(K_CURRENT, _json({"version": version, "state_digest": digest_hex(state_digest)}))
+            self._put_files(txn, files)
             self._clear_inflight(txn)
         self._write(fn)
 

@@ -42,6 +42,9 @@ class Storage(ABC):
     """A receiver's tensors as flat words. ``durable`` storage survives the process."""
 
     durable = False
+    # The directory a version's files (feature files) are written to; None: the storage
+    # holds tensors only and ignores files (memory storage).
+    files_dir: Path | None = None
     # Set by the Receiver: called at named points so tests can inject faults.
     fault: FaultHook | None = None
 
@@ -87,6 +90,10 @@ class Storage(ABC):
 
     def flush(self) -> None:
         """Make every write so far durable (no-op in memory)."""
+
+    def weight_names(self) -> set[str]:
+        """Names in ``files_dir`` that hold tensors (never written as a version's files)."""
+        return set()
 
     def close(self) -> None:
         pass
@@ -451,10 +458,12 @@ def replaced_mode(path: Path) -> int:
         return 0o644
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """tmp (created exclusively: never through a planted link) + fsync + rename + fsync of
-    the directory."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def write_file_atomic(path: Path, data: bytes, prefix: str | None = None,
+                      before_rename: Callable[[Path], None] | None = None) -> None:
+    """tmp (created exclusively: never through a planted link; named ``.<name>.<random>.tmp``
+    unless ``prefix`` is given) + fsync + rename + fsync of the directory."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}." if prefix is None else prefix, suffix=".tmp",
+                                dir=path.parent)
     tmp = Path(name)
     try:
         os.fchmod(fd, replaced_mode(path))
@@ -462,6 +471,8 @@ def write_file_atomic(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -511,6 +522,7 @@ class CheckpointStorage(Storage):
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise NotFoundError(f"no checkpoint directory at {self.directory}")
+        self.files_dir = self.directory
         self._maps: dict[Path, np.memmap] = {}
         self._dirty: set[Path] = set()
         self._open()
@@ -542,6 +554,10 @@ class CheckpointStorage(Storage):
             name: self._maps[loc.file][loc.start:loc.end].view(word_dtype(loc.dtype))
             for name, loc in self.locations.items()
         }
+
+    def weight_names(self) -> set[str]:
+        """The directory entries that hold weights: never written as a version's files."""
+        return {p.name for p in self.files} | {INDEX_NAME}
 
     def close(self) -> None:
         # Views keep the maps alive; dropping every reference unmaps them.

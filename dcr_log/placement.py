@@ -237,7 +237,7 @@ class Placement:
     def merge(parts: Mapping[str, "Placement"]) -> "Placement":
         """One placement for several engines kept side by side under name prefixes (for
         instance every tensor-parallel rank's parameters in one checkpoint directory)."""
-        tables = {p.to_bytes() and tuple(sorted(p.table.items())) for p in parts.values()}
+        tables = {tuple(sorted(p.table.items())) for p in parts.values()}
         if len(tables) != 1:
             raise PlacementError("placements to merge were found for different tensor tables")
         first = next(iter(parts.values()))

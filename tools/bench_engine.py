@@ -10,8 +10,8 @@ The engines are the test engines of ``tests/engines.py`` (vLLM-style placement: 
 gate/up, MoE experts stacked, vocabulary padded, tied head, a scaled and an fp32 parameter
 rebuilt by the loader), one rank (tp 1). The tests directory is put on ``sys.path`` to import
 them. ``torch``: a ``TestEngine`` (torch parameters); ``numpy``: a ``NumpyEngine`` (numpy
-arrays sharing the torch storage, bf16 as uint16 words, opened through ``NumpyStorage`` with
-the engine's dtypes). The default scale, ``medium`` (hidden 1024, intermediate 2816, 4 layers,
+arrays sharing the torch storage, bf16 as uint16 words, opened with ``Receiver.open(dtypes=)``
+giving the engine's dtypes). The default scale, ``medium`` (hidden 1024, intermediate 2816, 4 layers,
 one of them MoE, vocab 32000, bf16), holds about 156 MB of parameters per engine.
 
 Each step is Adam-like: in every canonical tensor a random fraction ``rate`` of the elements
@@ -57,7 +57,6 @@ from engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
 from dcr_log.placement import Placement, discover  # noqa: E402
 from dcr_log.receiver import Receiver  # noqa: E402
-from dcr_log.receiver.storage import NumpyStorage  # noqa: E402
 
 SCALES = {
     "tiny": dict(vocab_size=1000, hidden=64, num_heads=8, num_kv_heads=2, head_dim=8, intermediate=96,
@@ -114,7 +113,7 @@ def build_engine(kind: str, cfg: EngineConfig, commit0, canon, work: Path, log: 
         engine = TestEngine(cfg)
         engine.load_weights(canon.items())
         tensors = engine_params(engine)
-        storage, loader = tensors, engine.load_weights
+        storage, loader, dtypes = tensors, engine.load_weights, None
     elif kind == "numpy":
         scratch = NumpyEngine(cfg)
         t0 = time.perf_counter()
@@ -124,11 +123,12 @@ def build_engine(kind: str, cfg: EngineConfig, commit0, canon, work: Path, log: 
         engine = NumpyEngine(cfg)
         engine.load_weights(canon.items())
         tensors = engine_params(engine.engine)  # the torch tensors the arrays share memory with
-        # A dict of uint16 arrays would be read as U16: the dtypes come through NumpyStorage.
-        storage, loader = NumpyStorage(engine.params, engine.dtypes), engine.load_weights
+        # A dict of uint16 arrays would be read as U16: the engine's dtypes say BF16.
+        storage, loader, dtypes = engine.params, engine.load_weights, engine.dtypes
     else:
         raise SystemExit(f"unknown engine kind {kind!r}")
-    rx = Receiver.open(storage, journal_path=work / f"journal-{kind}", placement=placement, loader=loader)
+    rx = Receiver.open(storage, journal_path=work / f"journal-{kind}", placement=placement, loader=loader,
+                       dtypes=dtypes)
     rx.bind(log, 0)
     return Engine(kind, tensors, rx, placement, seconds, owner=engine)
 

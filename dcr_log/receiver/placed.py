@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..coords import DTYPE_WIDTH, numel, word_dtype
-from ..digest import MASK64, DigestScheme, sum_at, sum_range, sum_runs
+from ..digest import MASK64, XXH3, DigestScheme, sum_at, sum_range, sum_runs
 from ..errors import UsageError
 from ..placement import LayoutError, Loader, Piece, Placement, PlacementError, table_layout
 from ..state import TensorBits
@@ -272,9 +272,10 @@ class PlacedStorage(Storage):
             raise UsageError(f"tensor {name!r} is not held whole by this rank")
         return self.gather(self.locate(name, slice(0, numel(self.placement.table[name][1]))))
 
-    def tensor_digest(self, name: str, digests: DigestScheme | None = None) -> int:
-        """This rank's part of the tensor's digest: the sum over the elements it owns."""
-        if digests is None or not digests.composable:
+    def tensor_digest(self, name: str, digests: DigestScheme = XXH3) -> int:
+        """This rank's part of the tensor's digest: the sum over the elements it owns (the
+        whole tensor's digest for a scheme that does not compose)."""
+        if not digests.composable:
             return digests.tensor(self.tensor_words(name), self.placement.table[name][1])
         total = 0
         for tg in self._targets.get(name, []):

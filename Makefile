@@ -27,6 +27,7 @@ bench: $(VENV)/.installed
 	$(PY) tools/bench_apply.py
 	$(PY) tools/bench_sharded.py
 	$(PY) tools/bench_engine.py
+	$(PY) tools/bench_lifecycle.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis dcr_log/*.so

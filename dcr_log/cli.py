@@ -213,11 +213,16 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
             trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """One line per version: version, parent, bytes, changed elements and %, and in a log that
     carries files their count and bytes (--json: each file's name, size and sha256)."""
+    from .lifecycle.stats import catchup_rows
+
     dlog = _open_log(log, trust)
     rows = _log_rows(dlog)
+    catchups = catchup_rows(dlog)
     if as_json:
         for r in rows:
             out.print(json.dumps(r), markup=False)
+        for c in catchups:
+            out.print(json.dumps(c), markup=False)
         return
     columns = ["version", "parent", "bytes", "changed", "%", "records", "created"]
     if dlog.has_files:
@@ -231,6 +236,108 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
             cells.append(f"{len(r['files'])} files, {sum(f['size'] for f in r['files'])} B")
         table.add_row(*cells)
     out.print(table)
+    if rows and rows[0]["version"] > 0:
+        out.print(f"log starts at version {rows[0]['version']} (retention: earlier versions expired)",
+                  markup=False)
+    if catchups:
+        table = Table("catch-up", "version", "from", "bytes", "chain bytes", "records", "created")
+        for c in catchups:
+            table.add_row(c["kind"], str(c["version"]), "-" if c["from"] is None else str(c["from"]),
+                          str(c["bytes"]), str(c.get("chain_bytes", "-")), str(c["records"]), c["created_at"])
+        out.print(table)
+
+
+@app.command()
+def snapshot(log: str = typer.Argument(..., help="log directory or URL"),
+             version: Optional[int] = typer.Option(None, "--version", help="version (default latest)")) -> None:
+    """Write the full state of a version under snapshots/V/ (checked against the commit's
+    digests): new receivers and readers start from it."""
+    from .lifecycle import write_snapshot
+
+    dlog = DeltaLog.open(log)
+    v = dlog.latest_version() if version is None else version
+    _left(lambda: f"snapshot {v} not written")
+    cu = write_snapshot(dlog, v)
+    out.print(f"snapshot {cu.version}: {len(cu.segments)} segments, {cu.delta_bytes} bytes", markup=False)
+
+
+@app.command()
+def squash(log: str = typer.Argument(..., help="log directory or URL"),
+           start: int = typer.Argument(..., help="from this version"),
+           end: int = typer.Argument(..., help="to this version")) -> None:
+    """Write one delta from version START to END, stored beside the versions: a receiver at
+    START catches up through it when that reads fewer bytes than the chain."""
+    from .lifecycle import write_squash
+
+    dlog = DeltaLog.open(log)
+    _left(lambda: f"squash {start}-{end} not written")
+    cu = write_squash(dlog, start, end)
+    chain = sum(dlog.commit(u).delta_bytes for u in range(max(start + 1, dlog.known_start()), end + 1))
+    out.print(f"squash {start}-{end}: {cu.delta_bytes} bytes ({chain} bytes through the versions), "
+              f"{cu.stats.changed_elements} changed elements", markup=False)
+
+
+@app.command("gc")
+def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
+           keep_last: int = typer.Option(..., "--keep-last", help="versions kept replayable (the newest N)"),
+           keep_snapshots: int = typer.Option(2, "--keep-snapshots", help="snapshots kept (the newest M, and the log start's)"),
+           grace: str = typer.Option("1h", "--grace", help="how long a marker stands before what it expires is deleted (90s, 15m, 1h, 7d)"),
+           no_snapshot: bool = typer.Option(False, "--no-snapshot", help="expire only up to an existing snapshot; never write one"),
+           dry_run: bool = typer.Option(False, "--dry-run", help="say what would be written and deleted; change nothing"),
+           as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
+    """Expire versions before the newest snapshot at or below latest-N+1 (written if needed),
+    safely with concurrent writers, readers and receivers (FORMAT.md section 25); delete what
+    expired markers and retired snapshots make unneeded, and orphan segments, once older than
+    the grace period."""
+    from .lifecycle import gc, parse_duration
+
+    dlog = DeltaLog.open(log)
+    seconds = parse_duration(grace)
+    _left(lambda: "gc interrupted: run it again (every step is safe to repeat)")
+    report = gc(dlog, keep_last, keep_snapshots=keep_snapshots, grace=seconds, snapshot=not no_snapshot,
+                dry_run=dry_run)
+    if as_json:
+        out.print(json.dumps(report.to_json()), markup=False)
+        return
+    wrote = f"wrote snapshot {report.snapshot_written}; " if report.snapshot_written is not None else ""
+    retired = f"retired snapshots {report.retired}; " if report.retired else ""
+    verb = "would delete" if dry_run else "deleted"
+    out.print(f"{'dry run: ' if dry_run else ''}{wrote}log starts at version {report.start}; {retired}"
+              f"{verb} {report.deleted_objects} objects ({report.deleted_bytes} bytes: "
+              f"{report.deleted_versions} versions below {report.expired_start}, {report.orphans} orphans); "
+              f"{report.waiting} waiting for the grace period", markup=False)
+
+
+@app.command()
+def stats(log: str = typer.Argument(..., help="log directory or URL"),
+          as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+          plot_path: Optional[Path] = typer.Option(None, "--plot", help="write a PNG plot of bytes and change rate"),
+          trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+    """Per version: changed %, bytes, ratio to dense, records by kind and encoding, seconds
+    since the parent; then snapshots and squashes."""
+    from .lifecycle.stats import catchup_rows, plot, version_stats
+
+    if plot_path is not None and not plot_path.parent.is_dir():
+        raise UsageError(f"no directory {plot_path.parent} for --plot")
+    dlog = _open_log(log, trust)
+    rows = version_stats(dlog)
+    catchups = catchup_rows(dlog)
+    if plot_path is not None:
+        plot(rows, catchups, plot_path, f"dcr log {dlog.log_id[:8]}")
+    if as_json:
+        for r in rows + catchups:
+            out.print(json.dumps(r), markup=False)
+        return
+    table = Table("version", "changed %", "bytes", "dense/delta", "records", "encodings", "s since parent")
+    for r in rows:
+        table.add_row(str(r["version"]), f"{r['changed_pct']:.3f}", str(r["bytes"]),
+                      "-" if r["ratio"] is None else f"{r['ratio']:.1f}", str(r["records"]),
+                      " ".join(f"{k}:{n}" for k, n in r["encodings"].items()),
+                      "-" if r["seconds_since_parent"] is None else f"{r['seconds_since_parent']:.1f}")
+    out.print(table)
+    total = sum(r["bytes"] for r in rows)
+    out.print(f"{len(rows)} versions, {total} bytes of deltas; {len(catchups)} snapshots and squashes"
+              + (f"; plot written to {plot_path}" if plot_path else ""), markup=False)
 
 
 @app.command()
@@ -292,7 +399,9 @@ def verify(log: str = typer.Argument(..., help="log directory or URL"),
     with progress_bar("verify", len(versions)) as advance:
         report = dlog.verify(deep=deep, progress=lambda v: advance())
     files = f", {report.files} files" if dlog.has_files else ""
-    out.print(f"ok: {report.versions} versions, {report.segments} segments{files}, "
+    start = f" from version {report.start}" if report.start else ""
+    catchups = f", {report.catchups} snapshots and squashes" if report.catchups else ""
+    out.print(f"ok: {report.versions} versions{start}, {report.segments} segments{files}{catchups}, "
               f"{report.bytes_checked} bytes{' (deep)' if deep else ''}{', signed' if trust else ''}")
 
 
@@ -351,7 +460,8 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
         def line(r) -> None:
             files = (f", {r.files_written} files written, {r.files_removed} removed"
                      if r.files_written or r.files_removed else "")
-            say(f"applied version {r.version}: {r.written} records written, {r.skipped} already applied, "
+            via = {"squash": f" (squash from {r.start})", "snapshot": " (snapshot)"}.get(r.route, "")
+            say(f"applied version {r.version}{via}: {r.written} records written, {r.skipped} already applied, "
                 f"{r.repaired} repaired, {r.changed_elements} changed elements{files}, {r.seconds:.3f} s")
         rx.apply(dlog, to=to, verify=verify, on_version=line)
         if not said:
@@ -369,7 +479,7 @@ def status_cmd(receiver: Path = typer.Option(..., "--receiver", help="checkpoint
     if as_json:
         out.print(json.dumps(row), markup=False)
         return
-    for key in ("receiver", "log_id", "version", "state_digest", "inflight", "materializing"):
+    for key in ("receiver", "log_id", "version", "state_digest", "inflight", "inflight_kind", "materializing"):
         value = row[key]
         out.print(f"{key:<14} {'-' if value is None else value}", markup=False)
 

@@ -37,6 +37,15 @@ class NotFoundError(DcrError):
     exit_code = 2
 
 
+class ExpiredError(NotFoundError):
+    """A version retention has expired: the log now starts at a later version (its snapshot).
+    ``start`` is that version."""
+
+    def __init__(self, message: str, start: int):
+        super().__init__(message)
+        self.start = start
+
+
 class CommitStateUnknown(DcrError):
     """A commit request failed in a way that leaves unknown whether the version was created.
 

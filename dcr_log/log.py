@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 from collections import deque
 from concurrent.futures import Future, wait
@@ -12,11 +13,12 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .delta import apply_to_words, decode_record, empty_words, shared_pool
-from .errors import CommitConflict, CommitStateUnknown, IntegrityError, NotFoundError, UsageError
+from .errors import CommitConflict, CommitStateUnknown, ExpiredError, IntegrityError, NotFoundError, UsageError
 from .format import (
     FILES,
     IDENTITY_KEY,
     CommitRecord,
+    CommitStats,
     FileEntry,
     LogIdentity,
     Record,
@@ -27,6 +29,22 @@ from .format import (
 )
 from .format import limits
 from .format.keys import VERSIONS_PREFIX
+from .format.lifecycle import (
+    LOG_START_PREFIX,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_MARKER_BYTES,
+    SNAPSHOTS_PREFIX,
+    SQUASHES_PREFIX,
+    CatchUp,
+    Marker,
+    log_start_key,
+    parse_log_start_key,
+    parse_snapshot_key,
+    parse_squash_key,
+    snapshot_prefix,
+    squash_prefix,
+)
 from .digest import DigestScheme, scheme_for
 from .state import TensorBits, state_digest
 from .format.signature import MAX_SIGNATURE_BYTES, MAX_SIGNATURES, SignatureRecord, parse_signature_key, signature_prefix
@@ -47,12 +65,60 @@ Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
+class Step:
+    """One step of a route to a version (spec/FORMAT.md section 24): a version of the chain
+    (``kind`` "version"), a squash (from ``parent``) or a snapshot (``parent`` None: applies to
+    any state, or none). It reads like the target's commit record where appliers need one;
+    ``segments`` and ``stats`` are the step's own."""
+
+    kind: str
+    target: CommitRecord
+    parent: int | None
+    parent_state_digest: int | None
+    segments: tuple[SegmentRef, ...]
+    stats: CommitStats
+    catchup: CatchUp | None = None
+
+    @property
+    def version(self) -> int:
+        return self.target.version
+
+    @property
+    def state_digest(self) -> int:
+        return self.target.state_digest
+
+    @property
+    def tensors(self):
+        return self.target.tensors
+
+    @property
+    def files(self):
+        return self.target.files
+
+    @property
+    def delta_bytes(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    def tensor_map(self):
+        return self.target.tensor_map()
+
+    def describe(self) -> str:
+        if self.kind == "version":
+            return f"version {self.version}"
+        if self.kind == "squash":
+            return f"squash {self.parent}-{self.version}"
+        return f"snapshot {self.version}"
+
+
+@dataclass(frozen=True)
 class VerifyReport:
     versions: int
     segments: int
     bytes_checked: int
     deep: bool
     files: int = 0  # distinct file objects checked (feature files)
+    start: int = 0  # the first version (retention, section 25)
+    catchups: int = 0  # snapshots and squashes checked
 
 
 class DeltaLog:
@@ -68,6 +134,10 @@ class DeltaLog:
         # The log's tensor and record digests: xxh3, or sums of element hashes (sum-digests).
         self.digests: DigestScheme = scheme_for(identity.features)
         self._commits: dict[int, CommitRecord] = {}
+        self._catchups: dict[str, tuple[CatchUp, str]] = {}  # manifest key -> (manifest, sha256)
+        self._start: int | None = None  # the log start as of the last listing
+        # Snapshots and squashes found damaged: routes avoid them (the chain is always there).
+        self.excluded: dict[str, str] = {}
 
     @property
     def log_id(self) -> str:
@@ -92,13 +162,51 @@ class DeltaLog:
     # -- versions -------------------------------------------------------------------------
 
     def versions(self) -> list[int]:
-        """Committed versions, 0..latest. A gap means a damaged log and raises IntegrityError."""
+        """Readable versions, start..latest (start is 0 unless retention expired versions, section
+        25). A gap means a damaged log and raises IntegrityError."""
         found = sorted(
             v for v in (parse_version_key(o.key) for o in self.store.list(VERSIONS_PREFIX)) if v is not None
         )
-        if found != list(range(len(found))):
-            raise IntegrityError(f"{self.store.url}: version records are not contiguous from 0")
-        return found
+        # Markers after the listing of versions: a marker is written only above committed versions.
+        start = self.start()
+        kept = [v for v in found if v >= start]
+        if start > 0 and (not kept or kept[0] != start):
+            raise IntegrityError(f"{self.store.url}: the log starts at version {start}, which is missing")
+        if kept != list(range(start, start + len(kept))):
+            raise IntegrityError(f"{self.store.url}: version records are not contiguous from {start}")
+        return kept
+
+    # -- retention (spec/FORMAT.md section 25) ------------------------------------------------
+
+    def start(self) -> int:
+        """The first readable version: the newest log-start marker's, else 0 (listed anew)."""
+        keys = [(v, o.key) for o in self.store.list(LOG_START_PREFIX)
+                if (v := parse_log_start_key(o.key)) is not None]
+        start = 0
+        if keys:
+            start, key = max(keys)
+            self.marker(key)  # checked: a damaged or foreign marker is refused
+        self._start = start
+        return start
+
+    def known_start(self) -> int:
+        """The log start as of the last listing (listed now if never)."""
+        return self.start() if self._start is None else self._start
+
+    def marker(self, key: str) -> Marker:
+        try:
+            data = self.store.get(key, max_size=MAX_MARKER_BYTES)
+        except NotFoundError:
+            raise NotFoundError(f"{self.store.url}: no marker {key}") from None
+        marker = Marker.from_bytes(bytes(data), key)
+        if marker.log_id != self.log_id:
+            raise IntegrityError(f"{key} belongs to log {marker.log_id}")
+        return marker
+
+    def _expired(self, version: int, what: str) -> ExpiredError:
+        start = self.known_start()
+        return ExpiredError(f"{self.store.url}: {what} has expired: the log now starts at version "
+                            f"{start} (its snapshot)", start)
 
     def latest_version(self) -> int:
         versions = self.versions()
@@ -115,9 +223,13 @@ class DeltaLog:
             return cached
         if version < 0:
             raise UsageError(f"no version {version}")
+        if version < self.known_start():
+            raise self._expired(version, f"version {version}")
         try:
             data = self.store.get(version_key(version), max_size=limits.MAX_COMMIT_BYTES)
         except NotFoundError:
+            if version < self.start():
+                raise self._expired(version, f"version {version}") from None
             raise NotFoundError(f"{self.store.url}: no version {version}") from None
         record = CommitRecord.from_bytes(data, expect_version=version)
         if record.log_id != self.log_id:
@@ -279,12 +391,14 @@ class DeltaLog:
 
     # -- segments -------------------------------------------------------------------------
 
-    def read_segment(self, ref: SegmentRef) -> memoryview:
+    def read_segment(self, ref: SegmentRef, version: int | None = None) -> memoryview:
         """Segment bytes, checked against the commit record's size (from the object's metadata,
-        before its bytes are read) and sha256."""
+        before its bytes are read) and sha256. A missing segment is damage (IntegrityError),
+        unless retention removed it while it was being read (ExpiredError)."""
         try:
             data = self.store.get(ref.key, size=ref.size)
         except NotFoundError:
+            self._check_removed(ref, version)
             raise IntegrityError(f"segment {ref.key} is missing") from None
         if hashlib.sha256(data).hexdigest() != ref.sha256:
             raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
@@ -293,7 +407,7 @@ class DeltaLog:
     def segment_records(self, version: int, ref: SegmentRef, data=None) -> Iterator[Record]:
         """The records of one segment; ``data``, if given, are its bytes already read and
         checked by read_segment. The record count is checked against the commit record."""
-        data = self.read_segment(ref) if data is None else data
+        data = self.read_segment(ref, version) if data is None else data
         count = 0
         for rec in iter_segment(data, self.log_id, version):
             count += 1
@@ -301,31 +415,243 @@ class DeltaLog:
         if count != ref.records:
             raise IntegrityError(f"segment {ref.key}: {count} records, commit says {ref.records}")
 
-    def records(self, version: int) -> Iterator[Record]:
-        commit = self.commit(version)
-        for ref in commit.segments:
-            yield from self.segment_records(version, ref)
+    def records(self, version: int | Step) -> Iterator[Record]:
+        step = version if isinstance(version, Step) else self.version_step(version)
+        for ref in step.segments:
+            yield from self.segment_records(step.version, ref)
+
+    def _check_removed(self, ref: SegmentRef, version: int | None) -> None:
+        """Raise ExpiredError if retention removed what ``ref`` belongs to while it was read."""
+        if ref.key.startswith((SNAPSHOTS_PREFIX, SQUASHES_PREFIX)):
+            manifest = ref.key.rsplit("/", 1)[0] + "/" + MANIFEST
+            if self.store.head(manifest) is None:
+                kind = "snapshot" if ref.key.startswith(SNAPSHOTS_PREFIX) else "squash"
+                raise ExpiredError(f"{self.store.url}: {kind} {manifest.split('/')[1]} was removed by "
+                                   "retention while it was read: plan the route again", self.start())
+        elif version is not None and version < self.start():
+            raise self._expired(version, f"version {version}") from None
+
+    # -- snapshots and squashes (spec/FORMAT.md sections 23, 24) ----------------------------------
+
+    def catchup(self, key: str) -> tuple[CatchUp, str]:
+        """A snapshot's or squash's manifest and its sha256, checked against the commit record
+        of its version (and of its start, for a squash still readable)."""
+        cached = self._catchups.get(key)
+        if cached is not None:
+            return cached
+        try:
+            data = bytes(self.store.get(key, max_size=MAX_MANIFEST_BYTES))
+        except NotFoundError:
+            raise NotFoundError(f"{self.store.url}: no {key}") from None
+        cu = CatchUp.from_bytes(data, key)
+        what = key
+        if cu.log_id != self.log_id:
+            raise IntegrityError(f"{what}: belongs to log {cu.log_id}")
+        target = self.commit(cu.version)
+        if cu.commit_sha256 != self.commit_sha256(cu.version) or cu.state_digest != target.state_digest:
+            raise IntegrityError(f"{what}: does not match the commit record of version {cu.version}")
+        if cu.stats.total_elements != target.stats.total_elements:
+            raise IntegrityError(f"{what}: stats.total_elements differs from version {cu.version}'s")
+        if cu.start is not None and cu.start >= self.known_start():
+            if cu.start_state_digest != self.commit(cu.start).state_digest:
+                raise IntegrityError(f"{what}: does not start from version {cu.start}'s state")
+        if cu.start is None and cu.stats.changed_elements != cu.stats.total_elements:
+            raise IntegrityError(f"{what}: a snapshot changes every element")
+        result = self._catchups[key] = (cu, hashlib.sha256(data).hexdigest())
+        return result
+
+    def snapshot(self, version: int) -> CatchUp:
+        return self.catchup(snapshot_prefix(version) + MANIFEST)[0]
+
+    def squash(self, start: int, end: int) -> CatchUp:
+        return self.catchup(squash_prefix(start, end) + MANIFEST)[0]
+
+    def snapshots(self, retired: bool = False) -> dict[int, CatchUp]:
+        """The snapshots readers may start from, by version: at or above the log start and not
+        retired (the start's own snapshot always). With ``retired``, retired ones too."""
+        start = self.start()
+        manifests, retiring = set(), set()
+        for o in self.store.list(SNAPSHOTS_PREFIX):
+            parsed = parse_snapshot_key(o.key)
+            if parsed is not None:
+                (manifests if parsed[1] == "manifest" else retiring).add(parsed[0])
+        out = {}
+        for v in sorted(manifests):
+            if v < start:
+                continue
+            if v in retiring and v != start and not retired:
+                self.marker(f"{snapshot_prefix(v)}retired.json")  # checked like any marker
+                continue
+            cu = self._usable(snapshot_prefix(v) + MANIFEST, required=v == start and start > 0)
+            if cu is not None:
+                out[v] = cu
+        return out
+
+    def squashes(self) -> list[CatchUp]:
+        """The squashes whose end is readable, by start then end (damaged ones left out)."""
+        start = self.start()
+        found = sorted(p for o in self.store.list(SQUASHES_PREFIX) if (p := parse_squash_key(o.key)))
+        return [cu for a, b in found if b >= start
+                and (cu := self._usable(squash_prefix(a, b) + MANIFEST)) is not None]
+
+    def _usable(self, key: str, required: bool = False) -> CatchUp | None:
+        """A catch-up object routes may use: None if it is damaged (remembered in ``excluded``:
+        the chain of versions is always a route), unless ``required`` (the log start's)."""
+        if key in self.excluded and not required:
+            return None
+        try:
+            return self.catchup(key)[0]
+        except IntegrityError as exc:
+            if required:
+                raise
+            self.excluded[key] = str(exc)
+            return None
+
+    def exclude(self, step: "Step", reason: str) -> bool:
+        """Leave a catch-up step out of later routes (it failed a check); False for a version
+        or the log start's snapshot, which no route can avoid."""
+        if step.catchup is None or (step.kind == "snapshot" and step.version == self.known_start() > 0):
+            return False
+        self.excluded[step.catchup.key] = reason
+        return True
+
+    def start_snapshot(self) -> CatchUp | None:
+        """The snapshot readers start from when the log starts above 0, checked against the
+        newest log-start marker."""
+        start = self.start()
+        if start == 0:
+            return None
+        marker = self.marker(log_start_key(start))
+        try:
+            cu, sha = self.catchup(snapshot_prefix(start) + MANIFEST)
+        except NotFoundError:
+            raise IntegrityError(f"{self.store.url}: the log starts at {start} but its snapshot is missing") from None
+        if sha != marker.snapshot_sha256:
+            raise IntegrityError(f"{log_start_key(start)}: names another snapshot of version {start}")
+        return cu
+
+    def version_step(self, version: int) -> Step:
+        c = self.commit(version)
+        return Step("version", c, c.parent, c.parent_state_digest, c.segments, c.stats)
+
+    def catchup_step(self, cu: CatchUp) -> Step:
+        return Step(cu.kind, self.commit(cu.version), cu.start, cu.start_state_digest, cu.segments,
+                    cu.stats, cu)
+
+    def step(self, kind: str, version: int, parent: int | None = None) -> Step:
+        """The step a journal names (kind, version, and a squash's start)."""
+        if kind == "version":
+            return self.version_step(version)
+        if kind == "snapshot":
+            return self.catchup_step(self.snapshot(version))
+        if kind == "squash" and parent is not None:
+            return self.catchup_step(self.squash(parent, version))
+        raise UsageError(f"unknown step {kind!r}")
+
+    def plan(self, target: int | None = None, holding: int | None = None,
+             holding_digest: int | None = None) -> list[Step]:
+        """The route to ``target`` (default latest) that reads the fewest bytes, from version
+        ``holding`` (state digest ``holding_digest``) or from nothing: versions of the chain,
+        squashes and snapshots (section 24). Raises ExpiredError when ``target`` has expired."""
+        versions = self.versions()
+        if not versions:
+            raise NotFoundError(f"{self.store.url}: log has no versions")
+        start, latest = versions[0], versions[-1]
+        target = latest if target is None else target
+        if target > latest:
+            raise NotFoundError(f"{self.store.url}: no version {target} (latest is {latest})")
+        if target < start:
+            raise self._expired(target, f"version {target}")
+        if holding is not None and holding > target:
+            raise UsageError(f"version {holding} is past {target}")
+        if holding is not None and holding >= start - 1 and target - holding <= 1:
+            return [self.version_step(v) for v in range(holding + 1, target + 1)]
+        # Dijkstra over versions, by (bytes, steps): commit records are read only for the
+        # versions a route cheaper than the best found so far reaches (a long log with a recent
+        # snapshot costs a few reads, not one per version).
+        best: dict[int, tuple[tuple[int, int], Step | None, int | None]] = {}
+        heap: list[tuple[tuple[int, int], int]] = []
+
+        def offer(v: int, cost: tuple[int, int], step: Step | None, prev: int | None) -> None:
+            if v not in best or cost < best[v][0]:
+                best[v] = (cost, step, prev)
+                heapq.heappush(heap, (cost, v))
+
+        if holding is not None:
+            offer(holding, (0, 0), None, None)
+        elif start == 0:
+            offer(0, (self.commit(0).delta_bytes, 1), self.version_step(0), None)
+        else:
+            self.start_snapshot()  # the marker's snapshot, checked
+        for w, snap in self.snapshots().items():
+            if w <= target:
+                offer(w, (snap.delta_bytes, 1), self.catchup_step(snap), None)
+        by_start: dict[int, list[CatchUp]] = {}
+        for cu in self.squashes():
+            if cu.version <= target and (cu.start >= start or cu.start == holding):
+                if cu.start == holding and holding_digest is not None and cu.start_state_digest != holding_digest:
+                    continue
+                by_start.setdefault(cu.start, []).append(cu)
+        done: set[int] = set()
+        while heap:
+            cost, v = heapq.heappop(heap)
+            if v in done or cost != best[v][0]:
+                continue
+            done.add(v)
+            if v == target:
+                break
+            nbytes, nsteps = cost
+            if v + 1 <= target and v + 1 >= start:
+                step = self.version_step(v + 1)
+                offer(v + 1, (nbytes + step.delta_bytes, nsteps + 1), step, v)
+            for cu in by_start.get(v, ()):
+                offer(cu.version, (nbytes + cu.delta_bytes, nsteps + 1), self.catchup_step(cu), v)
+        if target not in best:
+            raise self._expired(holding if holding is not None else target,
+                                f"version {holding}" if holding is not None else f"version {target}")
+        route = []
+        v = target
+        while best[v][1] is not None:
+            _, step, prev = best[v]
+            route.append(step)
+            if prev is None:
+                break
+            v = prev
+        return route[::-1]
 
     # -- replay ---------------------------------------------------------------------------
 
     def apply_version(self, state: dict[str, TensorBits], version: int, check_all: bool = False,
                       tensors: set[str] | None = None) -> None:
-        """Advance ``state`` (the parent's state, mutated in place) to ``version``.
+        """Advance ``state`` (the parent's state, mutated in place) to ``version``."""
+        self.apply_step(state, self.version_step(version), check_all, tensors)
+
+    def apply_step(self, state: dict[str, TensorBits], step: Step, check_all: bool = False,
+                   tensors: set[str] | None = None) -> None:
+        """Advance ``state`` by one step: a version (from its parent's state), a squash (from
+        its start's state) or a snapshot (from any state).
 
         Records are checked against their pre/postconditions; tensors created whole and, with
-        ``check_all``, every tensor are checked against the commit's tensor digests. Large
-        records are decoded and applied on a few threads, with the result of applying them in
-        order. After an error ``state`` is partly advanced and must be discarded. With
-        ``tensors``, only those tensors are built (the others' records are read and counted).
+        ``check_all`` or after a squash or snapshot, every tensor are checked against the
+        target's tensor digests. Large records are decoded and applied on a few threads, with
+        the result of applying them in order. After an error ``state`` is partly advanced and
+        must be discarded. With ``tensors``, only those tensors are built (the others' records
+        are read and counted).
         """
-        commit = self.commit(version)
+        commit = step.target
+        version = step.version
+        what = step.describe()
         table = commit.tensor_map()
         wanted = table if tensors is None else {n: i for n, i in table.items() if n in tensors}
         if state_digest(commit.tensors) != commit.state_digest:
             raise IntegrityError(f"version {version}: state digest does not match its tensor table")
         created = set()
+        # A squash keeps the tensors its start holds with the same dtype and shape: only
+        # xor and overwrite records for those (section 24), so that its digests compose.
+        kept = {n for n, b in state.items() if n in table and (b.dtype, b.shape) == (
+            table[n].dtype, table[n].shape)} if step.kind == "squash" else set()
         for name in list(state):
-            if name not in wanted:
+            if name not in wanted or step.kind == "snapshot":
                 del state[name]
         for name, info in wanted.items():
             old = state.get(name)
@@ -334,38 +660,50 @@ class DeltaLog:
                 created.add(name)
         records = 0
         changed = 0
+        whole = step.kind == "snapshot"
         with _ParallelApply(self.digests) as applier:
-            for rec in self.records(version):
+            for rec in self.records(step):
                 info = table.get(rec.tensor)
                 if info is None:
-                    raise IntegrityError(f"version {version}: record for unknown tensor {rec.tensor!r}")
-                if rec.tensor in created and rec.kind != "tensor":
-                    raise IntegrityError(f"version {version}: {rec.kind} record for new tensor {rec.tensor!r}")
+                    raise IntegrityError(f"{what}: record for unknown tensor {rec.tensor!r}")
+                if (whole or rec.tensor in created) and rec.kind != "tensor":
+                    raise IntegrityError(f"{what}: {rec.kind} record for new tensor {rec.tensor!r}")
+                if rec.kind == "tensor" and rec.tensor in kept:
+                    raise IntegrityError(f"{what}: tensor record for {rec.tensor!r}, which the squash keeps")
                 if rec.tensor in wanted:
                     applier.submit(rec, info, state[rec.tensor])
                 records += 1
                 changed += rec.n_changed
-        if records != commit.stats.records or changed != commit.stats.changed_elements:
-            raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
-        for name in (wanted if check_all else created):
+        if records != step.stats.records or changed != step.stats.changed_elements:
+            raise IntegrityError(f"{what}: record counts differ from the stats")
+        for name in (wanted if check_all or step.kind != "version" else created):
             if self.digests.tensor(state[name].words, state[name].shape) != table[name].digest:
-                raise IntegrityError(f"version {version}: tensor {name!r} does not match its digest")
+                raise IntegrityError(f"{what}: tensor {name!r} does not match its digest")
 
     def replay(self, upto: int | None = None, check_all: bool = False,
                progress: Progress | None = None,
                tensors: set[str] | None = None) -> Iterator[tuple[int, dict[str, TensorBits]]]:
-        """Yield (version, state) for 0..upto; the same state dict is advanced in place."""
-        latest = self.latest_version()
+        """Yield (version, state) for start..upto (start is 0, or the log start's snapshot after
+        retention); the same state dict is advanced in place."""
+        versions = self.versions()
+        if not versions:
+            raise NotFoundError(f"{self.store.url}: log has no versions")
+        start, latest = versions[0], versions[-1]
         upto = latest if upto is None else upto
-        if not 0 <= upto <= latest:
+        if upto < start:
+            raise self._expired(upto, f"version {upto}")
+        if not upto <= latest:
             raise NotFoundError(f"{self.store.url}: no version {upto} (latest is {latest})")
         state: dict[str, TensorBits] = {}
         previous = None
-        for v in range(upto + 1):
+        for v in range(start, upto + 1):
             commit = self.commit(v)
             if previous is not None and commit.parent_state_digest != previous.state_digest:
                 raise IntegrityError(f"version {v}: parent digest does not match version {v - 1}")
-            self.apply_version(state, v, check_all=check_all, tensors=tensors)
+            if v == start and start > 0:
+                self.apply_step(state, self.catchup_step(self.start_snapshot()), tensors=tensors)
+            else:
+                self.apply_version(state, v, check_all=check_all, tensors=tensors)
             previous = commit
             if progress:
                 progress(v)
@@ -374,11 +712,27 @@ class DeltaLog:
     def materialize(self, version: int | None = None, progress: Progress | None = None,
                     tensors: set[str] | None = None) -> dict[str, TensorBits]:
         """The bit-exact state of ``version`` (default latest), every tensor digest checked;
-        with ``tensors``, only those tensors."""
-        target = self.latest_version() if version is None else version
-        state: dict[str, TensorBits] = {}
-        for v, state in self.replay(target, progress=progress, tensors=tensors):
-            pass
+        with ``tensors``, only those tensors. Read by the route of fewest bytes: from version 0
+        or a snapshot, through versions and squashes (``plan``)."""
+        while True:
+            route = self.plan(version)
+            target = route[-1].version
+            state: dict[str, TensorBits] = {}
+            held = None
+            try:
+                for step in route:
+                    if step.parent is not None and step.parent_state_digest != held:
+                        raise IntegrityError(f"{step.describe()}: parent digest does not match version {step.parent}")
+                    self.apply_step(state, step, tensors=tensors)
+                    held = step.state_digest
+                    if progress:
+                        progress(step.version)
+            except IntegrityError as exc:
+                # A damaged snapshot or squash: another route (the chain is always one).
+                if not self.exclude(step, str(exc)):
+                    raise
+                continue
+            break
         commit = self.commit(target)
         for info in commit.tensors:
             if tensors is not None and info.name not in tensors:
@@ -396,6 +750,8 @@ class DeltaLog:
         versions = self.versions()
         if not versions:
             raise IntegrityError(f"{self.store.url}: log has no versions")
+        if versions[0] > 0:
+            self.start_snapshot()  # the marker names the snapshot readers start from
         nbytes = 0
         nsegments = 0
         checked_files: set[tuple[str, int]] = set()
@@ -422,10 +778,28 @@ class DeltaLog:
             previous = commit
             if progress and not deep:
                 progress(v)
+        # Every snapshot and squash routes may use, strictly: a damaged one is reported here
+        # (routes merely avoid it).
+        keys = [o.key for o in self.store.list(SNAPSHOTS_PREFIX)
+                if (p := parse_snapshot_key(o.key)) and p[1] == "manifest" and p[0] >= versions[0]]
+        keys += [o.key for o in self.store.list(SQUASHES_PREFIX)
+                 if (p := parse_squash_key(o.key)) and p[1] >= versions[0]]
+        catchups = [self.catchup(key)[0] for key in sorted(keys)]
+        for cu in catchups:
+            for ref in cu.segments:
+                for _ in self.segment_records(cu.version, ref):
+                    pass
+                nbytes += ref.size
         if deep:
             for _ in self.replay(versions[-1], check_all=True, progress=progress):
                 pass
-        return VerifyReport(len(versions), nsegments, nbytes, deep, len(checked_files))
+            for cu in catchups:  # each one leads to its version's tensor digests
+                if cu.start is not None and cu.start < versions[0]:
+                    continue  # its start has expired: only its bytes can be checked
+                state = {} if cu.start is None else self.materialize(cu.start)
+                self.apply_step(state, self.catchup_step(cu))
+        return VerifyReport(len(versions), nsegments, nbytes, deep, len(checked_files),
+                            start=versions[0], catchups=len(catchups))
 
 
 # Threads that decode and apply records (numpy and zstd release the GIL).

@@ -72,6 +72,14 @@ def _failed(exc: BaseException, op: str, url: str, key: str = "") -> StoreError:
 class ObjectInfo:
     key: str
     size: int
+    # The store's last-modified time (seconds since the epoch), when it gives one: retention
+    # ages markers and orphans by it.
+    modified: float | None = None
+
+
+def _info(meta) -> ObjectInfo:
+    when = meta.get("last_modified")
+    return ObjectInfo(meta["path"], meta["size"], None if when is None else when.timestamp())
 
 
 _MEMORY_STORES: dict[str, MemoryStore] = {}
@@ -193,13 +201,13 @@ class Store:
             return None
         except Exception as exc:
             raise _failed(exc, "read", self.url, key) from None
-        return ObjectInfo(meta["path"], meta["size"])
+        return _info(meta)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         out = []
         try:
             for chunk in obstore.list(self._inner, prefix):
-                out.extend(ObjectInfo(m["path"], m["size"]) for m in chunk)
+                out.extend(_info(m) for m in chunk)
         except (ObNotFound, FileNotFoundError):
             return out
         except Exception as exc:

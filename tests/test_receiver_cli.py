@@ -57,7 +57,7 @@ def test_apply_materializes_a_missing_directory_then_catches_up(tmp_path, logged
     row = status(capsys, rx)
     assert row == {"receiver": str(rx), "log_id": log.log_id, "version": 2,
                    "state_digest": f"{log.commit(2).state_digest:016x}", "inflight": None,
-                   "materializing": None}
+                   "inflight_kind": None, "inflight_from": None, "materializing": None}
 
     rc, out, err = dcr(capsys, "apply", log_dir(log), "--receiver", rx, "--to", 4, "--verify", "full")
     assert rc == 0, err

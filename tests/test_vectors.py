@@ -3,7 +3,8 @@
 Every valid log reads back, version by version, to the tensors its expected.json lists, both
 through dcr_log.DeltaLog and through a small independent reader written from spec/FORMAT.md
 alone (pyarrow, zstandard, xxhash and numpy; nothing from dcr_log), features sum-digests
-(section 7.1) and files (section 22) included. Every invalid log fails with the stated error class at the stated
+(section 7.1) and files (section 22) included, and so do its snapshots and squashes, from the log
+start of retention on (sections 23 to 25). Every invalid log fails with the stated error class at the stated
 stage and not before. The generator reproduces the committed files byte for byte.
 """
 
@@ -24,6 +25,7 @@ import xxhash
 import zstandard
 
 from dcr_log import DeltaLog, errors
+from dcr_log.state import TensorBits
 
 REPO = Path(__file__).resolve().parents[1]
 VECTORS = REPO / "spec" / "vectors"
@@ -191,11 +193,16 @@ SPEC_SCHEMA = pa.schema(
 
 
 class Refused(Exception):
-    """The spec reader refused a log; ``version`` is where (None: before any version)."""
+    """The spec reader refused a log; ``version`` is where (None: before any version) and
+    ``stage`` at which step: "identity", "listing", "version" (a version's commit record,
+    segments, files or records) or "catchup" (a snapshot or squash, whose manifest is
+    ``catchup``)."""
 
-    def __init__(self, version: int | None, why: str):
-        super().__init__(f"version {version}: {why}")
+    def __init__(self, version: int | None, why: str, stage: str = "version", catchup: str | None = None):
+        super().__init__(f"{stage} {catchup or ''} version {version}: {why}")
         self.version = version
+        self.stage = stage
+        self.catchup = catchup
 
 
 # Feature files, FORMAT.md section 22.
@@ -260,18 +267,195 @@ def spec_read_files(root: Path, c: dict, features: list[str], facts: set[str],
     return out
 
 
-def spec_replay(root: Path, facts: set[str]) -> list[tuple[dict, dict]]:
-    """[(commit record, {name: (dtype, shape, words)})] for every version; ``facts`` collects
-    what the log exercises. Raises Refused at the first check that fails. With the feature
-    files, each commit record gets ``_files``: name -> the bytes of its files."""
-    where: dict[str, int | None] = {"version": None}
+def spec_replay(root: Path, facts: set[str], from_states: dict | None = None) -> list[tuple[dict, dict]]:
+    """[(commit record, {name: (dtype, shape, words)})] for every version from the log start on;
+    ``facts`` collects what the log exercises. Raises Refused at the first check that fails.
+    With the feature files, each commit record gets ``_files``: name -> the bytes of its files."""
+    return spec_read(root, facts, from_states)["versions"]
+
+
+def spec_read(root: Path, facts: set[str], from_states: dict | None = None) -> dict:
+    """The log as FORMAT.md reads it: ``start`` (the log start, section 25), ``versions`` (as
+    spec_replay) and ``catchups``: every snapshot and squash at or above the start (sections 23
+    and 24), each a dict with ``key``, ``kind``, ``version``, ``from``, ``retired`` and ``state``
+    (the state it leads to). ``from_states`` (version -> state) gives the from-state of a squash
+    whose from has expired; without it such a squash is checked but not applied (``state``
+    None)."""
+    where: dict = {"version": None, "stage": "identity", "catchup": None}
     try:
-        return _spec_replay(root, facts, where)
+        return _spec_read(root, facts, where, from_states or {})
     except (AssertionError, LookupError, OSError, UnicodeError, ValueError, zstandard.ZstdError) as exc:
-        raise Refused(where["version"], f"{type(exc).__name__}: {exc}") from exc
+        raise Refused(where["version"], f"{type(exc).__name__}: {exc}", where["stage"], where["catchup"]) from exc
 
 
-def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, dict]]:
+# Sections 23 to 25: manifests of snapshots and squashes, log-start and retire markers.
+VERSION_KEY = re.compile(r"[0-9]{20}\.json")
+NUMBER = re.compile(r"0|[1-9][0-9]*")
+HEX16, HEX64 = re.compile(r"[0-9a-f]{16}"), re.compile(r"[0-9a-f]{64}")
+SEGMENT_FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+MARKER_MEMBERS = {"format_version", "log_id", "kind", "version", "snapshot_sha256", "created_at"}
+MANIFEST_MEMBERS = {"format_version", "log_id", "kind", "version", "from", "from_state_digest", "state_digest",
+                    "commit_sha256", "segments", "stats", "created_at", "writer_id"}
+SEGMENT_MEMBERS = {"key", "size", "sha256", "records"}
+STATS_MEMBERS = {"changed_elements", "total_elements", "records"}
+
+
+def is_uint(value) -> bool:
+    return type(value) is int and 0 <= value < 1 << 64
+
+
+def is_text(value) -> bool:
+    return isinstance(value, str) and len(value) <= 1024
+
+
+def spec_marker(root: Path, key: str, log_id: str, kind: str, version: int) -> dict:
+    """A log-start or retire marker (section 25), every member checked."""
+    assert (root / key).stat().st_size <= 65536, f"{key}: too large"  # before reading it
+    m = spec_unseal((root / key).read_bytes())
+    assert set(m) == MARKER_MEMBERS, f"{key}: members"
+    assert type(m["format_version"]) is int and m["format_version"] == 1
+    assert m["log_id"] == log_id and m["kind"] == kind, f"{key}: log_id or kind"
+    assert is_uint(m["version"]) and m["version"] == version, f"{key}: version"
+    assert isinstance(m["snapshot_sha256"], str) and HEX64.fullmatch(m["snapshot_sha256"])
+    assert is_text(m["created_at"])
+    return m
+
+
+def spec_segment_rows(root: Path, ref: dict, log_id: str, version: int, facts: set[str]) -> list[dict]:
+    """The rows of one segment file (sections 9 and 13): size (before reading), sha256, an IPC
+    file, the schema and its metadata, the record count."""
+    path = root / ref["key"]
+    assert path.is_file(), f"segment {ref['key']} is missing"
+    assert path.stat().st_size == ref["size"], "segment size"
+    data = path.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == ref["sha256"], "segment sha256"
+    assert data[:6] == b"ARROW1" and data[-6:] == b"ARROW1"
+    reader = pa.ipc.open_file(pa.py_buffer(data))
+    assert reader.schema.remove_metadata().equals(SPEC_SCHEMA)
+    assert reader.schema.metadata == {b"dcr.format_version": b"1", b"dcr.log_id": log_id.encode(),
+                                      b"dcr.version": str(version).encode()}
+    if reader.num_record_batches > 1:
+        facts.add("multi-batch")
+    rows = []
+    for i in range(reader.num_record_batches):
+        batch = reader.get_batch(i).to_pylist()
+        if not batch:
+            facts.add("empty-batch")
+        rows += batch
+    assert len(rows) == ref["records"], "segment record count"
+    return rows
+
+
+def spec_catchups(root: Path) -> list[tuple[str, str, int, int | None]]:
+    """(manifest key, kind, version, from) of every snapshot and squash: a prefix holds one if
+    and only if its manifest exists (section 23)."""
+    out = []
+    for kind, top in (("snapshot", "snapshots"), ("squash", "squashes")):
+        if not (root / top).is_dir():
+            continue
+        for d in sorted((root / top).iterdir(), key=lambda p: p.name):
+            if not (d / "manifest.json").is_file():
+                continue
+            parts = d.name.split("-") if kind == "squash" else [d.name]
+            if len(parts) != (2 if kind == "squash" else 1) or not all(NUMBER.fullmatch(p) for p in parts):
+                continue  # not a key of this format
+            numbers = [int(p) for p in parts]
+            out.append((f"{top}/{d.name}/manifest.json", kind, numbers[-1], numbers[0] if kind == "squash" else None))
+    return sorted(out, key=lambda c: (c[1], c[2], c[3] or 0))
+
+
+def spec_catchup(root: Path, identity: dict, key: str, kind: str, version: int, start: int | None,
+                 commits: dict[int, tuple[dict, bytes]], log_start: int, base: dict | None,
+                 facts: set[str]) -> dict | None:
+    """Sections 23 and 24: the manifest ``key`` checked against commit record ``version`` (and
+    ``start``'s, while it is readable), its segments read, its records applied to nothing (a
+    snapshot) or to ``base``, the from-state of a squash (None: checked, not applied), every
+    tensor digest checked against ``version``'s table. Returns the state it leads to."""
+    features = identity["features"]
+    assert (root / key).stat().st_size <= 1 << 30, "manifest too large"
+    data = (root / key).read_bytes()
+    m = spec_unseal(data)
+    assert set(m) == MANIFEST_MEMBERS, "manifest members"
+    assert type(m["format_version"]) is int and m["format_version"] == 1
+    assert m["log_id"] == identity["log_id"] and m["kind"] == kind
+    assert is_uint(m["version"]) and m["version"] == version, "the manifest's version is not its key's"
+    commit, commit_bytes = commits[version]
+    if kind == "snapshot":
+        assert m["from"] is None and m["from_state_digest"] is None
+    else:
+        assert is_uint(m["from"]) and m["from"] == start < version, "the manifest's from is not its key's"
+        assert isinstance(m["from_state_digest"], str) and HEX16.fullmatch(m["from_state_digest"])
+        if start >= log_start:
+            assert m["from_state_digest"] == commits[start][0]["state_digest"], "from_state_digest"
+    assert m["state_digest"] == commit["state_digest"], "state_digest"
+    assert m["commit_sha256"] == hashlib.sha256(commit_bytes).hexdigest(), "commit_sha256 names another record"
+    assert is_text(m["created_at"]) and is_text(m["writer_id"])
+    prefix = key[: -len("manifest.json")]
+    segments = m["segments"]
+    assert isinstance(segments, list) and len(segments) <= 1 << 20
+    for ref in segments:
+        assert isinstance(ref, dict) and set(ref) == SEGMENT_MEMBERS
+        assert isinstance(ref["key"], str) and ref["key"].startswith(prefix), f"segment {ref['key']} outside {prefix}"
+        name = ref["key"][len(prefix):]
+        assert SEGMENT_FILE_NAME.fullmatch(name) and name.endswith(".arrow"), f"segment file name {name!r}"
+        assert is_uint(ref["size"]) and ref["size"] <= 1 << 34 and is_uint(ref["records"]) and ref["records"] <= 1 << 32
+        assert isinstance(ref["sha256"], str) and HEX64.fullmatch(ref["sha256"])
+    assert len({ref["key"] for ref in segments}) == len(segments), "a segment listed twice"
+    stats = m["stats"]
+    assert isinstance(stats, dict) and set(stats) == STATS_MEMBERS and all(is_uint(x) for x in stats.values())
+    assert stats["records"] == sum(ref["records"] for ref in segments), "stats.records"
+    assert stats["total_elements"] == commit["stats"]["total_elements"], "stats.total_elements"
+    if kind == "snapshot":
+        assert stats["changed_elements"] == stats["total_elements"], "a snapshot sets every element"
+    rows = [row for ref in segments for row in spec_segment_rows(root, ref, identity["log_id"], version, facts)]
+    assert sum(row["n_changed"] for row in rows) == stats["changed_elements"], "stats.changed_elements"
+    if len(segments) > 1:
+        facts.add(f"{kind}-multi-segment")
+    if kind == "squash" and start < log_start:
+        facts.add("squash-from-expired")
+    if kind == "squash" and base is None:
+        return None
+    table = {t["name"]: t for t in commit["tensors"]}
+    state: dict = {}
+    if kind == "squash":  # the from-state it is given is the one the manifest names
+        given = [{"name": n, "dtype": d, "shape": list(s), "digest": f"{tensor_digest(features, w):016x}"}
+                 for n, (d, s, w) in base.items()]
+        assert spec_state_digest(given) == m["from_state_digest"], "not the squash's from-state"
+        state = {n: (d, s, w.copy()) for n, (d, s, w) in base.items() if n in table}
+        if len(state) < len(base):
+            facts.add("squash-drops")
+    created = set()
+    for name, t in table.items():
+        old = state.get(name)
+        if old is None or old[0] != t["dtype"] or list(old[1]) != t["shape"]:
+            zeros = np.zeros(math.prod(t["shape"]), dtype=word(WIDTH[t["dtype"]]))
+            state[name] = (t["dtype"], tuple(t["shape"]), zeros)
+            created.add(name)
+    if kind == "squash" and created:
+        facts.add("squash-creates")
+    running = {n: tensor_digest(features, w) for n, (_, _, w) in state.items()}
+    # section 24, with sum-digests: from's digest (0 for a created tensor) plus, per record,
+    # target minus base (a tensor record: target)
+    composed = {n: 0 if n in created else running[n] for n in state}
+    for row in rows:
+        assert row["tensor"] in table, f"record for {row['tensor']!r}, not in the table"
+        if kind == "snapshot":
+            assert row["kind"] == "tensor", f"a snapshot holds a {row['kind']} record"
+        else:
+            assert row["kind"] != "tensor" or row["tensor"] in created, \
+                f"a tensor record for {row['tensor']!r}, which the squash keeps"
+        apply_row(row, state, created, facts, features, running)
+        composed[row["tensor"]] += row["target_digest"] - (0 if row["kind"] == "tensor" else row["base_digest"])
+    for name, (_, _, words) in state.items():  # every tensor digest (section 23)
+        digest = table[name]["digest"]
+        assert f"{tensor_digest(features, words):016x}" == digest, f"{key}: tensor {name}"
+        if SUM_DIGESTS in features:
+            assert running[name] == int(digest, 16) and composed[name] & MASK64 == int(digest, 16), name
+    facts.add(kind)
+    return state
+
+
+def _spec_read(root: Path, facts: set[str], where: dict, from_states: dict) -> dict:
     identity = spec_unseal((root / "dcr.json").read_bytes())
     assert set(identity) == {"format_version", "log_id", "created_at", "features"}
     features = identity["features"]
@@ -279,69 +463,93 @@ def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, d
     assert identity["format_version"] == 1 and features in (
         [], [SUM_DIGESTS], [FILES], [FILES, SUM_DIGESTS]), features
     facts.update(features)
-    keys = sorted(p.name for p in (root / "versions").iterdir())
-    assert keys == [f"{v:020d}.json" for v in range(len(keys))], "versions are not contiguous"
+    log_id = identity["log_id"]
+    where["stage"] = "listing"
+    found = sorted(int(p.name[:20]) for p in (root / "versions").iterdir() if VERSION_KEY.fullmatch(p.name))
+    # section 25: the log start is the largest version of a log-start marker (0 if none); its
+    # marker is checked, the versions are exactly start..latest, and replay starts from
+    # snapshot start, whose manifest the marker names
+    starts = sorted(int(p.name[:20]) for p in (root / "log-start").iterdir()
+                    if VERSION_KEY.fullmatch(p.name)) if (root / "log-start").is_dir() else []
+    log_start = max(starts, default=0)
+    marker = spec_marker(root, f"log-start/{log_start:020d}.json", log_id, "log-start", log_start) if starts else None
+    versions = [v for v in found if v >= log_start]
+    assert versions == list(range(log_start, log_start + len(versions))), "versions are not contiguous"
+    if log_start > 0:
+        assert versions, "the log start's version is missing"
+        snapshot_key = f"snapshots/{log_start}/manifest.json"
+        assert (root / snapshot_key).stat().st_size <= 1 << 30
+        assert hashlib.sha256((root / snapshot_key).read_bytes()).hexdigest() == marker["snapshot_sha256"], \
+            "the log-start marker names another manifest"
+        facts.add("log-start")
+        if found[0] == log_start:
+            facts.add("expired-deleted")
+    commits: dict[int, tuple[dict, bytes]] = {}
     state: dict[str, tuple[str, tuple, np.ndarray]] = {}
     # sum-digests: each tensor's digest followed in O(changes) from the records alone (section
     # 7.1, informative), checked below against a full pass and the table
     running: dict[str, int] = {}
     out, previous, previous_files = [], None, None
-    for v, key in enumerate(keys):
+    for v in versions:
         where["version"] = v
-        c = spec_unseal((root / "versions" / key).read_bytes())
+        where["stage"] = "version"
+        data = (root / "versions" / f"{v:020d}.json").read_bytes()
+        c = spec_unseal(data)
         assert all("\0" not in t["name"] and "\n" not in t["name"] and t["name"] for t in c["tensors"])
-        assert c["version"] == v and c["log_id"] == identity["log_id"]
+        assert c["version"] == v and c["log_id"] == log_id
         assert c["features"] == features, "commit features differ from dcr.json's"
         assert c["parent"] == (None if v == 0 else v - 1)
-        assert c["parent_state_digest"] == (None if previous is None else previous["state_digest"])
+        if previous is None and v > 0:  # the log start: its parent expired and is not checked
+            assert isinstance(c["parent_state_digest"], str) and HEX16.fullmatch(c["parent_state_digest"])
+        else:
+            assert c["parent_state_digest"] == (None if previous is None else previous["state_digest"])
         assert spec_state_digest(c["tensors"]) == c["state_digest"]
         table = {t["name"]: t for t in c["tensors"]}
         assert list(table) == utf8_sorted(table)
-        created = set()
-        for name in list(state):
-            if name not in table:
-                del state[name]
-                running.pop(name, None)
-                facts.add("removed")
-        for name, t in table.items():
-            old = state.get(name)
-            if old is None or old[0] != t["dtype"] or list(old[1]) != t["shape"]:
-                if old is not None:
-                    facts.add("retyped" if old[0] != t["dtype"] else "reshaped")
-                elif v > 0:
-                    facts.add("added")
-                state[name] = (t["dtype"], tuple(t["shape"]),
-                               np.zeros(math.prod(t["shape"]), dtype=word(WIDTH[t["dtype"]])))
-                created.add(name)
-                running[name] = tensor_digest(features, state[name][2])
+        commits[v] = (c, data)
         records = changed = 0
         if not c["segments"]:
             facts.add("zero-records")
         if len(c["segments"]) > 1:
             facts.add("multi-segment")
-        for ref in c["segments"]:
-            assert ref["key"].startswith(f"segments/{v}/") and ref["key"].endswith(".arrow")
-            data = (root / ref["key"]).read_bytes()
-            assert len(data) == ref["size"] and hashlib.sha256(data).hexdigest() == ref["sha256"]
-            assert data[:6] == b"ARROW1" and data[-6:] == b"ARROW1"
-            reader = pa.ipc.open_file(pa.py_buffer(data))
-            assert reader.schema.remove_metadata().equals(SPEC_SCHEMA)
-            assert reader.schema.metadata == {b"dcr.format_version": b"1",
-                                              b"dcr.log_id": identity["log_id"].encode(),
-                                              b"dcr.version": str(v).encode()}
-            if reader.num_record_batches > 1:
-                facts.add("multi-batch")
-            in_segment = 0
-            for i in range(reader.num_record_batches):
-                rows = reader.get_batch(i).to_pylist()
-                if not rows:
-                    facts.add("empty-batch")
-                for row in rows:
+        if previous is None and v > 0:
+            # replay starts from the snapshot of the log start (section 25); the version's own
+            # records, whose parent expired, are read but not applied
+            where["stage"], where["catchup"] = "catchup", f"snapshots/{v}/manifest.json"
+            state = spec_catchup(root, identity, where["catchup"], "snapshot", v, None, commits, log_start,
+                                 None, facts)
+            where["stage"], where["catchup"] = "version", None
+            running = {n: tensor_digest(features, w) for n, (_, _, w) in state.items()}
+            facts.add("start-from-snapshot")
+            for ref in c["segments"]:
+                assert ref["key"].startswith(f"segments/{v}/") and ref["key"].endswith(".arrow")
+                rows = spec_segment_rows(root, ref, log_id, v, facts)
+                records += len(rows)
+                changed += sum(row["n_changed"] for row in rows)
+        else:
+            created = set()
+            for name in list(state):
+                if name not in table:
+                    del state[name]
+                    running.pop(name, None)
+                    facts.add("removed")
+            for name, t in table.items():
+                old = state.get(name)
+                if old is None or old[0] != t["dtype"] or list(old[1]) != t["shape"]:
+                    if old is not None:
+                        facts.add("retyped" if old[0] != t["dtype"] else "reshaped")
+                    elif v > 0:
+                        facts.add("added")
+                    state[name] = (t["dtype"], tuple(t["shape"]),
+                                   np.zeros(math.prod(t["shape"]), dtype=word(WIDTH[t["dtype"]])))
+                    created.add(name)
+                    running[name] = tensor_digest(features, state[name][2])
+            for ref in c["segments"]:
+                assert ref["key"].startswith(f"segments/{v}/") and ref["key"].endswith(".arrow")
+                for row in spec_segment_rows(root, ref, log_id, v, facts):
                     apply_row(row, state, created, facts, features, running)
-                    in_segment += 1
+                    records += 1
                     changed += row["n_changed"]
-            assert in_segment == ref["records"]
-            records += in_segment
         files = spec_read_files(root, c, features, facts, previous_files)
         previous_files = files
         assert (records, changed) == (c["stats"]["records"], c["stats"]["changed_elements"])
@@ -357,7 +565,26 @@ def _spec_replay(root: Path, facts: set[str], where: dict) -> list[tuple[dict, d
         c["_files"] = files
         out.append((c, {n: (d, s, w.copy()) for n, (d, s, w) in state.items()}))
         previous = c
-    return out
+    # every snapshot and squash (sections 23 and 24), once the versions read back; those below
+    # the log start are ignored (retention deletes them)
+    where["stage"] = "catchup"
+    catchups = []
+    for key, kind, version, start in spec_catchups(root):
+        if version < log_start:
+            continue
+        where["version"], where["catchup"] = version, key
+        retired = (root / f"snapshots/{version}/retired.json").is_file() and kind == "snapshot"
+        if retired:
+            m = spec_marker(root, f"snapshots/{version}/retired.json", log_id, "retired", version)
+            assert m["snapshot_sha256"] == hashlib.sha256((root / key).read_bytes()).hexdigest()
+            facts.add("retired")
+        base = None
+        if kind == "squash":
+            base = out[start - log_start][1] if start >= log_start else from_states.get(start)
+        result = spec_catchup(root, identity, key, kind, version, start, commits, log_start, base, facts)
+        catchups.append({"key": key, "kind": kind, "version": version, "from": start, "retired": retired,
+                         "state": result})
+    return {"start": log_start, "versions": out, "catchups": catchups}
 
 
 def apply_row(row: dict, state: dict, created: set, facts: set, features: list[str],
@@ -454,18 +681,84 @@ def test_valid_vector_reads_back(name):
     assert report.versions == len(expected["versions"])
     keys = {f["sha256"] for v in expected["versions"] for f in v.get("files", [])}
     assert report.files == len(keys)  # each object checked once
+    assert report.start == expected.get("start", 0)
+    assert report.catchups == len(expected.get("catchups", []))
+    if "catchups" in expected:
+        check_catchups_library(VECTORS / name / "log", expected, features)
+
+
+def bits_words(state: dict[str, TensorBits]) -> dict[str, tuple[str, tuple, np.ndarray]]:
+    return {n: (b.dtype, b.shape, b.words) for n, b in state.items()}
+
+
+def from_tensors(entry: dict) -> dict[str, tuple[str, tuple, np.ndarray]]:
+    """A squash's from-state as expected.json gives it (``hex``: the tensor's bytes)."""
+    return {t["name"]: (t["dtype"], tuple(t["shape"]),
+                        np.frombuffer(bytes.fromhex(t["hex"]), dtype=word(WIDTH[t["dtype"]])).copy())
+            for t in entry["from_tensors"]}
+
+
+def check_catchups_library(log_dir: Path, expected: dict, features: list[str]) -> None:
+    """dcr_log reads the log start and every snapshot and squash to the expected states."""
+    log = DeltaLog.open(log_dir)
+    start = expected["start"]
+    assert log.start() == start and log.versions()[0] == start
+    if start > 0:
+        with pytest.raises(errors.ExpiredError):
+            log.materialize(start - 1)
+        assert log.start_snapshot().version == start
+    catchups = expected["catchups"]
+    snapshots = [c for c in catchups if c["kind"] == "snapshot"]
+    assert sorted(log.snapshots(retired=True)) == sorted(c["version"] for c in snapshots)
+    assert sorted(log.snapshots()) == sorted(c["version"] for c in snapshots
+                                             if not c["retired"] or c["version"] == start)
+    assert sorted((cu.start, cu.version) for cu in log.squashes()) == sorted(
+        (c["from"], c["version"]) for c in catchups if c["kind"] == "squash")
+    for c in catchups:
+        cu, _ = log.catchup(c["key"])
+        assert (cu.kind, cu.version, cu.start, f"{cu.state_digest:016x}") == (
+            c["kind"], c["version"], c["from"], c["state_digest"])
+        state: dict[str, TensorBits] = {}
+        if c["kind"] == "squash":
+            given = from_tensors(c)
+            check_tensors(given, {"tensors": c["from_tensors"]}, features)
+            assert f"{cu.start_state_digest:016x}" == c["from_state_digest"]
+            state = {n: TensorBits(d, s, w) for n, (d, s, w) in given.items()}
+            if c["from"] >= start:  # the tensors of that version
+                check_tensors(bits_words(log.materialize(c["from"])), {"tensors": c["from_tensors"]}, features)
+        log.apply_step(state, log.catchup_step(cu))
+        check_tensors(bits_words(state), c, features)
 
 
 @pytest.mark.parametrize("name", VALID)
 def test_valid_vector_spec_reader(name):
     """The format as FORMAT.md writes it down reads these logs too."""
     expected = load_expected(VECTORS / name)
-    versions = spec_replay(VECTORS / name / "log", set())
+    got = spec_read(VECTORS / name / "log", set(), expected_from_states(expected))
+    versions = got["versions"]
     assert len(versions) == len(expected["versions"])
     for (commit, state), v in zip(versions, expected["versions"]):
+        assert commit["version"] == v["version"]
         assert commit["state_digest"] == v["state_digest"]
         check_tensors(state, v, commit["features"])
         check_files(commit["_files"], v, commit["features"])
+    assert got["start"] == expected.get("start", 0)
+    features = log_features(name)
+    catchups = expected.get("catchups", [])
+    assert [c["key"] for c in got["catchups"]] == [c["key"] for c in catchups]
+    for mine, c in zip(got["catchups"], catchups):
+        assert (mine["kind"], mine["version"], mine["from"], mine["retired"]) == (
+            c["kind"], c["version"], c["from"], c["retired"])
+        assert spec_state_digest([{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"],
+                                   "digest": t.get("digest", t["xxh3"])} for t in c["tensors"]]) == c["state_digest"]
+        check_tensors(mine["state"], c, features)
+        if c["kind"] == "squash" and c["from"] >= got["start"]:  # from_tensors: that version's
+            check_tensors(versions[c["from"] - got["start"]][1], {"tensors": c["from_tensors"]}, features)
+
+
+def expected_from_states(expected: dict) -> dict[int, dict]:
+    """from -> state of every squash in expected.json (the reader uses those it cannot replay)."""
+    return {c["from"]: from_tensors(c) for c in expected.get("catchups", []) if c["kind"] == "squash"}
 
 
 def test_vectors_cover_the_format():
@@ -479,6 +772,16 @@ def test_vectors_cover_the_format():
         "zero-records", "multi-segment", "multi-batch", "empty-batch", "tensor-on-existing",
         "overwrite-repair",
     }
+    assert wanted <= facts, sorted(wanted - facts)
+
+
+def test_retention_vectors_cover_sections_23_to_25():
+    """Snapshots, squashes and retention, as the spec reader meets them."""
+    facts: set[str] = set()
+    for name in VALID:
+        spec_read(VECTORS / name / "log", facts, expected_from_states(load_expected(VECTORS / name)))
+    wanted = {"log-start", "expired-deleted", "start-from-snapshot", "snapshot", "squash", "retired",
+              "snapshot-multi-segment", "squash-from-expired", "squash-creates", "squash-drops"}
     assert wanted <= facts, sorted(wanted - facts)
 
 
@@ -601,8 +904,25 @@ def test_invalid_vector_is_refused(name):
     if stage == "listing":
         with pytest.raises(error):
             log.versions()
+            log.start_snapshot()  # the marker's snapshot_sha256 against the start's manifest
         with pytest.raises(error):
-            log.verify(deep=True)
+            DeltaLog.open(log_dir).verify(deep=True)
+        with pytest.raises(error):
+            DeltaLog.open(log_dir).materialize()
+        return
+    if stage == "catchup":
+        for _ in DeltaLog.open(log_dir).replay(check_all=True):  # every version reads back
+            pass
+        keys = sorted(o.key for prefix in ("snapshots/", "squashes/") for o in log.store.list(prefix)
+                      if o.key.endswith("/manifest.json"))
+        assert expected["catchup"] in keys
+        for key in keys:  # every other snapshot and squash reads back
+            if key != expected["catchup"]:
+                library_catchup(log_dir, key)
+        with pytest.raises(error):
+            library_catchup(log_dir, expected["catchup"])
+        with pytest.raises(error):
+            DeltaLog.open(log_dir).verify(deep=True)
         return
     if version > 0:  # everything before the broken version reads back
         DeltaLog.open(log_dir).materialize(version - 1)
@@ -630,6 +950,27 @@ def test_invalid_vector_is_refused(name):
         DeltaLog.open(log_dir).materialize(version)
 
 
+def chain_state(log_dir: Path, version: int) -> dict[str, TensorBits]:
+    """Version ``version`` replayed along the versions from the log start (no other snapshot
+    or squash read)."""
+    state: dict[str, TensorBits] = {}
+    for _, state in DeltaLog.open(log_dir).replay(version):
+        pass
+    return {n: TensorBits(b.dtype, b.shape, b.words.copy()) for n, b in state.items()}
+
+
+def library_catchup(log_dir: Path, key: str) -> None:
+    """Read one snapshot or squash with dcr_log and apply it: a snapshot to nothing, a squash to
+    its start's state; a squash whose start expired is read but not applied."""
+    log = DeltaLog.open(log_dir)
+    cu = log.catchup(key)[0]
+    step = log.catchup_step(cu)
+    if cu.start is not None and cu.start < log.start():
+        list(log.records(step))
+        return
+    log.apply_step({} if cu.start is None else chain_state(log_dir, cu.start), step)
+
+
 @pytest.mark.parametrize("name", INVALID)
 def test_invalid_vector_is_refused_by_the_spec_reader(name):
     """FORMAT.md's rules, as the independent reader implements them, refuse every invalid
@@ -638,11 +979,14 @@ def test_invalid_vector_is_refused_by_the_spec_reader(name):
     with pytest.raises(Refused) as refused:
         spec_replay(VECTORS / "invalid" / name / "log", set())
     assert refused.value.version == expected["version"]
+    stage = expected["stage"]
+    assert refused.value.stage == (stage if stage in ("identity", "listing", "catchup") else "version")
+    assert refused.value.catchup == expected.get("catchup")
 
 
 def test_invalid_vectors_cover_the_stages():
     stages = {load_expected(VECTORS / "invalid" / n)["stage"] for n in INVALID}
-    assert stages == {"identity", "listing", "commit", "segment", "files", "apply"}
+    assert stages == {"identity", "listing", "commit", "segment", "files", "apply", "catchup"}
 
 
 # -- the generator -----------------------------------------------------------------------------

@@ -8,8 +8,9 @@ Each payload and segment is also re-encoded here from the rules of spec/FORMAT.m
 come out byte-identical to the library's, and every digest of the feature `sum-digests` is
 computed here from FORMAT.md section 7.1 and must equal dcr_log.digest's, so the spec text and
 the code are checked against each other; so are the file names and file objects of the feature
-`files` (section 22). Expected states are the dense states generated here,
-never a replay of the log.
+`files` (section 22); and so are the manifests and markers of snapshots, squashes and
+retention (sections 23 to 25), whose sealed bytes are derived here from section 3 as well.
+Expected states are the dense states generated here, never a replay of the log.
 
 The output is byte-for-byte reproducible: fixed log ids, timestamps, writer ids and segment
 ids, and data drawn from SHAKE-256 (not a seeded RNG, whose stream may change between numpy
@@ -57,6 +58,7 @@ from dcr_log.format import (
     version_key,
 )
 from dcr_log.format.canonical import canonical_bytes, seal
+from dcr_log.format.lifecycle import CatchUp, Marker, check_object_key
 from dcr_log.format.signature import signature_message
 from dcr_log.signing import SigningKey, public_text
 from dcr_log.state import TensorBits, TensorInfo, state_digest
@@ -464,6 +466,10 @@ class LogBuilder:
         self.states: list[dict[str, TensorBits]] = []
         self.commits: list[CommitRecord] = []
         self.file_sets: list[dict[str, bytes]] = []  # feature files: each version's files
+        # Sections 23 to 25: the log start (versions below it deleted) and the snapshots and
+        # squashes written, each (manifest key, kind, version, from).
+        self.start = 0
+        self.catchups: list[tuple[str, str, int, int | None]] = []
 
     def step(self, new: dict[str, TensorBits]) -> Step:
         return Step(self.states[-1] if self.states else {}, new, self.digests)
@@ -545,24 +551,52 @@ def check_records(step: Step, records: list[Record]) -> None:
     assert all(r.tensor in step.new for r in records)
 
 
+def tensor_entries(b: LogBuilder, state: dict[str, TensorBits], with_bytes: bool = False) -> list[dict]:
+    """Vectors with a digest scheme other than xxh3 also give each tensor's ``digest``; with
+    ``with_bytes``, ``hex`` holds the tensor's bytes."""
+    tensors = []
+    for n, t in sorted(state.items(), key=lambda kv: kv[0].encode()):
+        entry = {"name": n, "dtype": t.dtype, "shape": list(t.shape),
+                 "sha256": hashlib.sha256(t.words.tobytes()).hexdigest(), "xxh3": f"{xxh3(t.words):016x}"}
+        if b.digests.sum:
+            entry["digest"] = f"{b.digests.tensor(t):016x}"
+        if with_bytes:
+            entry["hex"] = t.words.tobytes().hex()
+        tensors.append(entry)
+    return tensors
+
+
 def expected_json(b: LogBuilder, description: str) -> dict:
-    """Vectors with a digest scheme other than xxh3 also give each tensor's ``digest``."""
+    """The versions from the log start on; after retention (sections 23 to 25) also ``start``
+    and ``catchups``: the state each snapshot and squash leads to (a squash's from-state in
+    full, with its bytes)."""
     versions = []
     for v, state in enumerate(b.states):
-        tensors = []
-        for n, t in sorted(state.items(), key=lambda kv: kv[0].encode()):
-            entry = {"name": n, "dtype": t.dtype, "shape": list(t.shape),
-                     "sha256": hashlib.sha256(t.words.tobytes()).hexdigest(), "xxh3": f"{xxh3(t.words):016x}"}
-            if b.digests.sum:
-                entry["digest"] = f"{b.digests.tensor(t):016x}"
-            tensors.append(entry)
+        if v < b.start:
+            continue
         entry = {"version": v, "state_digest": f"{spec_state_digest(state, b.digests):016x}",
-                 "tensors": tensors}
+                 "tensors": tensor_entries(b, state)}
         if FILES in b.features:
             entry["files"] = [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
                               for n, d in sorted(b.file_sets[v].items(), key=lambda kv: kv[0].encode())]
         versions.append(entry)
-    return {"vector": b.name, "description": description, "log_id": b.log_id, "versions": versions}
+    out = {"vector": b.name, "description": description, "log_id": b.log_id, "versions": versions}
+    if b.start or b.catchups:
+        out["start"] = b.start
+        out["catchups"] = [catchup_entry(b, *c) for c in b.catchups]
+    return out
+
+
+def catchup_entry(b: LogBuilder, key: str, kind: str, version: int, start: int | None) -> dict:
+    state = b.states[version]
+    entry = {"key": key, "kind": kind, "version": version, "from": start,
+             "retired": f"snapshots/{version}/retired.json" in b.files and kind == "snapshot",
+             "state_digest": f"{spec_state_digest(state, b.digests):016x}",
+             "tensors": tensor_entries(b, state)}
+    if start is not None:
+        entry["from_state_digest"] = f"{spec_state_digest(b.states[start], b.digests):016x}"
+        entry["from_tensors"] = tensor_entries(b, b.states[start], with_bytes=True)
+    return entry
 
 
 # -- valid vectors ----------------------------------------------------------------------------
@@ -941,6 +975,193 @@ def v_files() -> LogBuilder:
     return b
 
 
+# -- snapshots, squashes and retention (FORMAT.md sections 23 to 25) -------------------------
+
+CATCHUP_AT = "2025-01-01T01:00:00.000000Z"  # created_at of the manifests and markers
+HEX16_RE, HEX64_RE = r"[0-9a-f]{16}", r"[0-9a-f]{64}"
+
+
+def spec_seal(body: dict) -> bytes:
+    """Section 3 written out: the canonical form of the body (members sorted by key, no
+    whitespace, ASCII escapes) and its SHA-256 as the member ``checksum``."""
+    def canonical(obj) -> bytes:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return canonical({**body, "checksum": hashlib.sha256(canonical(body)).hexdigest()})
+
+
+def catchup_prefix(start: int | None, version: int) -> str:
+    return f"snapshots/{version}/" if start is None else f"squashes/{start}-{version}/"
+
+
+def spec_segment_name_ok(name: str) -> bool:
+    """Section 2's file name of a segment (sections 23 and 24 use it under their prefix)."""
+    return 1 <= len(name) <= 255 and name.endswith(".arrow") and all(
+        c.isascii() and (c.isalnum() or c in "._-") for c in name)
+
+
+def add_catchup(b: LogBuilder, start: int | None, version: int,
+                make: Callable[[Step], list[list[Record]]], check: bool = True) -> CatchUp:
+    """A snapshot (``start`` None) or a squash from ``start`` to ``version``: the records
+    ``make`` builds from the step (the from-state, or nothing, to ``version``'s state), one
+    segment per list, then the manifest of section 23, sealed here by section 3 and by
+    dcr_log.format.lifecycle.CatchUp alike."""
+    kind = "snapshot" if start is None else "squash"
+    prefix = catchup_prefix(start, version)
+    step = Step({} if start is None else b.states[start], b.states[version], b.digests)
+    segments = make(step)
+    records = [r for seg in segments for r in seg]
+    if check:
+        check_records(step, records)
+        for r in records:  # section 23: tensor records only; 24: for the tensors it creates only
+            old, new = step.base.get(r.tensor), step.new[r.tensor]
+            kept = old is not None and (old.dtype, old.shape) == (new.dtype, new.shape)
+            assert r.kind == "tensor" if kind == "snapshot" else (r.kind == "tensor") == (not kept), r
+        if kind == "snapshot":  # every element covered exactly once
+            for name, t in step.new.items():
+                covered = np.zeros(t.words.size, dtype=np.int64)
+                for r in records:
+                    if r.tensor == name:
+                        covered[box_flat(t.shape, r.box)] += 1
+                assert np.all(covered == 1), name
+    refs = []
+    for i, recs in enumerate(segments):
+        data = write_segment([record_row(r) for r in recs], segment_meta(b.log_id, version))
+        assert data == encode_segment(recs, b.log_id, version), "segment bytes differ"
+        key = f"{prefix}{WRITER}-{segment_id(b.name, prefix, i)}.arrow"
+        assert spec_segment_name_ok(key[len(prefix):])
+        check_object_key(key, prefix, key)
+        b.files[key] = data
+        refs.append(SegmentRef(key, len(data), hashlib.sha256(data).hexdigest(), len(recs)))
+    target = b.commits[version]
+    commit_sha = hashlib.sha256(b.files[version_key(version)]).hexdigest()
+    changed = sum(r.n_changed for r in records)
+    total = sum(t.words.size for t in step.new.values())
+    if kind == "snapshot":
+        assert changed == total or not check
+    from_digest = None if start is None else spec_state_digest(b.states[start], b.digests)
+    body = {  # the manifest table of section 23, member by member
+        "format_version": 1, "log_id": b.log_id, "kind": kind, "version": version, "from": start,
+        "from_state_digest": None if from_digest is None else f"{from_digest:016x}",
+        "state_digest": f"{spec_state_digest(step.new, b.digests):016x}", "commit_sha256": commit_sha,
+        "segments": [{"key": r.key, "size": r.size, "sha256": r.sha256, "records": r.records} for r in refs],
+        "stats": {"changed_elements": changed, "total_elements": total, "records": len(records)},
+        "created_at": CATCHUP_AT, "writer_id": WRITER,
+    }
+    cu = CatchUp(b.log_id, version, start, None if start is None else b.commits[start].state_digest,
+                 target.state_digest, commit_sha, tuple(refs),
+                 CommitStats(changed, target.stats.total_elements, len(records)), CATCHUP_AT, WRITER)
+    data = cu.to_bytes()
+    assert data == spec_seal(body), "library and spec manifests differ"
+    assert cu.key == prefix + "manifest.json" and CatchUp.from_bytes(data, cu.key) == cu
+    b.files[cu.key] = data
+    b.catchups.append((cu.key, kind, version, start))
+    return cu
+
+
+def add_marker(b: LogBuilder, kind: str, version: int) -> Marker:
+    """A log-start marker (``kind`` "log-start") or a retire marker ("retired") naming the
+    manifest of snapshot ``version`` (section 25), sealed here and by Marker alike."""
+    key = f"log-start/{version:020d}.json" if kind == "log-start" else f"snapshots/{version}/retired.json"
+    sha = hashlib.sha256(b.files[f"snapshots/{version}/manifest.json"]).hexdigest()
+    body = {"format_version": 1, "log_id": b.log_id, "kind": kind, "version": version,
+            "snapshot_sha256": sha, "created_at": CATCHUP_AT}
+    marker = Marker(b.log_id, kind, version, sha, CATCHUP_AT)
+    data = marker.to_bytes()
+    assert data == spec_seal(body), "library and spec markers differ"
+    assert marker.key == key and Marker.from_bytes(data, key) == marker
+    b.files[key] = data
+    return marker
+
+
+def expire(b: LogBuilder, start: int) -> None:
+    """Retention's deletions below the log start ``start`` (section 25, step 3): commit
+    records, segments and signatures of the versions before it."""
+    for key in list(b.files):
+        top, _, rest = key.partition("/")
+        if top in ("versions", "segments", "signatures") and int(rest.split("/")[0][:20]) < start:
+            del b.files[key]
+    b.start = start
+
+
+RETENTION_W = (4, 8)
+
+
+def _snapshot_3(s: Step) -> list[list[Record]]:
+    return [[s.tensor("added", "raw"), s.tensor("b", "raw"), s.tensor("gone", "dense"),
+             s.tensor("w", "raw", rows_box(RETENTION_W, 0, 2)),
+             s.tensor("w", "dense", rows_box(RETENTION_W, 2, 4))]]  # one tensor in two boxes
+
+
+def _snapshot_4(s: Step) -> list[list[Record]]:
+    return [[s.tensor(n, "raw") for n in sorted(s.new)]]
+
+
+def _snapshot_5(s: Step) -> list[list[Record]]:
+    return [[s.tensor("w", "raw")], [s.tensor("added", "dense"), s.tensor("b", "raw")]]  # two segments
+
+
+def _squash_1_5(s: Step) -> list[list[Record]]:
+    # "added" is created (absent at 1): tensor records; "gone" is dropped with no record
+    return [[s.tensor("added", "raw"), s.overwrite("b", "raw"), s.xor("w", "sparse")]]
+
+
+def _squash_3_6(s: Step) -> list[list[Record]]:
+    return [[s.xor("added", "raw"), s.xor("b", "sparse"), s.xor("w", "dense")]]
+
+
+RETENTION_CATCHUPS = {"snapshots/3/": _snapshot_3, "snapshots/4/": _snapshot_4, "snapshots/5/": _snapshot_5,
+                      "squashes/1-5/": _squash_1_5, "squashes/3-6/": _squash_3_6}
+
+
+def retention_log(name: str, catchups: dict | None = None, check: bool = True) -> LogBuilder:
+    """Versions 0 to 6 (sum-digests): w BF16 [4,8], b F32 [6] and gone I16 [3] at 0; added U8
+    [2,3] from 2 on; gone removed at 4; version 5 changes one of 4's words of w back. Then
+    snapshots at 3, 4 and 5, squashes 1-5 and 3-6, snapshot 4 retired, the log start at 3, and
+    versions 0 to 2 deleted. ``catchups`` replaces the records of some of them (by prefix)."""
+    b = LogBuilder(name, features=(SUM_DIGESTS,))
+    st = {"b": det_tensor("rb0", "F32", (6,)), "gone": det_tensor("rgone0", "I16", (3,)),
+          "w": det_tensor("rw0", "BF16", RETENTION_W)}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor("b", "raw"), s.tensor("gone", "raw"), s.tensor("w", "dense")])])
+    st = {**st, "b": flipped(st["b"], "rb1", 2), "w": flipped(st["w"], "rw1", 3)}
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("b", "raw"), s.xor("w", "sparse")])])
+    st = {**st, "added": det_tensor("radded2", "U8", (2, 3)), "w": flipped(st["w"], "rw2", 2)}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor("added", "raw"), s.overwrite("w", "raw")])])
+    st = {**st, "added": flipped(st["added"], "radded3", 2), "b": flipped(st["b"], "rb3", 2)}
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("added", "raw"), s.overwrite("b", "sparse")])])
+    w3 = st["w"]
+    st = {k: v for k, v in st.items() if k != "gone"}
+    st.update(added=flipped(st["added"], "radded4", 1), w=flipped(w3, "rw4", 12))
+    s = b.step(st)
+    b.commit(s, [Seg([s.overwrite("added", "raw"), s.xor("w", "dense")])])
+    back = int(np.flatnonzero(w3.words != st["w"].words)[0])  # changed at 4, changed back at 5
+    w5 = with_xor(flipped(st["w"], "rw5", 3), [back], [int(w3.words[back] ^ st["w"].words[back])])
+    st = {**st, "b": flipped(st["b"], "rb5", 3), "w": w5}
+    assert w5.words[back] == w3.words[back]
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("b", "raw"), s.xor("w", "sparse")])])
+    st = {**st, "added": flipped(st["added"], "radded6", 2), "w": flipped(st["w"], "rw6", 2)}
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("added", "raw"), s.overwrite("w", "sparse")])])
+    makers = {**RETENTION_CATCHUPS, **(catchups or {})}
+    for prefix in ("snapshots/3/", "snapshots/4/", "snapshots/5/", "squashes/1-5/", "squashes/3-6/"):
+        numbers = prefix.split("/")[1]
+        start, _, end = numbers.rpartition("-")
+        add_catchup(b, int(start) if start else None, int(end), makers[prefix],
+                    check=check or prefix not in (catchups or {}))
+    add_marker(b, "retired", 4)
+    add_marker(b, "log-start", 3)
+    expire(b, 3)
+    return b
+
+
+def v_retention() -> LogBuilder:
+    return retention_log("retention")
+
+
 VALID = [
     (v_worked_example, "one BF16 tensor; version 1 is the sparse xor record decoded in FORMAT.md"),
     (v_kinds_and_encodings, "every record kind with every encoding it allows; gap_bytes 1, 2, 4 and "
@@ -961,6 +1182,12 @@ VALID = [
      "removed and unchanged across versions; an empty file; binary bytes; a name needing JSON "
      "escapes; two names with the same bytes (one object); a version without files; an object "
      "listed again by a later version"),
+    (v_retention, "sections 23 to 25 (with sum-digests): a log after retention, starting at "
+     "version 3 (a log-start marker naming snapshot 3's manifest; versions 0 to 2 and their "
+     "segments deleted); snapshots at 3 (one tensor in two boxes), 4 (retired) and 5 (two "
+     "segments); a squash from the expired version 1 to 5 that creates a tensor (tensor "
+     "records) and drops one (no record); a squash from 3 to 6 over a word changed at 4 and "
+     "changed back at 5"),
 ]
 
 
@@ -1415,6 +1642,114 @@ INVALID = [
 ]
 
 
+# Invalid vectors of sections 23 to 25: the log of the vector retention with one defect.
+
+
+def _zeros_like(t: TensorBits) -> TensorBits:
+    return zeros_tensor(t.dtype, t.shape)
+
+
+def _snapshot_5_xor(s: Step) -> list[list[Record]]:
+    """b as an xor record against zeros: from nothing its digests and counts hold."""
+    assert np.all(s.new["b"].words != 0)  # so that it changes every element (n_changed = 6)
+    return [[s.tensor("w", "raw")],
+            [s.tensor("added", "dense"), s.delta("b", "xor", "raw", against=_zeros_like(s.new["b"]))]]
+
+
+def _snapshot_5_uncovered(s: Step) -> list[list[Record]]:
+    """w's rows 0-1 and 1-2: row 3 uncovered, row 1 twice, so the counts still hold."""
+    return [[s.tensor("w", "raw", rows_box(RETENTION_W, 0, 2)), s.tensor("w", "raw", rows_box(RETENTION_W, 1, 3))],
+            [s.tensor("added", "dense"), s.tensor("b", "raw")]]
+
+
+def _squash_3_6_tensor_for_kept(s: Step) -> list[list[Record]]:
+    return [[s.xor("added", "raw"), s.tensor("b", "raw"), s.xor("w", "dense")]]
+
+
+def _squash_3_6_without_b(s: Step) -> list[list[Record]]:
+    return [[s.xor("added", "raw"), s.xor("w", "dense")]]
+
+
+def _drop_version_3(b: LogBuilder) -> None:
+    for key in [k for k in b.files if k.startswith("segments/3/") or k == version_key(3)]:
+        del b.files[key]
+
+
+def _sha_of(b: LogBuilder, key: str) -> str:
+    return hashlib.sha256(b.files[key]).hexdigest()
+
+
+def _marker_names_snapshot_5(b: LogBuilder) -> None:
+    sha = _sha_of(b, "snapshots/5/manifest.json")
+    replace_file(b, "log-start/00000000000000000003.json", reseal(lambda o: o.update(snapshot_sha256=sha)))
+
+
+def _snapshot_5_names_commit_4(b: LogBuilder) -> None:
+    sha = _sha_of(b, version_key(4))
+    replace_file(b, "snapshots/5/manifest.json", reseal(lambda o: o.update(commit_sha256=sha)))
+
+
+def _squash_segment_under_segments(b: LogBuilder) -> None:
+    """Squash 3-6's segment moved to segments/6/ (an orphan there) and listed there."""
+    manifest = json.loads(b.files["squashes/3-6/manifest.json"])
+    (ref,) = manifest["segments"]
+    moved = "segments/6/" + ref["key"].rsplit("/", 1)[1]
+    b.files[moved] = b.files.pop(ref["key"])
+
+    def edit(obj):
+        obj["segments"][0]["key"] = moved
+    replace_file(b, "squashes/3-6/manifest.json", reseal(edit))
+
+
+def _drop_snapshot_5_segment(b: LogBuilder) -> None:
+    key = json.loads(b.files["snapshots/5/manifest.json"])["segments"][1]["key"]
+    del b.files[key]
+
+
+# (name, error class, stage, version, manifest key (stage catchup), reason, catchups, edit)
+RETENTION_INVALID = [
+    ("listing-log-start-version-missing", "IntegrityError", "listing", None, None,
+     "the log-start marker names version 3, whose commit record (and segments) are missing; "
+     "versions 4 to 6 exist", None, _drop_version_3),
+    ("listing-log-start-bad-checksum", "IntegrityError", "listing", None, None,
+     "the log-start marker's created_at was edited after sealing", None,
+     lambda b: replace_file(b, "log-start/00000000000000000003.json",
+                            lambda d: d.replace(b"2025-01-01", b"2025-01-02"))),
+    ("listing-log-start-other-manifest", "IntegrityError", "listing", None, None,
+     "the log-start marker at 3 names snapshot 5's manifest (its snapshot_sha256, re-sealed), "
+     "not the manifest of snapshot 3", None, _marker_names_snapshot_5),
+    ("catchup-snapshot-commit-sha256", "IntegrityError", "catchup", 5, "snapshots/5/manifest.json",
+     "snapshot 5's manifest has commit_sha256 of commit record 4 (re-sealed)", None,
+     _snapshot_5_names_commit_4),
+    ("catchup-snapshot-xor-record", "IntegrityError", "catchup", 5, "snapshots/5/manifest.json",
+     "snapshot 5 holds b as an xor record (against zeros, so its digests and counts hold): a "
+     "snapshot has tensor records only", {"snapshots/5/": _snapshot_5_xor}, None),
+    ("catchup-snapshot-uncovered", "IntegrityError", "catchup", 5, "snapshots/5/manifest.json",
+     "snapshot 5's tensor records of w cover rows 0-1 and 1-2: row 3 is left uncovered (zero) and "
+     "row 1 is written twice, so the counts hold and only w's tensor digest fails",
+     {"snapshots/5/": _snapshot_5_uncovered}, None),
+    ("catchup-squash-tensor-record-kept", "IntegrityError", "catchup", 6, "squashes/3-6/manifest.json",
+     "squash 3-6 carries b, which version 3 holds with the same dtype and shape, as a tensor "
+     "record (with the right words)", {"squashes/3-6/": _squash_3_6_tensor_for_kept}, None),
+    ("catchup-squash-target-digest", "IntegrityError", "catchup", 6, "squashes/3-6/manifest.json",
+     "squash 3-6 has no record for b, which changes between 3 and 6 (its stats agree): its "
+     "records hold but do not lead to version 6's tensor digests",
+     {"squashes/3-6/": _squash_3_6_without_b}, None),
+    ("catchup-segment-key-outside-prefix", "IntegrityError", "catchup", 6, "squashes/3-6/manifest.json",
+     "squash 3-6's manifest lists its segment under segments/6/ (the file moved there, an orphan "
+     "of version 6), not under squashes/3-6/", None, _squash_segment_under_segments),
+    ("catchup-snapshot-segment-missing", "IntegrityError", "catchup", 5, "snapshots/5/manifest.json",
+     "the second segment of snapshot 5 is missing (its manifest is there)", None, _drop_snapshot_5_segment),
+]
+
+
+def build_retention_invalid(name, catchups, edit) -> LogBuilder:
+    b = retention_log(name, catchups, check=False)
+    if edit:
+        edit(b)
+    return b
+
+
 # -- signed vectors (FORMAT.md section 21) ----------------------------------------------------
 # Fixed test keys: each private key is the SHAKE-256 of a label (32 bytes), so the signatures
 # (ed25519 is deterministic) regenerate byte for byte. Never use them for anything else.
@@ -1569,7 +1904,8 @@ replay of the log.
 ## Layout
 
 ```
-<name>/log/                     a complete log (dcr.json, versions/, segments/)
+<name>/log/                     a complete log (dcr.json, versions/, segments/; after
+                                retention also snapshots/, squashes/, log-start/)
 <name>/expected.json            what a reader must produce from it
 invalid/<name>/log/             a log with one defect
 invalid/<name>/expected.json    the defect and the error a reader must report
@@ -1584,32 +1920,52 @@ invalid/<name>/expected.json    the defect and the error a reader must report
   bytes: the tensor digest of a log without features); in a log with the feature
   `sum-digests`, also `digest` (its tensor digest under the log's scheme, FORMAT.md
   section 7.1); in a log with the feature `files`, also `files`: the version's files, sorted by
-  the UTF-8 bytes of their names, each with `name`, `size` and `sha256` (FORMAT.md section 22).
+  the UTF-8 bytes of their names, each with `name`, `size` and `sha256` (FORMAT.md section 22);
+- `start` and `catchups`, in a log with snapshots, squashes or retention (FORMAT.md sections 23
+  to 25): `start` is the log start (the largest version of a log-start marker; `versions`
+  begins there, the versions below it are expired and their commit records and segments
+  deleted); `catchups` has one entry per manifest (`snapshots/<V>/manifest.json`,
+  `squashes/<A>-<B>/manifest.json`), with `key` (the manifest's key), `kind` (`snapshot` or
+  `squash`), `version`, `from` (a squash's start, `null` for a snapshot), `retired` (a snapshot
+  with a retire marker `snapshots/<V>/retired.json`), and `state_digest` and `tensors` (as in
+  `versions`) of the state it leads to: a snapshot applied to nothing, a squash applied to the
+  state of its `from`. A squash also gives that state in full, as `from_state_digest` and
+  `from_tensors`: the tensors as in `versions`, each with `hex` as well, its bytes
+  (little-endian words in row-major order) as lowercase hex, so that a reader can apply a
+  squash whose `from` has expired.
 
 A reader passes a valid vector when, for every version, it lists exactly these tensors with
 these dtypes, shapes and bytes (and these files, with these bytes), and verifies every digest
-on the way.
+on the way; and, in a log with `catchups`, when it starts at `start` and reads every snapshot
+and squash (its manifest checked against its version's commit record) to exactly the tensors
+given, a squash applied to `from_tensors` (which, for a `from` at or above `start`, are the
+tensors of that version).
 
 `expected.json` of an invalid vector: `reason` (one line), `error` (the error class of
-FORMAT.md, section "Errors"), `stage` and `version`. `stage` names the first step of reading at
+FORMAT.md, section "Errors"), `stage` and `version`, and at the stage `catchup` also `catchup`:
+the key of the manifest whose snapshot or squash fails. `stage` names the first step of reading at
 which the defect must be reported; every earlier step must succeed:
 
 | stage | step |
 |---|---|
 | `identity` | reading `dcr.json` |
-| `listing` | listing the versions |
+| `listing` | listing the versions and the log start (FORMAT.md section 25): the log-start marker of the largest version checked, the versions exactly start to latest, the SHA-256 of the start's snapshot manifest equal to the marker's `snapshot_sha256` |
 | `commit` | reading and checking commit record `version` (parent chain and state digest included) |
 | `segment` | reading the segments of `version`: size, sha256, Arrow schema and metadata, record fields |
 | `files` | reading the file objects of `version` (feature `files`): each one's size and sha256 |
 | `apply` | decoding and applying the records of `version`: payloads, digests, stats |
+| `catchup` | reading a snapshot or squash and applying it: manifest, segments, records, digests |
 
 The stages are listed in the order a reader goes through them (for each version `u`, its
-`commit`, then its `segment`s, then its `files`, then `apply`, before version `u + 1`). A
-defect at `files` is found by reading the version's files and by verification; a replay of
-the tensors alone does not read files and reads such a log back. `version` is the version
-whose reading fails, and `null` for the stages `identity` and `listing`, which concern no
-version. At `commit`, `segment`, `files` and `apply`, every version before `version`
-reads back.
+`commit`, then its `segment`s, then its `files`, then `apply`, before version `u + 1`; then
+`catchup`, every snapshot and squash, once every version has been read; the snapshot of the
+log start alone is read with version `start`, since replay begins there). A defect at
+`files` is found by reading the version's files and by verification; a replay of the tensors
+alone does not read files and reads such a log back. `version` is the version
+whose reading fails (at `catchup`, the manifest's `version`), and `null` for the stages
+`identity` and `listing`, which concern no version. At `commit`, `segment`, `files` and
+`apply`, every version before `version` reads back; at `catchup`, every version reads back
+(replayed from the log start), and so does every other snapshot and squash.
 
 A reader may report a defect earlier than its stage (for example a reader that checks payloads
 while listing records); it must never accept the log.
@@ -1663,6 +2019,16 @@ def generate(out: Path) -> list[str]:
         write_log(b.files, dest / "log")
         (dest / "expected.json").write_bytes(dump(
             {"vector": name, "reason": reason, "error": error, "stage": stage, "version": version}))
+        names.append(f"invalid/{name}")
+        invalid_lines.append(f"- `{name}` ({error}, {stage}): {reason}.")
+    for name, error, stage, version, catchup, reason, catchups, edit in RETENTION_INVALID:
+        b = build_retention_invalid(name, catchups, edit)
+        dest = out / "invalid" / name
+        write_log(b.files, dest / "log")
+        expected = {"vector": name, "reason": reason, "error": error, "stage": stage, "version": version}
+        if stage == "catchup":
+            expected["catchup"] = catchup
+        (dest / "expected.json").write_bytes(dump(expected))
         names.append(f"invalid/{name}")
         invalid_lines.append(f"- `{name}` ({error}, {stage}): {reason}.")
     signed_lines = []

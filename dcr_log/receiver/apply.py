@@ -28,7 +28,7 @@ from ..coords import DTYPE_WIDTH, numel, word_dtype
 from ..delta import decode_record, flat_positions
 from ..errors import IntegrityError, LineageError, NotFoundError, UsageError
 from ..format import CommitRecord, Record
-from ..log import DeltaLog
+from ..log import DeltaLog, Step
 from ..signing import as_trust
 from ..digest import MASK64, XXH3, DigestScheme
 from ..state import TensorInfo, digest_hex, state_digest
@@ -85,6 +85,8 @@ class ApplyReport:
     """What one version's apply did."""
 
     version: int
+    route: str = "version"    # how it was reached: "version", "squash" (from ``start``) or "snapshot"
+    start: int | None = None
     records: int = 0          # records of the version looked at in the write pass
     written: int = 0          # records written
     skipped: int = 0          # records found already at their target
@@ -204,6 +206,9 @@ class _Staged:
     recovering: bool
     report: StageReport
     file_plan: Any = None
+    # Check every tensor digest before the joint commit (a snapshot; a squash whose records'
+    # digests could not be composed from its start's).
+    whole_check: bool = False
 
 
 class Receiver:
@@ -420,12 +425,38 @@ class Receiver:
             raise UsageError(f"receiver is applying version {st.inflight}; apply at least to it")
         applied = []
         verified_digest = None
-        for v in range(st.version + 1, target + 1):
-            report, verified_digest = self._apply_version(log, v, verify, verified_digest)
-            applied.append(v)
+        route = self.route(log, target)
+        while route:
+            step = route.pop(0)
+            try:
+                report, verified_digest = self._apply_step(log, step, verify, verified_digest)
+            except IntegrityError as exc:
+                # A damaged snapshot or squash found before the step was in flight (memory
+                # storage rolls back; durable storage refuses before its first write): take
+                # another route. The chain of versions, and a step in flight, are never avoided.
+                if self.journal.state().inflight is not None or not log.exclude(step, str(exc)):
+                    raise
+                route = self.route(log, target)
+                continue
+            applied.append(step.version)
             if on_version is not None:
                 on_version(report)
         return applied
+
+    def route(self, log: DeltaLog, target: int | None = None) -> list[Step]:
+        """The steps ``apply`` takes to ``target`` (default latest): the step in flight first,
+        then the route of fewest bytes (versions, squashes, a snapshot: DeltaLog.plan). A
+        receiver at a version retention expired is caught up by a squash or a snapshot."""
+        st = self._lineage_state(log)
+        steps: list[Step] = []
+        holding, digest = st.version, st.state_digest
+        if st.inflight is not None:
+            steps.append(log.step(st.inflight_kind, st.inflight, st.inflight_from))
+            holding, digest = st.inflight, steps[0].state_digest
+        target = log.latest_version() if target is None else target
+        if target > holding:
+            steps += log.plan(target, holding=holding, holding_digest=digest)
+        return steps
 
     def stage(self, log: DeltaLog, version: int | None = None, verify: str = "sample") -> StageReport:
         """Fetch, check and decode ``version`` (default: the one after the receiver's) without
@@ -433,21 +464,30 @@ class Receiver:
         The storage may keep serving meanwhile (it is only read)."""
         _check_verify(verify)
         st = self._lineage_state(log)
-        version = (st.inflight or st.version + 1) if version is None else version
+        if version is None and st.inflight is not None:  # the step in flight, whatever its kind
+            step = log.step(st.inflight_kind, st.inflight, st.inflight_from)
+        else:
+            step = log.version_step(st.version + 1 if version is None else version)
         self._staged = None
-        self._staged = self._prepare(log, version, verify, None)
+        self._staged = self._prepare(log, step, verify, None)
         return self._staged.report
 
     def apply_version(self, log: DeltaLog, version: int, verify: str = "sample") -> ApplyReport:
         """Apply exactly ``version``, which must follow the journal's current version."""
-        return self._apply_version(log, version, _check_verify(verify), None)[0]
+        return self._apply_step(log, log.version_step(version), _check_verify(verify), None)[0]
+
+    def apply_step(self, log: DeltaLog, step: Step, verify: str = "sample") -> ApplyReport:
+        """Apply one step of a route (a version, a squash from the receiver's version, or a
+        snapshot): DeltaLog.plan, version_step, catchup_step."""
+        return self._apply_step(log, step, _check_verify(verify), None)[0]
 
     def recover(self, log: DeltaLog, verify: str = "sample") -> ApplyReport | None:
-        """Finish the version in flight, if any (durable storage)."""
+        """Finish the step in flight, if any (durable storage)."""
         st = self._lineage_state(log)
         if st.inflight is None:
             return None
-        return self._apply_version(log, st.inflight, _check_verify(verify), None)[0]
+        step = log.step(st.inflight_kind, st.inflight, st.inflight_from)
+        return self._apply_step(log, step, _check_verify(verify), None)[0]
 
     def _lineage_state(self, log: DeltaLog) -> JournalState:
         st = self.journal.state()
@@ -464,26 +504,34 @@ class Receiver:
                                  "placement it was bound with, or bind it again")
         return st
 
-    def _apply_version(self, log: DeltaLog, version: int, verify: str,
-                       verified_digest: int | None) -> tuple[ApplyReport, int | None]:
-        staged = self._prepare(log, version, verify, verified_digest)
+    def _apply_step(self, log: DeltaLog, step: Step, verify: str,
+                    verified_digest: int | None) -> tuple[ApplyReport, int | None]:
+        if self.trust is not None and step.kind != "version":
+            # A catch-up object is not signed: under a trust policy every record is checked,
+            # so that the result is the trusted version's (its tensor digests).
+            verify = "full"
+        staged = self._prepare(log, step, verify, verified_digest)
         return self._write_version(staged), (staged.commit.state_digest if verify == "full" else None)
 
-    def _prepare(self, log: DeltaLog, version: int, verify: str, verified_digest: int | None) -> _Staged:
+    def _prepare(self, log: DeltaLog, step: int | Step, verify: str, verified_digest: int | None) -> _Staged:
         """Everything before the first write: lineage, pass 1 (decoding, preconditions)."""
         t0 = time.perf_counter()
         storage = self.storage
         st = self._lineage_state(log)
-        commit = log.commit(version)
+        if not isinstance(step, Step):
+            step = log.version_step(step)
+        commit, version = step, step.version
         if self.trust is not None:
             log.check_signed(version, self.trust)
-        if commit.parent != st.version or commit.parent_state_digest != st.state_digest:
+        if step.kind != "snapshot" and (commit.parent != st.version or commit.parent_state_digest != st.state_digest):
             parent = "none" if commit.parent is None else f"{commit.parent} ({digest_hex(commit.parent_state_digest)})"
-            raise LineageError(f"version {version} follows version {parent}; the receiver holds "
+            raise LineageError(f"{step.describe()} follows version {parent}; the receiver holds "
                                f"version {st.version} ({digest_hex(st.state_digest)})")
         recovering = st.inflight is not None
-        if recovering and st.inflight != version:
-            raise IntegrityError(f"journal has version {st.inflight} in flight, not {version}")
+        if recovering and (st.inflight, st.inflight_kind, st.inflight_from) != (
+                version, step.kind, step.parent if step.kind == "squash" else None):
+            raise IntegrityError(f"journal has version {st.inflight} ({st.inflight_kind}) in flight, "
+                                 f"not {step.describe()}")
         if recovering and not storage.durable:
             raise LineageError(f"receiver was interrupted while applying version {version} and its "
                                "storage does not survive that; bind it again")
@@ -492,8 +540,17 @@ class Receiver:
         if sum(ref.records for ref in commit.segments) != commit.stats.records:
             raise IntegrityError(f"version {version}: segment record counts differ from the commit's stats")
         table = commit.tensor_map()
-        parent_layout = commit_layout(log.commit(st.version))
-        if not recovering:
+        # What the records may assume of the storage: the journal's version's tensors; a
+        # snapshot nothing (its records are all tensor records); a squash from a version
+        # retention expired, the storage's own tensors (its records' preconditions check them).
+        readable = st.version >= log.known_start()
+        if step.kind == "snapshot":
+            parent_layout = {}
+        elif readable:
+            parent_layout = commit_layout(log.commit(st.version))
+        else:
+            parent_layout = storage.layout()
+        if not recovering and step.kind != "snapshot" and readable:
             # Cheap, so at every level: the layout the journal's version implies.
             if storage.layout() != parent_layout:
                 raise LineageError(f"storage tensors differ from version {st.version}'s: "
@@ -513,6 +570,9 @@ class Receiver:
         # needs can fail after the first write; with verification, (sampled) preconditions.
         journal_bytes = self._precheck(commit, table, cache, progress, verify, recovering,
                                        parent_layout, classify=verify != "none")
+        whole_check = step.kind == "snapshot"
+        if step.kind == "squash":
+            whole_check = recovering or not self._check_composition(log, step, cache, readable)
         # The version's files (a checkpoint directory): fetched and checked before any write.
         file_plan = self.plan_files(log, commit)
         # A layout change is prepared here (allocations, space, an engine's new placement).
@@ -521,7 +581,7 @@ class Receiver:
         report = StageReport(version, records=commit.stats.records, delta_bytes=commit.delta_bytes,
                              staged_bytes=cache.staged_bytes(), seconds=time.perf_counter() - t0)
         return _Staged(log, version, verify, commit, cache, progress, journal_bytes, recovering, report,
-                       file_plan)
+                       file_plan, whole_check)
 
     def _write_version(self, staged: _Staged) -> ApplyReport:
         t0 = time.perf_counter()
@@ -529,17 +589,18 @@ class Receiver:
         storage = self.storage
         commit, cache, verify, version = staged.commit, staged.cache, staged.verify, staged.version
         if self.journal.state().inflight not in (None, version) or (
-                self.journal.state().version != commit.parent):
+                commit.kind != "snapshot" and self.journal.state().version != commit.parent):
             raise UsageError(f"the receiver moved since version {version} was staged: stage it again")
         table = commit.tensor_map()
         progress = staged.progress
-        report = ApplyReport(version, segments=len(commit.segments), delta_bytes=commit.delta_bytes,
+        report = ApplyReport(version, route=commit.kind, start=commit.parent if commit.kind == "squash" else None,
+                             segments=len(commit.segments), delta_bytes=commit.delta_bytes,
                              recovered=staged.recovering)
         # -- writes start here --
         # The first write is always a journal transaction, also when recovering (where it
         # rewrites the same in-flight entry): a damaged journal (LMDB has no page checksums)
         # then fails here, before any byte of the storage is written.
-        self.journal.begin(version)
+        self.journal.begin(version, commit.kind, commit.parent if commit.kind == "squash" else None)
         undo = None if storage.durable else _Undo()
         touched: set[str] = set()
         try:
@@ -566,9 +627,11 @@ class Receiver:
                 write_files(file_plan, staged.log, storage.files_dir, self._fault_hook)
                 report.files_written = len(file_plan.writes)
                 report.files_removed = len(file_plan.removes)
-            if verify == "full":
+            # A snapshot is checked whole (it wrote every tensor); so is a squash whose digests
+            # could not be composed: nothing smaller shows that it reached its version.
+            if verify == "full" or staged.whole_check:
                 if not self._holds_state(commit):
-                    raise IntegrityError(f"version {version}: storage state digest differs after apply")
+                    raise IntegrityError(f"{commit.describe()}: storage state digest differs after apply")
             elif verify == "sample":
                 names = [n for n in sample_tensors(commit.tensors, version) if storage.holds(n)]
                 sums = self._sums([storage.tensor_digest(n, self.digests) for n in names])
@@ -623,9 +686,13 @@ class Receiver:
                 if i < prog.done:
                     continue
                 info = self._info(table, rec, version)
-                if rec.kind != "tensor" and parent_layout.get(rec.tensor) != (info.dtype, info.shape):
+                kept = parent_layout.get(rec.tensor) == (info.dtype, info.shape)
+                if rec.kind != "tensor" and not kept:
                     raise IntegrityError(f"version {version}: {rec.kind} record for the new "
                                          f"or reshaped tensor {rec.tensor!r}")
+                if rec.kind == "tensor" and kept and getattr(commit, "kind", "version") == "squash":
+                    raise IntegrityError(f"{commit.describe()}: tensor record for {rec.tensor!r}, "
+                                         "which the squash keeps")
                 held = rec.kind == "tensor" or storage.holds(rec.tensor)
                 if not held:
                     continue  # an engine that does not use the tensor: nothing to write or check
@@ -667,6 +734,29 @@ class Receiver:
         if whole and (records_seen != commit.stats.records or changed != commit.stats.changed_elements):
             raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
         return 2 * min(redo_bytes, BATCH_BYTES)
+
+    def _check_composition(self, log: DeltaLog, step: Step, cache: SegmentCache, readable: bool) -> bool:
+        """A squash's records must lead from its start's tensor digests to its version's: per
+        tensor, the start's digest (the empty digest for a tensor the squash creates) plus each
+        record's target minus base digest (sum-digests, FORMAT.md section 24). Returns False
+        when that cannot be computed (xxh3 digests, or a start retention expired)."""
+        if not self.digests.composable or not readable:
+            return False
+        table = step.tensor_map()
+        before = log.commit(step.parent).tensor_map()
+        sums = {}
+        for seg in range(len(step.segments)):
+            for rec in cache.records(seg):
+                delta = rec.target_digest if rec.kind == "tensor" else rec.target_digest - rec.base_digest
+                sums[rec.tensor] = (sums.get(rec.tensor, 0) + delta) & MASK64
+        for info in step.tensors:
+            old = before.get(info.name)
+            kept = old is not None and (old.dtype, old.shape) == (info.dtype, info.shape)
+            d = ((old.digest if kept else self.digests.empty()) + sums.get(info.name, 0)) & MASK64
+            if d != info.digest:
+                raise IntegrityError(f"{step.describe()}: its records do not lead from version "
+                                     f"{step.parent}'s digest of {info.name!r} to version {step.version}'s")
+        return True
 
     @staticmethod
     def _info(table: dict[str, TensorInfo], rec: Record, version: int) -> TensorInfo:

@@ -65,6 +65,10 @@ class JournalState:
     state_digest: int | None
     inflight: int | None
     materializing: int | None
+    # The step in flight (RECEIVER.md section 8): "version", or a catch-up route's "squash"
+    # (from ``inflight_from``) or "snapshot".
+    inflight_kind: str = "version"
+    inflight_from: int | None = None
 
     @property
     def bound(self) -> bool:
@@ -76,6 +80,8 @@ class JournalState:
             "version": self.version,
             "state_digest": None if self.state_digest is None else digest_hex(self.state_digest),
             "inflight": self.inflight,
+            "inflight_kind": None if self.inflight is None else self.inflight_kind,
+            "inflight_from": self.inflight_from,
             "materializing": self.materializing,
         }
 
@@ -99,13 +105,22 @@ def _read_state(txn) -> JournalState:
     materializing = txn.get(K_MATERIALIZING)
     try:
         cur = json.loads(bytes(current)) if current is not None else None
+        step = json.loads(bytes(inflight)) if inflight is not None else {}
+        kind = step.get("kind", "version")
+        if kind not in ("version", "squash", "snapshot"):
+            raise ValueError(kind)
+        start = step.get("from")
+        if (start is None) != (kind != "squash"):
+            raise ValueError(start)
         return JournalState(
             log_id=None if log_id is None else bytes(log_id).decode(),
             version=None if cur is None else int(cur["version"]),
             state_digest=None if cur is None else int(cur["state_digest"], 16),
-            inflight=None if inflight is None else int(json.loads(bytes(inflight))["version"]),
+            inflight=None if inflight is None else int(step["version"]),
             materializing=None if materializing is None
             else int(json.loads(bytes(materializing))["version"]),
+            inflight_kind=kind,
+            inflight_from=None if start is None else int(start),
         )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise IntegrityError("journal entries are not readable") from None
@@ -347,8 +362,15 @@ class Journal:
             txn.put(K_MATERIALIZING, _json({"version": version}))
         self._write(fn)
 
-    def begin(self, version: int) -> None:
-        self._write(lambda txn: txn.put(K_INFLIGHT, _json({"version": version})))
+    def begin(self, version: int, kind: str = "version", start: int | None = None) -> None:
+        """``version`` in flight, by a version of the chain or a catch-up step (a squash from
+        ``start``, or a snapshot): recovery finishes the same step."""
+        entry = {"version": version}
+        if kind != "version":
+            entry["kind"] = kind
+        if start is not None:
+            entry["from"] = start
+        self._write(lambda txn: txn.put(K_INFLIGHT, _json(entry)))
 
     def stage(self, segment: int, done: int, end: int, redo: Mapping[int, memoryview | bytes]) -> None:
         """Before a batch is written: its redo images and its extent, in one transaction."""

@@ -243,7 +243,7 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
         table = Table("catch-up", "version", "from", "bytes", "chain bytes", "records", "created")
         for c in catchups:
             table.add_row(c["kind"], str(c["version"]), "-" if c["from"] is None else str(c["from"]),
-                          str(c["bytes"]), str(c.get("chain_bytes", "-")), str(c["records"]), c["created_at"])
+                          str(c["bytes"]), "-" if c.get("chain_bytes") is None else str(c["chain_bytes"]), str(c["records"]), c["created_at"])
         out.print(table)
 
 

@@ -618,3 +618,45 @@ def test_a_damaged_squash_or_snapshot_is_avoided(tmp_path):
     assert snap.key in fresh.excluded
     with pytest.raises(IntegrityError):
         DeltaLog.open(root).verify()
+
+
+def test_recovering_a_squash_from_an_expired_version_that_reshapes(tmp_path):
+    """Interrupted inside a squash whose start has expired and which reshapes a tensor: the
+    storage then already has the new layout; recovery finishes the same squash."""
+    rng = np.random.default_rng(8)
+    s0 = make_state(rng, SPEC)
+    root = tmp_path / "log"
+    writer = LogWriter.create(root, s0, cache_dir=False, segment_bytes=256)
+    s1 = copy_state(s0)
+    s1["embed"] = type(s0["embed"])("BF16", (40, 96), s0["embed"].words.copy())  # reshaped
+    states = [s0, s1]
+    writer.append(s1)
+    for _ in range(3):
+        states.append({n: change_words(rng, b, 0.02) for n, b in states[-1].items()})
+        writer.append(states[-1])
+    log = DeltaLog.open(root)
+    target = tmp_path / "rx"
+    with open_directory(log, target, to=0):
+        pass
+    write_squash(log, 0, 3, segment_bytes=256)
+    write_snapshot(log, 3)
+    gc(log, keep_last=2, grace=0)
+    log = DeltaLog.open(root)
+
+    class Kill(Exception):
+        pass
+
+    def fault(point, **info):
+        if point == "record":  # the first record written: the reshaped tensor's
+            raise Kill()
+
+    rx = open_directory(log, target, fault=fault)
+    with pytest.raises(Kill):  # the squash itself (the snapshot reads fewer bytes here)
+        rx.apply_step(log, log.catchup_step(log.squash(0, 3)))
+    assert rx.state.inflight_kind == "squash"
+    rx.close()
+    with open_directory(log, target) as rx:
+        reports = []
+        assert rx.apply(log, on_version=reports.append) == [3, 4]
+        assert reports[0].recovered and reports[0].route == "squash"
+    assert_same_bits_dir(target, states[4])

@@ -46,3 +46,16 @@ def test_sigkill_at_random_instants_ends_bit_exact(tmp_path):
     # were recovered from; the single-file, sharded and empty-directory rounds all ran.
     assert counts.mid_apply >= 10 and counts.resumed >= 5
     assert counts.rounds >= 6
+
+
+def test_sigkill_inside_catch_up_steps_ends_bit_exact(tmp_path):
+    """The same kills while receivers catch up through a squash (from an expired version,
+    adding, dropping and reshaping tensors) and a snapshot (tools/crash_apply.py --catchup)."""
+    tool = load_tool()
+    fx = tool.build_fixture(tmp_path / "fx", mb=1, versions=4, seed=3, catchup=True)
+    assert DeltaLog.open(fx.log).versions()[0] == fx.start == 3
+    runner = tool.CrashRunner(fx, tmp_path, seed=3, kills_per_round=(2, 5))
+    runner.calibrate()
+    counts = runner.run(kills=30)
+    assert counts.failures == []
+    assert counts.kills >= 30 and counts.mid_apply >= 5 and counts.rounds >= 4

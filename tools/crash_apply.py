@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """SIGKILL ``dcr apply`` at random instants, run it again, and check every run ends bit-exact.
 
-    python tools/crash_apply.py [--kills 1000] [--mb 4] [--versions 6] [--seed 0] [--dir DIR]
+    python tools/crash_apply.py [--kills 1000] [--mb 4] [--versions 6] [--seed 0] [--dir DIR] [--catchup]
 
 A log of a small bf16 model is built (versions with 1-5% changes, many segments, a tensor
 added, one dropped, one reshaped, an overwrite version; its files, feature files: a config
@@ -17,6 +17,12 @@ safetensors library, and ``dcr status --json`` must say so.
 Prints counts: kills, kills that landed mid-apply (a version or a materialization in flight
 afterwards), kills after which the journal's version was checked bit for bit, runs that
 resumed an interrupted version or materialization, final runs that recovered one, failures.
+
+With ``--catchup`` the log then gets a squash from version 0 to the one before the latest and
+a snapshot there, and retention expires every version before it (``gc --keep-last 2``): the
+receivers bound at version 0 catch up through the squash (which adds, drops and reshapes
+tensors), one bound at version 1 through the snapshot (an in-place step of tensor records), and
+empty directories are written out from the snapshot; the kills land inside those steps.
 
 Most kill instants are drawn after the child takes the receiver lock (watched through
 /proc/locks where there is one), uniformly over the work left, so that they land inside
@@ -57,6 +63,7 @@ class Fixture:
     expected: list[dict[str, TensorBits]]  # the materialized state of every version
     pristine: dict[str, Path]              # receiver kind -> a bound receiver at version 0
     files: list[dict[str, bytes]] = field(default_factory=list)  # every version's files
+    start: int = 0                         # the log start (after retention, --catchup)
 
 
 def _bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> TensorBits:
@@ -96,8 +103,9 @@ def _files(rng: np.random.Generator, version: int, previous: dict[str, bytes] | 
 
 
 def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
-                  segment_bytes: int = 2048, chunk_elements: int = 4096) -> Fixture:
-    """A log under ``root/log`` and pristine receivers under ``root/pristine-*``."""
+                  segment_bytes: int = 2048, chunk_elements: int = 4096, catchup: bool = False) -> Fixture:
+    """A log under ``root/log`` and pristine receivers under ``root/pristine-*``; with
+    ``catchup``, a squash, a snapshot and retention (module docstring)."""
     rng = np.random.default_rng(seed)
     per_tensor = 128 * 1024  # elements: 256 KiB of bf16
     state = {f"layers.{i:02d}.weight": _bf16(rng, (256, per_tensor // 256)) for i in range(max(1, mb * 4))}
@@ -126,7 +134,20 @@ def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
     write_checkpoint(expected[0], pristine["sharded"], shard_bytes=max(1, mb * MIB // 3))
     with open_directory(log, pristine["sharded"], to=0):
         pass
-    return Fixture(log_path, expected, pristine, files)
+    start = 0
+    if catchup:
+        from dcr_log.lifecycle import gc, write_snapshot, write_squash
+
+        pristine["single-v1"] = root / "pristine-single-v1"
+        with open_directory(log, pristine["single-v1"], to=1):
+            pass
+        start = versions - 1
+        policy = EncodePolicy(chunk_elements=chunk_elements)
+        write_squash(log, 0, start, policy=policy, segment_bytes=segment_bytes)
+        write_snapshot(log, start, policy=policy, segment_bytes=segment_bytes)
+        gc(log, keep_last=2, grace=0, snapshot=False)
+        assert DeltaLog.open(log_path).versions()[0] == start
+    return Fixture(log_path, expected, pristine, files, start)
 
 
 @dataclass
@@ -261,7 +282,8 @@ class CrashRunner:
         return True
 
     def one_round(self, index: int, kills: int) -> int:
-        kind = ("single", "sharded", "empty")[index % 3]
+        kinds = ("single", "sharded", "empty") + (("single-v1",) if "single-v1" in self.fx.pristine else ())
+        kind = kinds[index % len(kinds)]
         receiver = self.work / f"round-{index}"
         if kind != "empty":
             shutil.copytree(self.fx.pristine[kind], receiver)
@@ -272,7 +294,7 @@ class CrashRunner:
             args = ["apply", str(self.fx.log), "--receiver", str(receiver),
                     "--verify", self.rng.choice(["none", "sample", "full"])]
             if st is None or not (st.bound or st.materializing is not None):
-                args += ["--to", "2"]  # materialize an early version, apply the rest later
+                args += ["--to", str(max(2, self.fx.start))]  # materialize an early version, apply the rest later
             proc, to_lock = self._spawn(args, watch=self.track_lock and self.rng.random() < 0.8)
             try:
                 proc.wait(timeout=self._kill_delay(st, locked=to_lock is not None))
@@ -356,12 +378,14 @@ def main() -> int:
     ap.add_argument("--versions", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--catchup", action="store_true", help="receivers catch up through a squash and a snapshot")
     args = ap.parse_args()
     work = args.dir or Path(tempfile.mkdtemp(prefix="dcr-crash-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
-        fx = build_fixture(work / "fixture", mb=args.mb, versions=args.versions, seed=args.seed)
+        fx = build_fixture(work / "fixture", mb=args.mb, versions=args.versions, seed=args.seed,
+                           catchup=args.catchup)
         log = DeltaLog.open(fx.log)
         segs = [len(log.commit(v).segments) for v in log.versions()[1:]]
         print(f"log: {len(fx.expected)} versions, {sum(segs)} segments after version 0, "

@@ -55,10 +55,12 @@ def catchup_rows(log: DeltaLog) -> list[dict]:
     rows = [{"kind": "snapshot", "version": v, "from": None, "bytes": cu.delta_bytes,
              "records": cu.stats.records, "created_at": cu.created_at}
             for v, cu in log.snapshots().items()]
+    start = log.known_start()
+    # The bytes of the versions a squash stands for (None once some of them have expired).
     rows += [{"kind": "squash", "version": cu.version, "from": cu.start, "bytes": cu.delta_bytes,
               "records": cu.stats.records, "created_at": cu.created_at,
-              "chain_bytes": sum(log.commit(u).delta_bytes for u in range(max(cu.start + 1, log.known_start()),
-                                                                          cu.version + 1))}
+              "chain_bytes": None if cu.start + 1 < start else sum(
+                  log.commit(u).delta_bytes for u in range(cu.start + 1, cu.version + 1))}
              for cu in log.squashes()]
     return rows
 
@@ -67,6 +69,7 @@ def plot(rows: list[dict], catchups: list[dict], path: Path, title: str) -> None
     """Bytes per version (with the dense size and the catch-up objects) and changed % as a PNG."""
     try:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -90,5 +93,6 @@ def plot(rows: list[dict], catchups: list[dict], path: Path, title: str) -> None
     bottom.plot(versions, [r["changed_pct"] for r in rows], marker=".", color="C1")
     bottom.set_ylabel("changed %")
     bottom.set_xlabel("version")
+    bottom.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.savefig(path, dpi=100)
     plt.close(fig)

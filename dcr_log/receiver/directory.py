@@ -116,7 +116,9 @@ def _bound_version(log: DeltaLog, digest: int, to: int | None) -> int:
     later = log.find_state_digest(digest) if to is not None else None
     if later is not None:
         raise UsageError(f"the checkpoint holds version {later}, past --to {to}")
-    raise LineageError(f"the checkpoint's state digest {digest:016x} is no version of log {log.log_id}")
+    start = log.known_start()
+    expired = f" (versions below {start} have expired: it may hold one of them)" if start else ""
+    raise LineageError(f"the checkpoint's state digest {digest:016x} is no version of log {log.log_id}{expired}")
 
 
 def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,

@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .checkpoint import load_checkpoint, save_safetensors
-from .errors import DcrError, IntegrityError, Interrupted, StoreError, UsageError, os_error
+from .errors import DcrError, IntegrityError, Interrupted, NotFoundError, StoreError, UsageError, os_error
 from .files import collect_files
 from .log import DeltaLog
 from .writer import LogWriter
@@ -217,6 +217,9 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
 
     dlog = _open_log(log, trust)
     rows = _log_rows(dlog)
+    if not rows:
+        raise NotFoundError(f"{dlog.store.url}: log has no versions (its creation was interrupted: "
+                            "run dcr init again with the same options to finish it)")
     catchups = catchup_rows(dlog)
     if as_json:
         for r in rows:

@@ -211,7 +211,8 @@ class DeltaLog:
     def latest_version(self) -> int:
         versions = self.versions()
         if not versions:
-            raise NotFoundError(f"{self.store.url}: log has no versions")
+            raise NotFoundError(f"{self.store.url}: log has no versions (its creation was interrupted: "
+                                "run dcr init again with the same options to finish it)")
         return versions[-1]
 
     def commit(self, version: int) -> CommitRecord:

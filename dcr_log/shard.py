@@ -44,7 +44,8 @@ from .format import (
 )
 from .files import Files, resolve_files
 from .format import FILES, FileEntry
-from .format.keys import check_writer_id
+from .format.keys import VERSIONS_PREFIX, check_writer_id, parse_version_key
+from .format.limits import MAX_IDENTITY_BYTES
 from .log import DeltaLog
 from .state import TensorBits, TensorInfo, check_name, dtype_of, state_digest, to_bits
 from .store import AlreadyExists, Store
@@ -493,7 +494,7 @@ class ShardedWriter:
                 store.put_new(IDENTITY_KEY, identity.to_bytes())
                 outcome = {"ok": True, "identity": identity.to_bytes()}
             except AlreadyExists:
-                outcome = {"ok": False, "conflict": True, "error": f"{store.url} already holds a log"}
+                outcome = _incomplete(store, features)
             except UsageError as exc:
                 outcome = {"ok": False, "usage": True, "error": str(exc)}
             except Exception as exc:
@@ -797,6 +798,25 @@ class ShardedWriter:
             return {"ok": False, "unknown": True,
                     "error": f"version {version}: commit failed ({type(exc).__name__}: {exc})"}
         return {"ok": True, "commit": commit.to_bytes()}
+
+
+def _incomplete(store: Store, features: tuple[str, ...]) -> dict:
+    """The outcome of creating a log where a dcr.json exists: an incomplete log (dcr.json and
+    no version: an interrupted creation, FORMAT.md section 12) of the same features is finished
+    under its identity; anything else is a conflict."""
+    try:
+        existing = LogIdentity.from_bytes(bytes(store.get(IDENTITY_KEY, max_size=MAX_IDENTITY_BYTES)))
+        versions = [o.key for o in store.list(VERSIONS_PREFIX) if parse_version_key(o.key) is not None]
+    except Exception as exc:
+        return {"ok": False, "conflict": True, "error": f"{store.url} already holds a log ({_describe(exc)})"}
+    if versions:
+        return {"ok": False, "conflict": True, "error": f"{store.url} already holds a log"}
+    if existing.features != tuple(features):
+        return {"ok": False, "conflict": True,
+                "error": f"{store.url} holds an incomplete log (an interrupted creation) with features "
+                         f"{list(existing.features)}, not {list(features)}: create it with the same options "
+                         "to finish it"}
+    return {"ok": True, "identity": existing.to_bytes(), "resumed": True}
 
 
 def _describe(exc: BaseException) -> str:

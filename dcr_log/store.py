@@ -59,7 +59,15 @@ def _cause(exc: BaseException) -> str:
                    "dns error", "timed out", "Too many open files"):
         if marker.lower() in text.lower():
             return marker.lower()
+    status = re.search(r"status code: (\d{3})([^:<]*)", text)
+    if status:  # an HTTP refusal: its status and the S3 error code, not the XML
+        code = re.search(r"<Code>([^<]{1,64})</Code>", text)
+        return f"HTTP {status.group(1)}{status.group(2).rstrip()}" + (f" ({code.group(1)})" if code else "")
     first = text.split("\n", 1)[0].split(" Debug source:", 1)[0].strip()
+    hung = re.search(r" in ([0-9.]+)s - HTTP error: (.*)$", first)
+    if hung:
+        return (f"no answer after {float(hung.group(1)):.1f} s ({hung.group(2).strip() or 'request failed'}; "
+                f"retried up to DCR_STORE_DEADLINE={store_deadline():g} s)")
     return first[:200] or type(exc).__name__
 
 
@@ -119,7 +127,7 @@ class Store:
             return Store(inner, text)
         if parsed.scheme in ("s3", "gs", "az", "abfs", "http", "https"):
             try:
-                return Store(from_url(text, client_options=_client_options()), text)
+                return Store(from_url(text, client_options=_client_options(), retry_config=_retry_config()), text)
             except Exception as exc:  # obstore raises several config errors
                 raise UsageError(f"cannot open {text}: {exc}") from None
         raise UsageError(f"unsupported log location {text!r}")
@@ -261,8 +269,37 @@ class _HashingWriter:
         """The caller closes the underlying file."""
 
 
+# How long one store operation may take, retries included, before it fails with a StoreError
+# (seconds; DCR_STORE_DEADLINE). Retries back off exponentially from 100 ms up to 5 s.
+DEFAULT_DEADLINE = 60.0
+
+
+def store_deadline() -> float:
+    text = os.environ.get("DCR_STORE_DEADLINE")
+    if not text:
+        return DEFAULT_DEADLINE
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"DCR_STORE_DEADLINE={text!r}: seconds, a positive number") from None
+    if not value > 0:
+        raise UsageError(f"DCR_STORE_DEADLINE={text!r}: seconds, a positive number")
+    return value
+
+
 def _client_options() -> dict:
-    opts = {}
+    deadline = store_deadline()
+    # A request that hangs (a server that accepts and never answers) is cut at the deadline.
+    opts = {"timeout": f"{max(1, int(deadline * 1000))}ms",
+            "connect_timeout": f"{max(1, int(min(deadline, 10.0) * 1000))}ms"}
     if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true"):
         opts["allow_http"] = True
     return opts
+
+
+def _retry_config() -> dict:
+    from datetime import timedelta
+
+    return {"max_retries": 10, "retry_timeout": timedelta(seconds=store_deadline()),
+            "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
+                        "base": 2.0}}

@@ -227,3 +227,25 @@ def _baseline_cache_dir(tmp_path_factory, monkeypatch):
     """Writers keep their baseline cache in a temporary directory, never in the home directory
     (subprocesses inherit the variable)."""
     monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path_factory.mktemp("dcr-cache")))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One SeaweedFS S3 server per test process (tests/seaweed.py), with the AWS_* variables
+    that point the library (and CLI subprocesses) at it. Tests that kill a server start their
+    own (``SeaweedServer``) instead."""
+    from seaweed import SeaweedServer
+
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()

@@ -442,15 +442,22 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
               receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory updated in place"),
               to: Optional[int] = typer.Option(None, "--to", help="stop at this version (default latest)"),
               verify: str = typer.Option("sample", "--verify", help="none, sample or full"),
-              trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+              trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP),
+              follow: bool = typer.Option(False, "--follow", help="keep running: apply each new version as soon as it is committed"),
+              interval: float = typer.Option(1.0, "--interval", help="with --follow: seconds between polls for the next version")) -> None:
     """Bring a checkpoint directory to a version, in place and crash-safely.
 
     Without a journal (DIR/.dcr), a checkpoint in DIR is bound to the version with its state digest; an empty or missing DIR gets the version written out whole.
+    With --follow it keeps running; SIGINT or SIGTERM stops it between versions (exit 130 or 143).
     """
     from .receiver import VERIFY_LEVELS, open_directory
 
     if verify not in VERIFY_LEVELS:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_LEVELS)}")
+    if follow and to is not None:
+        raise UsageError("--follow and --to do not go together")
+    if not interval > 0:
+        raise UsageError("--interval must be positive")
     dlog = _open_log(log, trust)
     _left(lambda: _receiver_left(receiver))
     said = []
@@ -466,6 +473,13 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
             via = {"squash": f" (squash from {r.start})", "snapshot": " (snapshot)"}.get(r.route, "")
             say(f"applied version {r.version}{via}: {r.written} records written, {r.skipped} already applied, "
                 f"{r.repaired} repaired, {r.changed_elements} changed elements{files}, {r.seconds:.3f} s")
+        if follow:
+            _FOLLOW.active = True  # a signal now stops between versions (a second one at once)
+            try:
+                rx.follow(dlog, interval=interval, verify=verify, on_version=line, stop=_FOLLOW.stop.is_set)
+            finally:
+                _FOLLOW.active = False
+            return
         rx.apply(dlog, to=to, verify=verify, on_version=line)
         if not said:
             say(f"receiver at version {rx.version}")
@@ -504,6 +518,18 @@ def _receiver_left(receiver: Path) -> str:
     return f"receiver at version {st.version}"
 
 
+class _Follow:
+    """While ``dcr apply --follow`` runs, the first SIGINT or SIGTERM asks it to stop between
+    versions instead of interrupting one."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.stop = threading.Event()
+
+
+_FOLLOW = _Follow()
+
+
 class _Signals:
     """SIGINT and SIGTERM raise Interrupted (a KeyboardInterrupt: rollbacks run) while a
     command runs; remembers the first one."""
@@ -513,8 +539,12 @@ class _Signals:
         self._old: dict = {}
 
     def _handler(self, signum, frame) -> None:
-        if self.signum is None:
+        first = self.signum is None
+        if first:
             self.signum = signum
+        if first and _FOLLOW.active:
+            _FOLLOW.stop.set()
+            return
         raise Interrupted(signum)
 
     def __enter__(self) -> "_Signals":
@@ -530,6 +560,7 @@ class _Signals:
 
 def main(argv: list[str] | None = None) -> int:
     _LEFT.clear()
+    _FOLLOW.stop.clear()
     with _Signals() as signals:
         try:
             rc = _run(argv)

@@ -138,6 +138,9 @@ class DeltaLog:
         self._start: int | None = None  # the log start as of the last listing
         # Snapshots and squashes found damaged: routes avoid them (the chain is always there).
         self.excluded: dict[str, str] = {}
+        # Segments fetched before their commit record existed (follow mode), by key.
+        self._prefetched: dict[str, bytes] = {}
+        self._prefetched_bytes = 0
 
     @property
     def log_id(self) -> str:
@@ -392,10 +395,44 @@ class DeltaLog:
 
     # -- segments -------------------------------------------------------------------------
 
+    def has_version(self, version: int) -> bool:
+        """Whether the commit record of ``version`` exists (one head request; it is read and
+        checked by ``commit``)."""
+        return self.store.head(version_key(version)) is not None
+
+    def prefetch(self, version: int, budget: int = 1 << 30) -> int:
+        """Fetch the segments already written under ``segments/<version>/`` (a version being
+        committed), within ``budget`` bytes; ``read_segment`` uses them once a commit record lists
+        them, after the same size and sha256 checks. Returns the bytes fetched now."""
+        fetched = 0
+        for o in self.store.list(f"segments/{version}/"):
+            if o.key in self._prefetched or self._prefetched_bytes + o.size > budget:
+                continue
+            try:
+                data = bytes(self.store.get(o.key, size=o.size))
+            except (NotFoundError, IntegrityError):
+                continue  # gone (an orphan removed) or still changing size: read it later
+            self._prefetched[o.key] = data
+            self._prefetched_bytes += len(data)
+            fetched += len(data)
+        return fetched
+
+    def forget_prefetched(self, upto: int) -> None:
+        """Drop prefetched segments of versions up to ``upto`` (applied, or orphans of them)."""
+        for key in list(self._prefetched):
+            v = key.split("/")[1]
+            if v.isdigit() and int(v) <= upto:
+                self._prefetched_bytes -= len(self._prefetched.pop(key))
+
     def read_segment(self, ref: SegmentRef, version: int | None = None) -> memoryview:
         """Segment bytes, checked against the commit record's size (from the object's metadata,
         before its bytes are read) and sha256. A missing segment is damage (IntegrityError),
         unless retention removed it while it was being read (ExpiredError)."""
+        early = self._prefetched.pop(ref.key, None)
+        if early is not None:
+            self._prefetched_bytes -= len(early)
+            if len(early) == ref.size and hashlib.sha256(early).hexdigest() == ref.sha256:
+                return memoryview(early)
         try:
             data = self.store.get(ref.key, size=ref.size)
         except NotFoundError:

@@ -394,10 +394,12 @@ class Receiver:
     # -- apply -----------------------------------------------------------------------------
 
     def apply(self, log: DeltaLog | None = None, to: int | None = None, verify: str | None = None,
-              on_version: Callable[[ApplyReport], None] | None = None) -> list[int]:
+              on_version: Callable[[ApplyReport], None] | None = None,
+              stop: Callable[[], bool] | None = None) -> list[int]:
         """Apply versions current+1 .. ``to`` (default: the latest) in order; returns them.
         ``verify`` defaults to "sample". Without ``log``: apply the version ``stage`` prepared
-        (only the writes remain), at the verification level it was staged with."""
+        (only the writes remain), at the verification level it was staged with. ``stop()``,
+        checked between versions, ends the apply early (after a joint commit)."""
         if log is None:
             if self._staged is None:
                 raise UsageError("nothing is staged: call stage(log, version) first, or pass the log")
@@ -427,6 +429,8 @@ class Receiver:
         verified_digest = None
         route = self.route(log, target)
         while route:
+            if stop is not None and stop() and self.journal.state().inflight is None:
+                break
             step = route.pop(0)
             try:
                 report, verified_digest = self._apply_step(log, step, verify, verified_digest)
@@ -441,6 +445,32 @@ class Receiver:
             applied.append(step.version)
             if on_version is not None:
                 on_version(report)
+        return applied
+
+    def follow(self, log: DeltaLog, interval: float = 1.0, verify: str | None = None,
+               on_version: Callable[[ApplyReport], None] | None = None,
+               stop: Callable[[], bool] | None = None, until: int | None = None,
+               prefetch: bool = True) -> list[int]:
+        """Keep applying: every version as soon as its commit record appears (polled every
+        ``interval`` seconds), until ``stop()`` is true (checked between versions and while
+        waiting) or the receiver reaches ``until``. While waiting for version v+1, the
+        segments its writer has already written are fetched (``DeltaLog.prefetch``); they are
+        used once the commit record lands and lists them, after the usual size and sha256
+        checks. Returns the versions applied."""
+        stop = stop or (lambda: False)
+        applied: list[int] = []
+        while not stop():
+            applied += self.apply(log, verify=verify, on_version=on_version, stop=stop)
+            log.forget_prefetched(self.version)
+            if until is not None and self.version >= until:
+                break
+            waiting = self.version + 1
+            while not stop() and not log.has_version(waiting):
+                if prefetch:
+                    log.prefetch(waiting)
+                deadline = time.monotonic() + interval
+                while not stop() and time.monotonic() < deadline:
+                    time.sleep(min(0.05, interval))
         return applied
 
     def route(self, log: DeltaLog, target: int | None = None) -> list[Step]:

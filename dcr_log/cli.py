@@ -311,6 +311,44 @@ def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
               f"{report.waiting} waiting for the grace period", markup=False)
 
 
+@app.command("mirror")
+def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory or URL)"),
+               dst: str = typer.Argument(..., help="where the mirror lives (directory or URL)"),
+               follow: bool = typer.Option(False, "--follow", help="keep copying new versions"),
+               interval: float = typer.Option(1.0, "--interval", help="with --follow: seconds between passes"),
+               trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+    """Copy a log to another store, every object checked before it is published and each commit
+    record after all it names: the mirror is a valid log with the same log id (FORMAT.md
+    section 26). Run again (or --follow) to bring it up to date; SIGINT or SIGTERM stops
+    --follow between passes."""
+    from .mirror import Mirror
+    from .store import Store
+
+    if not interval > 0:
+        raise UsageError("--interval must be positive")
+    source = _open_log(src, trust)
+    target = Store.open(dst, create=True)
+    m = Mirror(source, target)
+
+    def said(r) -> None:
+        if r.versions or r.objects:
+            out.print(f"mirrored {r.versions} versions, {r.objects} objects ({r.bytes} bytes); "
+                      f"{target.url} at version {r.latest}", markup=False)
+
+    _left(lambda: f"mirror {target.url}: run dcr mirror again to finish (every step is safe to repeat)")
+    if follow:
+        _FOLLOW.active = True
+        try:
+            m.follow(interval, _FOLLOW.stop.is_set, on_pass=said)
+        finally:
+            _FOLLOW.active = False
+        return
+    r = m.run_once()
+    said(r)
+    if not (r.versions or r.objects):
+        out.print(f"{target.url} is up to date at version {r.latest}", markup=False)
+
+
 @app.command()
 def stats(log: str = typer.Argument(..., help="log directory or URL"),
           as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),

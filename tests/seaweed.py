@@ -14,7 +14,14 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
-from conftest import free_port
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 
 BUCKET = "dcr-test"
 # weed mini opens every one of these; each gets its own free port so instances never meet.
@@ -33,8 +40,12 @@ def weed_binary() -> str:
 class SeaweedServer:
     """One SeaweedFS instance. ``env`` holds the AWS_* variables that point obstore at it."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, ip: str = "127.0.0.1", prefix: tuple[str, ...] = ()):
+        """``ip``: the address it binds and serves on; ``prefix``: a command it runs under
+        (``ip netns exec NS`` for tools/bench_link.py)."""
         self.root = Path(root)
+        self.ip = ip
+        self.prefix = tuple(prefix)
         self.data = self.root / "data"
         self.logs = self.root / "logs"
         for d in (self.data, self.logs):
@@ -42,7 +53,7 @@ class SeaweedServer:
         self.ports = {flag: free_port() for flag in PORT_FLAGS}
         self.proc: subprocess.Popen | None = None
         self._probed = False
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.endpoint = f"http://{ip}:{self.ports['s3.port']}"
         self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "dcr", "AWS_SECRET_ACCESS_KEY": "dcr-test",
                     "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
 
@@ -51,8 +62,8 @@ class SeaweedServer:
         return f"s3://{BUCKET}/{name or uuid.uuid4().hex}"
 
     def start(self, timeout: float = 60.0) -> None:
-        args = [weed_binary(), f"-logdir={self.logs}", "mini", f"-dir={self.data}", "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1", "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+        args = [*self.prefix, weed_binary(), f"-logdir={self.logs}", "mini", f"-dir={self.data}", f"-ip={self.ip}",
+                f"-ip.bind={self.ip}", "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
                 f"-bucket={BUCKET}", f"-filer.localSocket={self.root / 'filer.sock'}",
                 f"-s3.localSocket={self.root / 's3.sock'}"]
         args += [f"-{flag}={port}" for flag, port in self.ports.items()]

@@ -15,8 +15,12 @@ The protocol is normative in spec/RECEIVER.md; in short, applying version v+1:
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -46,6 +50,8 @@ BATCH_BYTES = 256 << 20
 # Segment bytes kept between pass 1 and the writes (and for rollback), beyond which they
 # are read again from the log.
 SEGMENT_CACHE_BYTES = 1 << 30
+# Segments fetched ahead of the one being checked or applied (threads of one SegmentCache).
+PREFETCH_SEGMENTS = 4
 JOURNAL_DIR = ".dcr"
 
 
@@ -104,27 +110,86 @@ class ApplyReport:
 
 
 class SegmentCache:
-    """A version's segments, read once (size and sha256 checked by DeltaLog.read_segment)
-    and kept within a byte budget."""
+    """A version's segments, each fetched once (size and sha256 checked by
+    DeltaLog.read_segment): up to ``PREFETCH_SEGMENTS`` ahead of the one being read, on
+    threads, so that fetching overlaps checking, decoding and applying. Segments are kept in
+    memory within a byte budget and, beyond it, in a local spool directory (``spool``) rather
+    than fetched again; a spooled segment's sha256 is checked again when it is read back."""
 
-    def __init__(self, log: DeltaLog, commit: CommitRecord, budget: int = SEGMENT_CACHE_BYTES):
+    def __init__(self, log: DeltaLog, commit: CommitRecord, budget: int | None = None,
+                 spool: Path | None = None):
         self.log = log
         self.commit = commit
-        self.budget = budget
+        self.budget = SEGMENT_CACHE_BYTES if budget is None else budget
+        self.spool = spool
         self._data: dict[int, memoryview] = {}
+        self._spooled: dict[int, Path] = {}
         self._used = 0
         self._decoded: dict[tuple[int, int], Any] = {}
         self._decoded_used = 0
         self._places: dict[tuple[int, int], Any] = {}
+        self._pending: dict[int, Any] = {}
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def _fetch(self, index: int) -> memoryview:
+        return self.log.read_segment(self.commit.segments[index], self.commit.version)
+
+    def _ahead(self, index: int) -> None:
+        """Start fetching the segments after ``index`` (a bounded window)."""
+        refs = self.commit.segments
+        if len(refs) <= 1:
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(PREFETCH_SEGMENTS, thread_name_prefix="dcr-fetch")
+        for j in range(index + 1, min(len(refs), index + 1 + PREFETCH_SEGMENTS)):
+            if j not in self._pending and j not in self._data and j not in self._spooled:
+                self._pending[j] = self._pool.submit(self._fetch, j)
 
     def data(self, index: int) -> memoryview:
         data = self._data.get(index)
-        if data is None:
-            data = self.log.read_segment(self.commit.segments[index])
-            if self._used + len(data) <= self.budget:
-                self._data[index] = data
-                self._used += len(data)
+        if data is not None:
+            return data
+        path = self._spooled.get(index)
+        if path is not None:
+            ref = self.commit.segments[index]
+            data = memoryview(path.read_bytes())
+            if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+                raise IntegrityError(f"spooled segment {ref.key} at {path} changed on local disk")
+            return data
+        future = self._pending.pop(index, None)
+        self._ahead(index)
+        data = future.result() if future is not None else self._fetch(index)
+        if self._used + len(data) <= self.budget:
+            self._data[index] = data
+            self._used += len(data)
+        elif self.spool is not None:
+            try:
+                self.spool.mkdir(parents=True, exist_ok=True)
+                path = self.spool / f"{index:08d}.arrow"
+                path.write_bytes(data)
+                self._spooled[index] = path
+            except OSError:
+                pass  # no room to spool: it is fetched again when needed
         return data
+
+    def close(self) -> None:
+        """Stop fetching ahead and remove the spool."""
+        for future in self._pending.values():
+            future.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._pending.clear()
+        for path in self._spooled.values():
+            path.unlink(missing_ok=True)
+        self._spooled.clear()
+        if self.spool is not None and self.spool.is_dir():
+            try:
+                self.spool.rmdir()
+            except OSError:
+                pass
 
     def records(self, index: int) -> list[Record]:
         return list(self.log.segment_records(self.commit.version, self.commit.segments[index],
@@ -412,6 +477,8 @@ class Receiver:
             if on_version is not None:
                 on_version(report)
             return [staged.version]
+        if self._staged is not None:  # staged, then not applied: drop it
+            self._staged.cache.close()
         self._staged = None
         verify = _check_verify("sample" if verify is None else verify)
         st = self._lineage_state(log)
@@ -498,6 +565,8 @@ class Receiver:
             step = log.step(st.inflight_kind, st.inflight, st.inflight_from)
         else:
             step = log.version_step(st.version + 1 if version is None else version)
+        if self._staged is not None:
+            self._staged.cache.close()
         self._staged = None
         self._staged = self._prepare(log, step, verify, None)
         return self._staged.report
@@ -594,20 +663,27 @@ class Receiver:
             if seg >= len(commit.segments) or prog.started_end > commit.segments[seg].records:
                 raise IntegrityError(f"journal {self.journal.path}: progress of segment {seg} lies "
                                      f"outside version {version}'s segments")
-        cache = SegmentCache(log, commit)
-        # Pass 1, at every level: every segment still to apply is read and checked (size,
-        # sha256, schema, record count) and every record decoded, so that nothing the version
-        # needs can fail after the first write; with verification, (sampled) preconditions.
-        journal_bytes = self._precheck(commit, table, cache, progress, verify, recovering,
-                                       parent_layout, classify=verify != "none")
-        whole_check = step.kind == "snapshot"
-        if step.kind == "squash":
-            whole_check = recovering or not self._check_composition(log, step, cache, readable)
-        # The version's files (a checkpoint directory): fetched and checked before any write.
-        file_plan = self.plan_files(log, commit)
-        # A layout change is prepared here (allocations, space, an engine's new placement).
-        storage.prepare_layout(commit_layout(commit), extra_bytes=journal_bytes + (
-            0 if file_plan is None else file_plan.nbytes))
+        # A spool outside the receiver (a refused apply writes nothing there), used only for
+        # segments beyond the memory budget.
+        cache = SegmentCache(log, commit, spool=Path(tempfile.gettempdir()) / f"dcr-spool-{uuid.uuid4().hex}")
+        try:
+            # Pass 1, at every level: every segment still to apply is read and checked (size,
+            # sha256, schema, record count) and every record decoded, so that nothing the
+            # version needs can fail after the first write; with verification, (sampled)
+            # preconditions.
+            journal_bytes = self._precheck(commit, table, cache, progress, verify, recovering,
+                                           parent_layout, classify=verify != "none")
+            whole_check = step.kind == "snapshot"
+            if step.kind == "squash":
+                whole_check = recovering or not self._check_composition(log, step, cache, readable)
+            # The version's files (a checkpoint directory): fetched and checked before any write.
+            file_plan = self.plan_files(log, commit)
+            # A layout change is prepared here (allocations, space, an engine's new placement).
+            storage.prepare_layout(commit_layout(commit), extra_bytes=journal_bytes + (
+                0 if file_plan is None else file_plan.nbytes))
+        except BaseException:
+            cache.close()
+            raise
         report = StageReport(version, records=commit.stats.records, delta_bytes=commit.delta_bytes,
                              staged_bytes=cache.staged_bytes(), seconds=time.perf_counter() - t0)
         return _Staged(log, version, verify, commit, cache, progress, journal_bytes, recovering, report,
@@ -678,6 +754,8 @@ class Receiver:
             if undo is not None:
                 self._rollback(table, cache, undo)
             raise
+        finally:
+            cache.close()
         if self.placed:
             self.storage.forget_undo()
         self._hook("committed", version=version)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -849,17 +850,23 @@ def _check_whole(layout: Layout) -> None:
                              f"(no {SUM_DIGESTS} feature): only whole tensors can be written")
 
 
+# Segment uploads in flight at once on a remote store (each holds one segment in memory).
+UPLOADS_IN_FLIGHT = 2
+
+
 class _Uploader:
-    """Writes segments on one background thread, one in flight: the store's write (and the
-    segment's sha256) overlaps the encoding of the next segment, and at most two segments
-    are held in memory. A local directory gets each file written straight from the records;
-    other stores get the bytes from one of two reused buffers (pages already faulted in)."""
+    """Writes segments on background threads while the next ones are encoded: up to
+    ``UPLOADS_IN_FLIGHT`` at once on a remote store (one on a local directory, where each file is
+    written straight from the records), so at most that many plus one segments are held in
+    memory. Remote stores get the bytes from a ring of reused buffers (pages already faulted
+    in). ``refs`` keeps the order the segments were started in, which is the commit's."""
 
     def __init__(self, store: Store):
         self._store = store
         self._pool = None
-        self._pending = None
-        self._buffers: list = [None, None]  # one uploading, one being written
+        self._in_flight = 1 if store.local_root is not None else UPLOADS_IN_FLIGHT
+        self._pending: deque = deque()
+        self._buffers: list = [None] * (self._in_flight + 1)
         self._turn = 0
         self.refs: list[SegmentRef] = []    # segments created, in order
         self.keys: list[str] = []           # every key tried (what an abort deletes)
@@ -867,7 +874,8 @@ class _Uploader:
     def put(self, key: str, builder: SegmentBuilder) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._wait()  # the previous segment is written: its buffer is free again
+        while len(self._pending) >= self._in_flight:
+            self._wait_one()  # its buffer is free again
         self.keys.append(key)
         records = builder.records
         if self._store.local_root is not None:
@@ -878,23 +886,28 @@ class _Uploader:
             data = builder.finish(self._buffers[self._turn])
             if data.parent is not None and data.parent.is_mutable:
                 self._buffers[self._turn] = data.parent
-            self._turn ^= 1
+            self._turn = (self._turn + 1) % len(self._buffers)
 
             def job():
                 self._store.put_new(key, data)
                 return SegmentRef(key, data.size, hashlib.sha256(data).hexdigest(), records)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-upload")
-        self._pending = self._pool.submit(job)
+            self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="dcr-upload")
+        self._pending.append(self._pool.submit(job))
 
-    def _wait(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.refs.append(pending.result())
+    def _wait_one(self) -> None:
+        self.refs.append(self._pending.popleft().result())
 
     def finish(self, raise_errors: bool = True) -> None:
         try:
-            self._wait()
+            error = None
+            while self._pending:
+                try:
+                    self._wait_one()
+                except Exception as exc:  # let every upload end; the first error is raised
+                    error = error or exc
+            if error is not None:
+                raise error
         except Exception:
             if raise_errors:
                 raise

@@ -9,7 +9,8 @@ directions of the link with ``tc qdisc ... tbf rate <rate>mbit``. On a bf16 Llam
 
 - dense refit: GET of the whole checkpoint (model.safetensors) and its write to a local file,
   fsynced;
-- dcr refit (segments of ``--segment-mib``): a follow-mode receiver (a checkpoint directory, ``Receiver.follow``) while a
+- dcr refit (segments of ``--segment-mib``): a follow-mode receiver (``Receiver.follow``: a checkpoint
+  directory, written in place and flushed, or with ``--receiver memory`` numpy arrays) while a
   writer in the same process appends the version to the log on the server; timed from the
   writer's start to the receiver's joint commit, and from the commit record's creation to the
   joint commit (the receiver's side: it prefetched the segments while the writer wrote them).
@@ -85,6 +86,8 @@ def main() -> int:
     ap.add_argument("--rate-mbit", type=float, default=200.0)
     ap.add_argument("--rates", default="0.01,0.03,0.05")
     ap.add_argument("--interval", type=float, default=0.02, help="the follow receiver's poll interval")
+    ap.add_argument("--receiver", choices=("directory", "memory"), default="directory",
+                    help="a checkpoint directory (written in place, flushed) or numpy arrays in memory")
     ap.add_argument("--segment-mib", type=float, default=4.0,
                     help="the writer's segment size: smaller segments reach the receiver while later ones are encoded")
     args = ap.parse_args()
@@ -130,16 +133,24 @@ def main() -> int:
         print(f"dense refit (GET {nbytes / 2**20:.0f} MiB + write + fsync): {dense:.2f} s "
               f"({nbytes / dense / 1e6:.1f} MB/s)")
         receiver = work / "receiver"
-        receiver.mkdir()
-        write_checkpoint(state, receiver)
         log = DeltaLog.open(url)
-        rx = open_directory(log, receiver)  # bound to version 0 by its state digest
+        if args.receiver == "directory":
+            receiver.mkdir()
+            write_checkpoint(state, receiver)
+            rx = open_directory(log, receiver)  # bound to version 0 by its state digest
+        else:
+            from dcr_log.receiver import Receiver
+            arrays = {n: b.words.reshape(b.shape).copy() for n, b in state.items()}
+            rx = Receiver.open(arrays, work / "journal", dtypes={n: b.dtype for n, b in state.items()})
+            rx.bind(log, 0, verify="none")
         applied: dict[int, float] = {}
+        writes: dict[int, float] = {}  # the write phase of each version (after fetch and checks)
         stop = threading.Event()
 
         def follow() -> None:
             rx.follow(DeltaLog.open(url), interval=args.interval, verify="sample", stop=stop.is_set,
-                      on_version=lambda r: applied.__setitem__(r.version, time.perf_counter()))
+                      on_version=lambda r: (writes.__setitem__(r.version, r.seconds),
+                                            applied.__setitem__(r.version, time.perf_counter())))
 
         thread = threading.Thread(target=follow, daemon=True)
         thread.start()
@@ -156,21 +167,25 @@ def main() -> int:
                     raise RuntimeError("the receiver did not apply the version")
             t_done = applied[commit.version]
             changed = commit.stats.changed_elements / commit.stats.total_elements
-            rows.append((rate, changed, commit.delta_bytes, t_done - t_start, t_done - t_commit))
+            rows.append((rate, changed, commit.delta_bytes, t_done - t_start, t_done - t_commit,
+                         writes[commit.version]))
         stop.set()
         thread.join(60)
         rx.close()
         check = DeltaLog.open(url).materialize()
         from dcr_log.checkpoint import load_checkpoint
         from dcr_log.log import state_equal
-        assert state_equal(load_checkpoint(receiver), check), "the receiver differs from the log"
+        from dcr_log.state import TensorBits
+        held = load_checkpoint(receiver) if args.receiver == "directory" else {
+            n: TensorBits(check[n].dtype, check[n].shape, a.reshape(-1)) for n, a in arrays.items()}
+        assert state_equal(held, check), "the receiver differs from the log"
         print(f"\n{'changed':>8} {'delta':>10} {'bytes x':>8} {'writer->commit':>15} {'commit->commit':>15} "
-              f"{'speed-up':>9} {'(recv)':>7} {'recv / link time':>17}")
-        for rate, changed, delta, whole, recv in rows:
+              f"{'(writes)':>9} {'speed-up':>9} {'(recv)':>7} {'recv / link time':>17}")
+        for rate, changed, delta, whole, recv, wrote in rows:
             link_time = delta / link
-            print(f"{changed:8.2%} {delta:10d} {nbytes / delta:8.0f} {whole:14.2f}s {recv:14.3f}s "
+            print(f"{changed:8.2%} {delta:10d} {nbytes / delta:8.0f} {whole:14.2f}s {recv:14.3f}s {wrote:8.3f}s "
                   f"{dense / whole:8.1f}x {dense / recv:6.1f}x {recv / (link_time + 0.2):9.2f} of (delta/link + 0.2 s)")
-        print("the receiver's checkpoint equals the log's latest version, bit for bit")
+        print(f"the receiver ({args.receiver}) holds the log's latest version, bit for bit")
         return 0
     finally:
         if server is not None:

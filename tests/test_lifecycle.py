@@ -12,32 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
+from conftest import counting_store, assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
 from dcr_log.errors import CommitConflict, ExpiredError, IntegrityError, LineageError
 from dcr_log.format.lifecycle import Marker, log_start_key
 from dcr_log.lifecycle import gc, parse_duration, write_snapshot, write_squash
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver, open_directory
 from dcr_log.shard import utc_now
-from dcr_log.store import Store
 from dcr_log.synthetic import SyntheticTrainer, lr_for_rate, specs_for_params
 from dcr_log.writer import LogWriter
 
 SPEC = {"embed": ("BF16", (96, 40)), "norm": ("F32", (40,)), "head": ("F16", (33, 7)), "step": ("I64", ())}
-
-
-class CountingStore(Store):
-    """A store that counts the bytes its readers get."""
-
-    def __init__(self, url: str):
-        inner = Store.open(url)
-        super().__init__(inner._inner, inner.url, inner.local_root)
-        self.bytes_read = 0
-
-    def get(self, key, size=None, max_size=None):
-        data = super().get(key, size=size, max_size=max_size)
-        self.bytes_read += len(data)
-        return data
 
 
 def _trace(root: Path, versions: int, seed: int = 0, rate: float = 0.03) -> list[dict]:
@@ -103,7 +88,7 @@ def test_gc_keeps_the_last_versions_and_new_receivers_start_from_the_snapshot(lo
     assert routes == ["snapshot"] + ["version"] * 19
     _holds(behind_arrays, states[199])
     # A new receiver reads the snapshot and the deltas after it, and little else.
-    counting = CountingStore(str(work))
+    counting = counting_store(str(work))
     fresh = DeltaLog.open(counting)
     needed = fresh.snapshot(180).delta_bytes + sum(fresh.commit(v).delta_bytes for v in range(181, 200))
     counting.bytes_read = 0
@@ -147,7 +132,7 @@ def test_squash_catches_a_receiver_up_in_fewer_bytes(tmp_path):
     rx, arrays = _memory_receiver(tmp_path, log, states[1], 1)
     squash = write_squash(log, 1, 21)
     chain = sum(log.commit(v).delta_bytes for v in range(2, 22))
-    counting = CountingStore(str(root))
+    counting = counting_store(str(root))
     reader = DeltaLog.open(counting)
     assert [s.describe() for s in rx.route(reader)] == ["squash 1-21"]
     counting.bytes_read = 0

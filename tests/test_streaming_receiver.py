@@ -3,28 +3,14 @@ checked and applied, each fetched once, spooled to local disk beyond the memory 
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import pytest
 
-from conftest import change_words, copy_state, make_state
+from conftest import counting_store, change_words, copy_state, make_state
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver
 from dcr_log.receiver import apply as apply_module
-from dcr_log.store import Store
 from dcr_log.writer import LogWriter
-
-
-class KeyCountingStore(Store):
-    def __init__(self, url):
-        inner = Store.open(url)
-        super().__init__(inner._inner, inner.url, inner.local_root)
-        self.gets = collections.Counter()
-
-    def get(self, key, size=None, max_size=None):
-        self.gets[key] += 1
-        return super().get(key, size=size, max_size=max_size)
 
 
 @pytest.mark.parametrize("budget", [1 << 30, 4096])  # all in memory; most spooled
@@ -40,7 +26,7 @@ def test_each_segment_is_fetched_once_and_the_spool_is_removed(tmp_path, monkeyp
         state = {n: change_words(rng, b, 0.3) for n, b in state.items()}
         writer.append(state)
         states.append(copy_state(state))
-    store = KeyCountingStore(str(root))
+    store = counting_store(str(root))
     log = DeltaLog.open(store)
     assert all(len(log.commit(v).segments) >= 8 for v in (1, 2))
     spools = tmp_path / "tmp"

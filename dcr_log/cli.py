@@ -335,7 +335,14 @@ def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory o
             out.print(f"mirrored {r.versions} versions, {r.objects} objects ({r.bytes} bytes); "
                       f"{target.url} at version {r.latest}", markup=False)
 
-    _left(lambda: f"mirror {target.url}: run dcr mirror again to finish (every step is safe to repeat)")
+    def left() -> str:
+        try:
+            at = f"at version {DeltaLog.open(target).latest_version()}"
+        except DcrError:
+            at = "without a version yet"
+        return f"mirror {target.url} {at}: run dcr mirror again to bring it up to date"
+
+    _left(left)
     if follow:
         _FOLLOW.active = True
         try:

@@ -173,3 +173,33 @@ def test_mirror_to_s3_and_back(s3_server, tmp_path):
     assert snapshot_files(back) == snapshot_files(src)
     from conftest import assert_same_bits
     assert_same_bits(DeltaLog.open(url).materialize(4), states[4])
+
+
+def test_cli_mirror_follow_copies_new_versions_and_stops_on_sigterm(tmp_path):
+    src = tmp_path / "src"
+    states = _log(src, 2)
+    dst = tmp_path / "dst"
+    from conftest import start_cli
+    proc = start_cli("mirror", src, dst, "--follow", "--interval", "0.05")
+    try:
+        rng = np.random.default_rng(3)
+        writer = LogWriter.open(src, cache_dir=False)
+        state = states[-1]
+        for _ in range(2):
+            state = {n: change_words(rng, b, 0.05) for n, b in state.items()}
+            writer.append(state)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if (dst / "versions" / f"{3:020d}.json").exists():
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert err.startswith("dcr: interrupted (SIGTERM): mirror ") and err.count("\n") == 1
+    assert "at version 3: run dcr mirror again" in err
+    assert DeltaLog.open(dst).latest_version() == 3
+    assert snapshot_files(dst) == snapshot_files(src)

@@ -168,6 +168,12 @@ class Store:
         The caller may reuse ``data``'s buffer once this returns: a memory store, which would
         keep a reference to it, gets a copy."""
         check_key(key)
+        if self.local_root is not None:
+            # Our own temporary file and link (create_file): a process killed mid-write leaves
+            # a dot file that listings show and retention removes, not obstore's hidden
+            # staging file, which nothing would ever see again.
+            self.create_file(key, lambda f: f.write(memoryview(data).cast("B")))
+            return
         if isinstance(self._inner, MemoryStore):
             data = bytes(data)
         try:

@@ -418,7 +418,6 @@ def test_full_disk_refused_before_materializing(tmp_path, capsys, monkeypatch):
 
 
 def test_read_only_store_is_one_readable_line(tmp_path, capsys, monkeypatch):
-    import obstore
     from obstore.exceptions import GenericError
 
     from dcr_log.checkpoint import save_safetensors
@@ -426,14 +425,24 @@ def test_read_only_store_is_one_readable_line(tmp_path, capsys, monkeypatch):
     log, states = build_log(tmp_path / "log", versions=1)
     save_safetensors(states[0], tmp_path / "c.safetensors")  # a change: segments are written
 
-    def put(*args, **kwargs):
-        raise GenericError("Generic LocalFileSystem error: Unable to open file /x/y#1: Read-only "
-                           "file system (os error 30)\n\nDebug source:\nGeneric {\n    store: \"LocalFileSystem\" }")
-    monkeypatch.setattr(obstore, "put", put)
+    # A local directory: the store's own temporary file and link (Store.create_file).
+    import errno
+    import os as os_mod
+
+    def link(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(os_mod, "link", link)
     rc, _, err = dcr(capsys, "append", log_dir(log), "--from", tmp_path / "c.safetensors", "--cache", "none")
     assert rc == 6, err
     assert_one_line(err)
     assert "read-only file system" in err and "Debug" not in err
+    monkeypatch.undo()
+    # Any other store: obstore's error, with its debug dump, becomes one line too.
+    from dcr_log.store import _failed
+    exc = GenericError("Generic LocalFileSystem error: Unable to open file /x/y#1: Read-only "
+                       "file system (os error 30)\n\nDebug source:\nGeneric {\n    store: \"LocalFileSystem\" }")
+    message = str(_failed(exc, "write", "s3://b/log", "segments/1/x.arrow"))
+    assert "read-only file system" in message and "Debug" not in message and "\n" not in message
 
 
 def test_journal_errors_are_store_errors(tmp_path):

@@ -645,3 +645,18 @@ def test_recovering_a_squash_from_an_expired_version_that_reshapes(tmp_path):
         assert rx.apply(log, on_version=reports.append) == [3, 4]
         assert reports[0].recovered and reports[0].route == "squash"
     assert_same_bits_dir(target, states[4])
+
+
+def test_gc_removes_temporary_files_a_killed_writer_left(tmp_path):
+    root = tmp_path / "log"
+    _trace(root, 4)
+    stale = [root / "versions" / ".00000000000000000004.json.0123.tmp",
+             root / "segments" / "3" / ".w-0.arrow.4567.tmp"]
+    for path in stale:
+        path.write_bytes(b"half written")
+    log = DeltaLog.open(root)
+    assert log.versions() == [0, 1, 2, 3]  # ignored by readers
+    assert gc(log, keep_last=10, grace=3600).deleted_objects == 0  # too young
+    report = gc(DeltaLog.open(root), keep_last=10, grace=3600, now=time.time() + 3601)
+    assert report.orphans == 2 and not any(p.exists() for p in stale)
+    assert DeltaLog.open(root).versions() == [0, 1, 2, 3]

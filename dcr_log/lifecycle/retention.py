@@ -199,6 +199,16 @@ def gc(log: DeltaLog, keep_last: int, *, keep_snapshots: int = 2, grace: float =
             parts = o.key.split("/")
             if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) < expired:
                 doomed.append(o)
+    # Temporary files a killed writer left in a local directory (dot files ending in .tmp,
+    # FORMAT.md section 15): no key of the format, removed once older than the grace period.
+    seen = {o.key for o in doomed}
+    for prefix in (VERSIONS_PREFIX, SEGMENTS_PREFIX, SNAPSHOTS_PREFIX, SQUASHES_PREFIX, LOG_START_PREFIX,
+                   "signatures/", "files/"):
+        for o in log.store.list(prefix):
+            name = o.key.rsplit("/", 1)[-1]
+            if name.startswith(".") and name.endswith(".tmp") and o.key not in seen and _age_ok(o, now, grace):
+                doomed.append(o)
+                report.orphans += 1
     report.deleted_objects = len(doomed)
     report.deleted_bytes = sum(o.size for o in doomed)
     if not dry_run:

@@ -83,7 +83,8 @@ class SeaweedServer:
 
     def _answers(self) -> bool:
         """Whether S3 serves signed requests (as the tests' are): the first time, a probe object
-        is written; after a restart it must read back (the volumes are up again)."""
+        is written; after a restart it must read back (the volumes are up again); and a new
+        object can be written."""
         import obstore
 
         store = self._probe_store()
@@ -93,6 +94,7 @@ class SeaweedServer:
             else:
                 obstore.put(store, "probe/ready", b"ready")
                 self._probed = True
+            obstore.put(store, f"probe/{uuid.uuid4().hex}", b"writes too")
             return True
         except Exception:
             return False

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import counting_store, assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
-from dcr_log.errors import CommitConflict, ExpiredError, IntegrityError, LineageError
+from dcr_log.errors import CommitConflict, ExpiredError, IntegrityError, LineageError, UsageError
 from dcr_log.format.lifecycle import Marker, log_start_key
 from dcr_log.lifecycle import gc, parse_duration, write_snapshot, write_squash
 from dcr_log.log import DeltaLog
@@ -417,7 +417,7 @@ def test_gc_is_safe_with_concurrent_writers_and_receivers(tmp_path):
 def test_parse_duration():
     assert parse_duration("90") == 90 and parse_duration("15m") == 900 and parse_duration("2h") == 7200
     assert parse_duration("7d") == 7 * 86400 and parse_duration("500ms") == 0.5
-    with pytest.raises(Exception):
+    with pytest.raises(UsageError, match="bad duration"):
         parse_duration("soon")
 
 

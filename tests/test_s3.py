@@ -200,37 +200,30 @@ def test_server_killed_in_the_middle_of_applies_and_appends(own_server, tmp_path
     rand = random.Random(7)
     kills = {"apply": 0, "append": 0}
     outcomes = []
-    for round_ in range(5):
-        # -- an apply, killed under it --
-        rx = tmp_path / f"rx{round_}"
-        assert _dcr(env, "apply", url, "--receiver", rx, "--to", "0")[0] == 0
-        proc = subprocess.Popen([sys.executable, "-m", "dcr_log", "apply", url, "--receiver", str(rx)],
+
+    def kill_during(what: str, *args, codes: tuple[int, ...]) -> None:
+        """Run ``dcr WHAT ARGS``, SIGKILL the server under it, wait for it, restart the server."""
+        proc = subprocess.Popen([sys.executable, "-m", "dcr_log", what, *map(str, args)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         time.sleep(rand.uniform(0.3, 0.9))
         server.kill()
-        kills["apply"] += 1
+        kills[what] += 1
         proc.wait(60)
-        outcomes.append(("apply", proc.returncode, proc.stderr.read().strip()))
+        outcomes.append((what, proc.returncode, proc.stderr.read().strip()))
         proc.stderr.close()
-        assert proc.returncode in (0, 6), outcomes[-1]
+        assert proc.returncode in codes, outcomes[-1]
         server.start()
+
+    for round_ in range(5):
+        rx = tmp_path / f"rx{round_}"
+        assert _dcr(env, "apply", url, "--receiver", rx, "--to", "0")[0] == 0
+        kill_during("apply", url, "--receiver", rx, codes=(0, 6))
         code, out, err = _dcr(after, "apply", url, "--receiver", rx)
         assert code == 0, err
         latest = DeltaLog.open(url).latest_version()
         assert_file_holds(rx / "model.safetensors", DeltaLog.open(url).materialize(latest))
-        # -- an append, killed under it --
         nxt = 6 + round_
-        proc = subprocess.Popen([sys.executable, "-m", "dcr_log", "append", url, "--from", str(ckpts[nxt]),
-                                 "--cache", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env=env)
-        time.sleep(rand.uniform(0.3, 0.9))
-        server.kill()
-        kills["append"] += 1
-        proc.wait(60)
-        outcomes.append(("append", proc.returncode, proc.stderr.read().strip()))
-        proc.stderr.close()
-        assert proc.returncode in (0, 1, 6), outcomes[-1]
-        server.start()
+        kill_during("append", url, "--from", ckpts[nxt], "--cache", "none", codes=(0, 1, 6))
         code, out, err = _dcr(after, "verify", url)
         assert code == 0, err
         before = DeltaLog.open(url).latest_version()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..coords import DTYPE_WIDTH, numel
 from ..digest import SUM_DIGESTS
@@ -82,6 +83,36 @@ def check_features(features, what: str) -> tuple[str, ...]:
     return tuple(features)
 
 
+def check_format_version(obj: dict, what: str) -> None:
+    if type(obj["format_version"]) is not int or obj["format_version"] != FORMAT_VERSION:
+        raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
+
+
+def parse_segments(value, what: str, check_key: Callable[[str], None]) -> tuple["SegmentRef", ...]:
+    """A list of segment objects (a commit record's, a snapshot's or a squash's), each key
+    checked by ``check_key``, within the limits of section 20, no key twice."""
+    _expect(isinstance(value, list), what, "segments must be a list")
+    L.check(len(value) <= L.MAX_SEGMENTS, what, f"more than {L.MAX_SEGMENTS} segments")
+    segments = []
+    for s in value:
+        _keys(s, what, {"key", "size", "sha256", "records"})
+        check_key(_str(s["key"], what, "segment key"))
+        ref = SegmentRef(s["key"], _int(s["size"], what, "size"), _str(s["sha256"], what, "sha256", _HEX64),
+                         _int(s["records"], what, "records"))
+        L.check(ref.size <= L.MAX_SEGMENT_BYTES, what, f"segment {ref.key} of {ref.size} bytes")
+        L.check(ref.records <= L.MAX_SEGMENT_RECORDS, what, f"segment {ref.key} of {ref.records} records")
+        segments.append(ref)
+    _expect(len({s.key for s in segments}) == len(segments), what, "duplicate segment")
+    return tuple(segments)
+
+
+def parse_stats(value, what: str) -> "CommitStats":
+    _keys(value, what, {"changed_elements", "total_elements", "records"})
+    return CommitStats(_int(value["changed_elements"], what, "changed_elements"),
+                       _int(value["total_elements"], what, "total_elements"),
+                       _int(value["records"], what, "records"))
+
+
 @dataclass(frozen=True)
 class LogIdentity:
     log_id: str
@@ -103,8 +134,7 @@ class LogIdentity:
         L.check(len(data) <= L.MAX_IDENTITY_BYTES, what, f"more than {L.MAX_IDENTITY_BYTES} bytes")
         obj = unseal(data, what)
         _keys(obj, what, {"format_version", "log_id", "created_at", "features"})
-        if type(obj["format_version"]) is not int or obj["format_version"] != FORMAT_VERSION:
-            raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
+        check_format_version(obj, what)
         return LogIdentity(
             log_id=_str(obj["log_id"], what, "log_id", _UUID),
             created_at=_text(obj["created_at"], what, "created_at"),
@@ -200,8 +230,7 @@ class CommitRecord:
             "state_digest", "segments", "tensors", "stats", "created_at", "writer_id",
         }
         _keys(obj, what, members | {"files"} if FILES in features else members)
-        if type(obj["format_version"]) is not int or obj["format_version"] != FORMAT_VERSION:
-            raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
+        check_format_version(obj, what)
         version = _int(obj["version"], what, "version")
         if expect_version is not None and version != expect_version:
             raise IntegrityError(f"{what}: holds version {version}")
@@ -213,19 +242,7 @@ class CommitRecord:
             parent = _int(obj["parent"], what, "parent")
             _expect(parent == version - 1, what, f"parent {parent} is not version {version - 1}")
             parent_digest = int(_str(obj["parent_state_digest"], what, "parent_state_digest", _HEX16), 16)
-        segments = []
-        _expect(isinstance(obj["segments"], list), what, "segments must be a list")
-        L.check(len(obj["segments"]) <= L.MAX_SEGMENTS, what, f"more than {L.MAX_SEGMENTS} segments")
-        for s in obj["segments"]:
-            _keys(s, what, {"key", "size", "sha256", "records"})
-            check_segment_key(_str(s["key"], what, "segment key"), version)
-            ref = SegmentRef(s["key"], _int(s["size"], what, "size"),
-                             _str(s["sha256"], what, "sha256", _HEX64),
-                             _int(s["records"], what, "records"))
-            L.check(ref.size <= L.MAX_SEGMENT_BYTES, what, f"segment {ref.key} of {ref.size} bytes")
-            L.check(ref.records <= L.MAX_SEGMENT_RECORDS, what, f"segment {ref.key} of {ref.records} records")
-            segments.append(ref)
-        _expect(len({s.key for s in segments}) == len(segments), what, "duplicate segment")
+        segments = parse_segments(obj["segments"], what, lambda key: check_segment_key(key, version))
         tensors = []
         _expect(isinstance(obj["tensors"], list), what, "tensors must be a list")
         L.check(len(obj["tensors"]) <= L.MAX_TENSORS, what, f"more than {L.MAX_TENSORS} tensors")
@@ -244,11 +261,7 @@ class CommitRecord:
         L.check(state_bytes <= L.MAX_STATE_BYTES, what, f"a state of {state_bytes} bytes")
         names = [t.name.encode() for t in tensors]
         _expect(names == sorted(set(names)), what, "tensor names must be unique and sorted")
-        st = obj["stats"]
-        _keys(st, what, {"changed_elements", "total_elements", "records"})
-        stats = CommitStats(_int(st["changed_elements"], what, "changed_elements"),
-                            _int(st["total_elements"], what, "total_elements"),
-                            _int(st["records"], what, "records"))
+        stats = parse_stats(obj["stats"], what)
         _expect(stats.total_elements == sum(numel(t.shape) for t in tensors), what,
                 "stats.total_elements differs from the tensor table")
         _expect(stats.records == sum(s.records for s in segments), what,
@@ -260,7 +273,7 @@ class CommitRecord:
             parent=parent,
             parent_state_digest=parent_digest,
             state_digest=int(_str(obj["state_digest"], what, "state_digest", _HEX16), 16),
-            segments=tuple(segments),
+            segments=segments,
             tensors=tuple(tensors),
             stats=stats,
             created_at=_text(obj["created_at"], what, "created_at"),

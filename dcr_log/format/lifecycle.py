@@ -18,7 +18,8 @@ from ..errors import IntegrityError, UsageError
 from ..state import digest_hex
 from . import limits as L
 from .canonical import seal, unseal
-from .commit import FORMAT_VERSION, CommitStats, SegmentRef, _expect, _int, _keys, _str, _text
+from .commit import (FORMAT_VERSION, CommitStats, SegmentRef, _expect, _int, _keys, _str, _text, check_format_version,
+                     parse_segments, parse_stats)
 
 SNAPSHOTS_PREFIX = "snapshots/"
 SQUASHES_PREFIX = "squashes/"
@@ -132,8 +133,7 @@ class CatchUp:
         obj = unseal(data, what)
         _keys(obj, what, {"format_version", "log_id", "kind", "version", "from", "from_state_digest",
                           "state_digest", "commit_sha256", "segments", "stats", "created_at", "writer_id"})
-        if type(obj["format_version"]) is not int or obj["format_version"] != FORMAT_VERSION:
-            raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
+        check_format_version(obj, what)
         kind = obj["kind"]
         _expect(kind in ("snapshot", "squash"), what, f"unknown kind {str(kind)[:40]!r}")
         version = _int(obj["version"], what, "version")
@@ -148,23 +148,8 @@ class CatchUp:
             start_digest = int(_str(obj["from_state_digest"], what, "from_state_digest", _HEX16), 16)
             _expect(parse_squash_key(key) == (start, version), what, "key does not name its versions")
         prefix = key[: -len(MANIFEST)]
-        segments = []
-        _expect(isinstance(obj["segments"], list), what, "segments must be a list")
-        L.check(len(obj["segments"]) <= L.MAX_SEGMENTS, what, f"more than {L.MAX_SEGMENTS} segments")
-        for s in obj["segments"]:
-            _keys(s, what, {"key", "size", "sha256", "records"})
-            check_object_key(_str(s["key"], what, "segment key"), prefix, what)
-            ref = SegmentRef(s["key"], _int(s["size"], what, "size"),
-                             _str(s["sha256"], what, "sha256", _HEX64), _int(s["records"], what, "records"))
-            L.check(ref.size <= L.MAX_SEGMENT_BYTES, what, f"segment {ref.key} of {ref.size} bytes")
-            L.check(ref.records <= L.MAX_SEGMENT_RECORDS, what, f"segment {ref.key} of {ref.records} records")
-            segments.append(ref)
-        _expect(len({s.key for s in segments}) == len(segments), what, "duplicate segment")
-        st = obj["stats"]
-        _keys(st, what, {"changed_elements", "total_elements", "records"})
-        stats = CommitStats(_int(st["changed_elements"], what, "changed_elements"),
-                            _int(st["total_elements"], what, "total_elements"),
-                            _int(st["records"], what, "records"))
+        segments = parse_segments(obj["segments"], what, lambda k: check_object_key(k, prefix, what))
+        stats = parse_stats(obj["stats"], what)
         _expect(stats.records == sum(s.records for s in segments), what,
                 "stats.records differs from the sum of the segments' records")
         return CatchUp(
@@ -172,7 +157,7 @@ class CatchUp:
             version=version, start=start, start_state_digest=start_digest,
             state_digest=int(_str(obj["state_digest"], what, "state_digest", _HEX16), 16),
             commit_sha256=_str(obj["commit_sha256"], what, "commit_sha256", _HEX64),
-            segments=tuple(segments), stats=stats,
+            segments=segments, stats=stats,
             created_at=_text(obj["created_at"], what, "created_at"),
             writer_id=_text(obj["writer_id"], what, "writer_id"),
             format_version=obj["format_version"],
@@ -209,8 +194,7 @@ class Marker:
         L.check(len(data) <= MAX_MARKER_BYTES, what, f"more than {MAX_MARKER_BYTES} bytes")
         obj = unseal(data, what)
         _keys(obj, what, {"format_version", "log_id", "kind", "version", "snapshot_sha256", "created_at"})
-        if type(obj["format_version"]) is not int or obj["format_version"] != FORMAT_VERSION:
-            raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
+        check_format_version(obj, what)
         kind = obj["kind"]
         _expect(kind in ("log-start", "retired"), what, f"unknown kind {str(kind)[:40]!r}")
         version = _int(obj["version"], what, "version")

@@ -83,12 +83,12 @@ def _existing(log: DeltaLog, key: str) -> CatchUp | None:
 
 def write_snapshot(log: DeltaLog, version: int | None = None, *, writer_id: str | None = None,
                    policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                   check: bool = True, state: dict[str, TensorBits] | None = None) -> CatchUp:
+                   check: bool = True) -> CatchUp:
     """Write the full state of ``version`` (default latest) as a snapshot: ``tensor`` records
     in segments of about ``segment_bytes`` under ``snapshots/<version>/``, then its manifest.
-    The state comes from the log by the cheapest route (every tensor digest checked), or is
-    ``state`` (checked the same way). With ``check``, the written segments are read back and
-    applied before the manifest is created. An existing snapshot is returned as it is."""
+    The state comes from the log by the cheapest route (every tensor digest checked). With
+    ``check``, the written segments are read back and applied before the manifest is created.
+    An existing snapshot is returned as it is."""
     writer_id = check_writer_id(writer_id or default_writer_id())
     version = log.latest_version() if version is None else version
     commit = log.commit(version)
@@ -96,14 +96,7 @@ def write_snapshot(log: DeltaLog, version: int | None = None, *, writer_id: str 
     found = _existing(log, prefix + "manifest.json")
     if found is not None:
         return found
-    if state is None:
-        state = log.materialize(version)
-    else:
-        table = commit.tensor_map()
-        if set(state) != set(table) or any(
-                log.digests.tensor(b.words, b.shape) != table[n].digest or (b.dtype, b.shape) != (
-                    table[n].dtype, table[n].shape) for n, b in state.items()):
-            raise UsageError(f"the state given is not version {version}'s")
+    state = log.materialize(version)
     differ = Differ(policy, log.digests)
     records = (rec for name in sorted(state, key=str.encode) for rec in differ.diff(name, None, state[name]))
     refs, count, changed, keys = _write_segments(log, version, prefix, records, writer_id, segment_bytes)

@@ -801,8 +801,7 @@ class Receiver:
                 # (Checked before the step went in flight: when recovering, the storage may
                 # already hold the new layout, which is all a squash from an expired version
                 # can be compared with.)
-                if rec.kind == "tensor" and kept and getattr(commit, "kind", "version") == "squash" \
-                        and not recovering:
+                if rec.kind == "tensor" and kept and commit.kind == "squash" and not recovering:
                     raise IntegrityError(f"{commit.describe()}: tensor record for {rec.tensor!r}, "
                                          "which the squash keeps")
                 held = rec.kind == "tensor" or storage.holds(rec.tensor)

@@ -280,7 +280,7 @@ def roll_forward(log: "DeltaLog", base: Baseline, version: int, needed: list, sh
     is checked here: the caller compares the pieces' digests with the commit's.
     """
     from .coords import box_to_tensor_flat, boxes_intersect, flat_inside, tensor_flat_to_box
-    from .delta import decode_record
+    from .delta import decode_record, record_targets
 
     start = log.commit(base.version).tensor_map()
     keep = [p for p in needed if p.key in base.arrays and start.get(p.name) is not None
@@ -312,10 +312,7 @@ def roll_forward(log: "DeltaLog", base: Baseline, version: int, needed: list, sh
                 inside = flat_inside(p.box, info.shape, flat)
                 local = tensor_flat_to_box(p.box, info.shape, flat[inside])
                 words = arrays[p.key]
-                if rec.kind == "xor":
-                    words[local] ^= changes.values[inside]
-                else:
-                    words[local] = changes.values[inside]
+                words[local] = record_targets(rec.kind, changes, words[local], changes.values[inside])
     kept = {k: arrays[k] for k in arrays}
     return Baseline(version, kept, {k: base.dtypes[k] for k in kept},
                     {k: digest_box(k, w) for k, w in kept.items()})

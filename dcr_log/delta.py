@@ -21,6 +21,8 @@ from .codec.dense import DenseEncoding
 from .codec.raw import RawEncoding
 from .codec.sparse import DEFAULT_LEVEL as SPARSE_LEVEL
 from .codec.sparse import SparseEncoding
+from .codec.ulp import DEFAULT_LEVEL as ULP_LEVEL
+from .codec.ulp import UlpEncoding, step_from
 from .coords import Box, box_to_tensor_flat, box_view, numel, row_blocks, word_dtype
 from .errors import IntegrityError
 from .format import Record
@@ -50,6 +52,12 @@ class EncodePolicy:
     dense_level: int = DENSE_LEVEL
     sparse_max_rate: float = 0.6
     dense_min_rate: float = 0.05
+    # With the ulp encoding (logs with the feature ulp-encoding): dense is tried only from
+    # this rate on (below it ulp is smaller on every weight pair measured), and sparse only
+    # when ulp's payload is above ``ulp_sparse_ratio`` of raw's (words that are not floats).
+    ulp_level: int = ULP_LEVEL
+    ulp_dense_min_rate: float = 0.3
+    ulp_sparse_ratio: float = 0.5
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     workers: int = DEFAULT_WORKERS
 
@@ -234,14 +242,16 @@ def map_ordered(fn, items: list, workers: int, parallel: bool = True) -> Iterato
 class Differ:
     """Turns (base, new) box pairs into records, reusing scratch buffers across calls.
 
-    Record digests follow ``digests`` (the log's scheme). The boxes of a large tensor are
-    encoded by ``policy.workers`` threads, each with its own scratch buffers; records come out
-    in box order.
+    Record digests follow ``digests`` (the log's scheme); ``ulp``: the log allows the ulp
+    encoding. The boxes of a large tensor are encoded by ``policy.workers`` threads, each with
+    its own scratch buffers; records come out in box order.
     """
 
-    def __init__(self, policy: EncodePolicy | None = None, digests: DigestScheme = XXH3):
+    def __init__(self, policy: EncodePolicy | None = None, digests: DigestScheme = XXH3,
+                 ulp: bool = False):
         self.policy = policy or EncodePolicy()
         self.digests = digests
+        self.ulp = ulp
         self._local = threading.local()
 
     def _scratch(self) -> _Scratch:
@@ -310,9 +320,16 @@ class Differ:
         cands = [("raw", {}, None)]  # raw's size is known without encoding it
         raw_size = k * (8 + w)
         rate = k / n
-        if rate <= p.sparse_max_rate:
+        dense_min_rate = p.dense_min_rate
+        try_sparse = rate <= p.sparse_max_rate
+        if self.ulp and kind == "xor" and rate <= p.sparse_max_rate:
+            ulp = UlpEncoding(p.ulp_level).encode(kind, changes, base=base_vals, new=new_vals)
+            cands.append(("ulp", *ulp))
+            try_sparse = len(ulp[1]) > p.ulp_sparse_ratio * raw_size
+            dense_min_rate = max(dense_min_rate, p.ulp_dense_min_rate)
+        if try_sparse:
             cands.append(("sparse", *SparseEncoding(p.sparse_level).encode(kind, changes)))
-        if kind == "xor" and rate >= p.dense_min_rate:
+        if kind == "xor" and rate >= dense_min_rate:
             xor = np.bitwise_xor(base_box, new_box, out=scratch.get("xor", new_box.dtype, n))
             cands.append(("dense", *DenseEncoding(p.dense_level).encode(kind, changes, full=xor)))
         enc, params, payload = min(cands, key=lambda c: raw_size if c[2] is None else len(c[2]))
@@ -346,6 +363,23 @@ def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -
     return box_to_tensor_flat(record.box, shape, positions)
 
 
+def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The words a record writes where ``current`` holds its base: ``values`` are the record's
+    values at those positions (all of them, or the subset a receiver holds)."""
+    if kind != "xor":
+        return values
+    if changes.relative:
+        return step_from(current, values)
+    return np.bitwise_xor(current, values)
+
+
+def record_bases(kind: str, changes: ChangeSet, target: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Inverse of record_targets for ``xor`` records: the base words, from the target's."""
+    if changes.relative:
+        return step_from(target, values, backwards=True)
+    return np.bitwise_xor(target, values)
+
+
 def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape: tuple[int, ...],
                    digests: DigestScheme = XXH3, check: bool = True) -> None:
     """Apply one decoded record to a tensor's flat words in place.
@@ -361,10 +395,7 @@ def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape:
         current = words[where]  # a copy: ``where`` is an index array for xor and overwrite
         if check and digests.at(where, current) != record.base_digest:
             raise IntegrityError(f"{record.tensor}: base values differ from the record's precondition")
-        if record.kind == "xor":
-            target = np.bitwise_xor(current, changes.values, out=None if isinstance(where, slice) else current)
-        else:
-            target = changes.values
+        target = record_targets(record.kind, changes, current, changes.values)
     if check and digests.at(where, target) != record.target_digest:
         raise IntegrityError(f"{record.tensor}: values to write differ from the record's target")
     words[where] = target

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .codec.ulp import ULP_ENCODING, UlpEncoding
 from .delta import apply_to_words, decode_record, empty_words, shared_pool
 from .errors import CommitConflict, CommitStateUnknown, ExpiredError, IntegrityError, NotFoundError, UsageError
 from .format import (
@@ -145,6 +146,11 @@ class DeltaLog:
     @property
     def log_id(self) -> str:
         return self.identity.log_id
+
+    @property
+    def ulp_encoding(self) -> bool:
+        """Whether records may use the ``ulp`` encoding (feature ``ulp-encoding``)."""
+        return ULP_ENCODING in self.identity.features
 
     @property
     def has_files(self) -> bool:
@@ -447,8 +453,12 @@ class DeltaLog:
         checked by read_segment. The record count is checked against the commit record."""
         data = self.read_segment(ref, version) if data is None else data
         count = 0
+        ulp = self.ulp_encoding
         for rec in iter_segment(data, self.log_id, version):
             count += 1
+            if rec.encoding == UlpEncoding.name and not ulp:
+                raise IntegrityError(f"segment {ref.key}: a record uses the encoding 'ulp' in a "
+                                     f"log without the feature {ULP_ENCODING!r}")
             yield rec
         if count != ref.records:
             raise IntegrityError(f"segment {ref.key}: {count} records, commit says {ref.records}")

@@ -31,6 +31,7 @@ import xxhash
 from .baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline, piece_key
 from .coords import DTYPE_WIDTH, Box, flat_range_boxes, numel
 from .delta import Differ, EncodePolicy, map_ordered
+from .codec.ulp import ULP_ENCODING
 from .digest import MASK64, SUM_DIGESTS
 from .signing import as_signing_key
 from .errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, StoreError, UsageError
@@ -53,6 +54,9 @@ from .store import AlreadyExists, Store
 
 # A segment file is closed and uploaded once it holds this many payload bytes.
 DEFAULT_SEGMENT_BYTES = 64 << 20
+
+# The features of a new log: digests that update in O(changes) and the ulp encoding.
+DEFAULT_FEATURES = (SUM_DIGESTS, ULP_ENCODING)
 
 
 def utc_now() -> str:
@@ -453,7 +457,7 @@ class ShardedWriter:
         self.group = group
         self.writer_id = check_writer_id(writer_id or default_writer_id())
         self.segment_bytes = segment_bytes
-        self._differ = Differ(policy, log.digests)
+        self._differ = Differ(policy, log.digests, ulp=log.ulp_encoding)
         self._version = version
         self._cache = cache
         self._baseline: Baseline | None = None
@@ -472,7 +476,7 @@ class ShardedWriter:
     @staticmethod
     def create(location: str | os.PathLike | Store, shards: Mapping[str, Sequence[Shard]],
                shapes: Mapping[str, Sequence[int]], group: Any = None, *, cache_dir: Any = None,
-               features: Sequence[str] = (SUM_DIGESTS,), writer_id: str | None = None,
+               features: Sequence[str] = DEFAULT_FEATURES, writer_id: str | None = None,
                policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                progress: Callable[[int], None] | None = None, signing_key: Any = None,
                files: Files | None = None) -> "ShardedWriter":

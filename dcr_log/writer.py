@@ -7,11 +7,10 @@ import os
 from typing import Any, Callable, Mapping, Sequence
 
 from .delta import EncodePolicy
-from .digest import SUM_DIGESTS
 from .files import Files
 from .format import CommitRecord
 from .log import DeltaLog
-from .shard import DEFAULT_SEGMENT_BYTES, LocalGroup, Shard, ShardedWriter, default_writer_id, utc_now
+from .shard import DEFAULT_FEATURES, DEFAULT_SEGMENT_BYTES, LocalGroup, Shard, ShardedWriter, default_writer_id, utc_now
 from .state import to_state
 from .store import Store
 
@@ -47,12 +46,12 @@ class LogWriter:
     @staticmethod
     def create(location: str | os.PathLike | Store, state: Mapping[str, Any],
                progress: Callable[[int], None] | None = None, *, cache_dir: Any = None,
-               features: Sequence[str] = (SUM_DIGESTS,), writer_id: str | None = None,
+               features: Sequence[str] = DEFAULT_FEATURES, writer_id: str | None = None,
                policy: EncodePolicy | None = None,
                segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None,
                files: Files | None = None) -> "LogWriter":
         """Create a new log whose version 0 is the full ``state``. New logs use
-        ``sum-digests``; ``features=()`` writes a plain format-1 log (xxh3 digests). With
+        ``sum-digests`` and ``ulp-encoding``; ``features=()`` writes a plain format-1 log (xxh3 digests). With
         ``signing_key`` every version this writer commits is signed.
 
         ``files`` maps file names (config.json, tokenizer files, ...) to bytes or paths:

@@ -338,3 +338,145 @@ def test_params_must_be_json_integers(bad):
     params, payload = get_encoding("sparse").encode("xor", changes)
     with pytest.raises(IntegrityError):
         decode_changes("xor", "sparse", {**params, **bad}, payload, 100, 3, np.dtype("<u2"))
+
+
+# -- ulp: distances from the base (feature ulp-encoding) ----------------------------------------
+
+from dcr_log.codec.ulp import UlpEncoding, from_key, step_from, to_key, xor_from_distance  # noqa: E402
+
+
+def _ulp_pair(rng, word: np.dtype, n: int, rate: float, far: float):
+    """Base words (NaN payloads, signed zeros and infinities mixed in) and new words where a
+    ``rate`` of them moved: mostly by a few units in key order, a ``far`` share anywhere."""
+    base = _words(rng, word, n, nonzero=False)
+    bits = 8 * word.itemsize
+    specials = np.array([0, 1 << (bits - 1), (1 << bits) - 1, (1 << (bits - 1)) - 1], dtype=np.uint64)
+    if n:
+        base[rng.random(n) < 0.1] = specials.astype(word)[rng.integers(0, 4)]
+    moved = rng.random(n) < rate
+    d = rng.choice(np.array([1, -1, 1, -1, 2, -2, 3, -5], dtype=np.int64), n)
+    new = step_from(base, d.astype(np.dtype(f"<i{word.itemsize}")).view(word))
+    anywhere = _words(rng, word, n, nonzero=False)
+    far_mask = rng.random(n) < far
+    new = np.where(moved & far_mask, anywhere, np.where(moved, new, base))
+    return base, new.astype(word)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(word=st.sampled_from(WORDS), n=st.one_of(st.integers(1, 16), st.integers(1, 5000)),
+       rate=st.one_of(st.sampled_from([0.001, 0.5, 1.0]), st.floats(0, 1)),
+       far=st.sampled_from([0.0, 0.1, 1.0]), seed=st.integers(0, 2**32 - 1))
+def test_ulp_roundtrip(word, n, rate, far, seed):
+    """Every change set of any width and rate, NaN payloads and signed zeros included, comes
+    back as the exact xor words once the distances meet the base words."""
+    base, new = _ulp_pair(np.random.default_rng(seed), word, n, rate, far)
+    positions = np.flatnonzero(base != new)
+    if positions.size == 0:
+        return
+    changes = ChangeSet(n, positions, base[positions] ^ new[positions])
+    params, payload = UlpEncoding().encode("xor", changes, base=base[positions], new=new[positions])
+    assert json.loads(json.dumps(params)) == params
+    got = decode_changes("xor", "ulp", params, memoryview(payload), n, positions.size, word)
+    assert got.relative and got.values.dtype == word
+    assert np.array_equal(got.positions, positions)
+    assert np.array_equal(xor_from_distance(base[positions], got.values), changes.values)
+    # Element by element: any subset of positions resolves against its own base words.
+    some = np.arange(0, positions.size, 3)
+    assert np.array_equal(xor_from_distance(base[positions][some], got.values[some]), changes.values[some])
+    assert np.array_equal(step_from(new[positions], got.values, backwards=True), base[positions])
+
+
+@pytest.mark.parametrize("float_type,word", [(np.float16, "<u2"), (np.float32, "<u4"), (np.float64, "<u8")])
+def test_ulp_key_is_the_order_of_floats(float_type, word):
+    """key orders IEEE words as their numbers (-0 just below +0), and one step is nextafter."""
+    rng = np.random.default_rng(3)
+    raw = _words(rng, np.dtype(word), 4000, nonzero=False)
+    values = raw.view(float_type)
+    finite = raw[np.isfinite(values)]
+    order = np.argsort(to_key(finite), kind="stable")
+    as_float = finite.view(float_type)[order].astype(np.float64)
+    assert np.all(np.diff(as_float) >= 0)
+    signed_zeros = np.array([1 << (8 * np.dtype(word).itemsize - 1), 0], dtype=word)  # -0, +0
+    assert int(to_key(signed_zeros)[1]) == int(to_key(signed_zeros)[0]) + 1
+    assert np.array_equal(from_key(to_key(raw)), raw)
+    up = step_from(finite, np.ones(finite.size, dtype=word))
+    big = np.abs(finite.view(float_type)) < np.finfo(float_type).max
+    with np.errstate(over="ignore"):
+        expected = np.nextafter(finite.view(float_type), float_type(np.inf))
+    # -0 steps up to +0, where nextafter(-0, inf) gives the smallest subnormal.
+    negzero = finite == signed_zeros[0]
+    assert np.array_equal(up[big & ~negzero], expected[big & ~negzero].view(word))
+    assert np.array_equal(up[negzero], np.zeros(int(negzero.sum()), dtype=word))
+
+
+def _ulp_sample():
+    rng = np.random.default_rng(5)
+    base, new = _ulp_pair(rng, U2, 3000, 0.05, 0.05)
+    positions = np.flatnonzero(base != new)
+    changes = ChangeSet(3000, positions, base[positions] ^ new[positions])
+    params, payload = UlpEncoding().encode("xor", changes, base=base[positions], new=new[positions])
+    return changes, params, payload
+
+
+def _pco(numbers) -> bytes:
+    import pcodec
+
+    return pcodec.standalone.simple_compress(np.ascontiguousarray(numbers), pcodec.ChunkConfig())
+
+
+def _ulp_hand(gaps, distances) -> bytes:
+    g = _pco(gaps)
+    return len(g).to_bytes(8, "little") + g + _pco(distances)
+
+
+def test_ulp_hand_payload_accepted():
+    got = decode_changes("xor", "ulp", {"gap_bytes": 4, "level": 8},
+                         _ulp_hand(np.array([2, 0, 5], "<u4"), np.array([1, -1, 300], "<i2")), 10, 3, U2)
+    assert got.positions.tolist() == [2, 3, 9] and got.values.view("<i2").tolist() == [1, -1, 300]
+
+
+@pytest.mark.parametrize("why,params,payload,n,k,word", [
+    ("zero distance", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1, 1], "<u4"), np.array([1, 0], "<i2")), 10, 2, U2),
+    ("too few numbers", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1, 1], "<u4"), np.array([1], "<i2")), 10, 2, U2),
+    ("too many numbers", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1], "<u4"), np.array([1, 2], "<i2")), 10, 1, U2),
+    ("gap type", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1], "<u8"), np.array([1], "<i2")), 10, 1, U2),
+    ("distance type", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1], "<u4"), np.array([1], "<i4")), 10, 1, U2),
+    ("gap beyond box", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([10], "<u4"), np.array([1], "<i2")), 10, 1, U2),
+    ("positions beyond box", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([5, 4], "<u4"), np.array([1, 1], "<i2")), 10, 2, U2),
+    ("1-byte distance", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1], "<u4"), np.array([200], "<i2")), 10, 1, np.dtype("<u1")),
+    ("no changes", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.zeros(0, "<u4"), np.zeros(0, "<i2")), 10, 0, U2),
+    ("length past the end", {"gap_bytes": 4, "level": 8}, (10**6).to_bytes(8, "little") + _pco(np.array([1], "<u4")), 10, 1, U2),
+    ("not a pcodec file", {"gap_bytes": 4, "level": 8}, (4).to_bytes(8, "little") + b"abcd" + b"efgh", 10, 1, U2),
+    ("bad gap_bytes", {"gap_bytes": 2, "level": 8}, _ulp_hand(np.array([1], "<u2"), np.array([1], "<i2")), 10, 1, U2),
+    ("bad level", {"gap_bytes": 4, "level": 13}, _ulp_hand(np.array([1], "<u4"), np.array([1], "<i2")), 10, 1, U2),
+])
+def test_ulp_decoder_rejects(why, params, payload, n, k, word):
+    with pytest.raises(IntegrityError):
+        decode_changes("xor", "ulp", params, payload, n, k, word)
+
+
+@pytest.mark.parametrize("kind", ["overwrite", "tensor"])
+def test_ulp_carries_only_xor(kind):
+    changes, params, payload = _ulp_sample()
+    with pytest.raises(IntegrityError):
+        decode_changes(kind, "ulp", params, payload, changes.n, changes.n if kind == "tensor" else changes.k, U2)
+
+
+def test_ulp_garbage_and_flipped_bytes_never_escape_as_another_error():
+    """Random bytes and single flipped bits fail with IntegrityError or decode to a
+    consistent change set (the record digests catch wrong values), never anything else."""
+    changes, params, payload = _ulp_sample()
+    rng = np.random.default_rng(13)
+    candidates = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in (1, 8, 17, 64)]
+    for _ in range(300):
+        b = bytearray(payload)
+        b[int(rng.integers(0, len(b)))] ^= 1 << int(rng.integers(0, 8))
+        candidates.append(bytes(b))
+        candidates.append(payload[:int(rng.integers(0, len(payload)))])
+    for candidate in candidates:
+        try:
+            got = decode_changes("xor", "ulp", params, candidate, changes.n, changes.k, U2)
+        except IntegrityError:
+            continue
+        assert got.k == changes.k and got.values.dtype == U2 and np.all(got.values != 0)
+        assert np.all(np.diff(got.positions) > 0) and got.positions[-1] < changes.n

@@ -171,15 +171,18 @@ def test_special_float_patterns_survive_every_path(where, tmp_path):
     _check_log(location, [base, target, base, target, base], np.random.default_rng(1))
 
 
-def test_all_encodings_and_kinds_are_exercised(tmp_path):
-    """A designed sequence whose records use every encoding and kind, still bit-exact."""
+@pytest.mark.parametrize("features, delta_encoding", [(("sum-digests", "ulp-encoding"), "ulp"),
+                                                      (("sum-digests",), "sparse")])
+def test_all_encodings_and_kinds_are_exercised(tmp_path, features, delta_encoding):
+    """A designed sequence whose records use every encoding and kind, still bit-exact: in a
+    new log (ulp wins the sparse changes) and in one without the feature ulp-encoding."""
     rng = np.random.default_rng(5)
     n = 20000
     base = {"w": TensorBits("BF16", (n,), rng.integers(0x3C00, 0x3D00, n, dtype=np.uint16)),
             "one": TensorBits("F32", (), np.array([1], np.uint32))}
     states = [base]
     s = copy_state(base)
-    s["w"].words[rng.choice(n, n // 100, replace=False)] ^= 1       # 1%: sparse wins
+    s["w"].words[rng.choice(n, n // 100, replace=False)] ^= 1       # 1%: ulp (or sparse) wins
     s["one"].words[0] ^= 0x80000000                                  # one word: raw wins
     states.append(copy_state(s))
     s["w"].words[rng.random(n) < 0.7] ^= 1                            # 70% +-1 ulp: dense wins
@@ -189,12 +192,15 @@ def test_all_encodings_and_kinds_are_exercised(tmp_path):
     states.append(copy_state(s))
     s["w"].words[: n // 2] += 1
     states.append(copy_state(s))
-    writer = create_log(tmp_path / "log", states[0])
+    writer = create_log(tmp_path / "log", states[0], features=features)
     for i, state in enumerate(states[1:]):
         writer.append(state, kind="overwrite" if i == 3 else "xor")
     log = DeltaLog.open(tmp_path / "log")
     used = {(r.kind, r.encoding) for v in log.versions() for r in log.records(v)}
-    assert {("xor", "sparse"), ("xor", "raw"), ("xor", "dense"), ("tensor", "raw"), ("tensor", "dense")} <= used
+    assert {("xor", delta_encoding), ("xor", "raw"), ("xor", "dense"), ("tensor", "raw"),
+            ("tensor", "dense"), ("overwrite", "sparse")} <= used
+    if delta_encoding == "sparse":
+        assert all(enc != "ulp" for _, enc in used)
     assert any(kind == "overwrite" for kind, _ in used)
     _check_log(tmp_path / "log", states, rng)
 

@@ -2,8 +2,8 @@
 
 Every valid log reads back, version by version, to the tensors its expected.json lists, both
 through dcr_log.DeltaLog and through a small independent reader written from spec/FORMAT.md
-alone (pyarrow, zstandard, xxhash and numpy; nothing from dcr_log), features sum-digests
-(section 7.1) and files (section 22) included, and so do its snapshots and squashes, from the log
+alone (pyarrow, zstandard, pcodec, xxhash and numpy; nothing from dcr_log), features sum-digests
+(section 7.1), files (section 22) and ulp-encoding (section 11) included, and so do its snapshots and squashes, from the log
 start of retention on (sections 23 to 25). Every invalid log fails with the stated error class at the stated
 stage and not before. The generator reproduces the committed files byte for byte.
 """
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pcodec
 import pyarrow as pa
 import pytest
 import xxhash
@@ -156,8 +157,57 @@ def spec_state_digest(table: list[dict]) -> str:
     return f"{xxhash.xxh3_64_intdigest(b''.join(lines)):016x}"
 
 
+# Feature ulp-encoding, FORMAT.md section 11.
+ULP_ENCODING = "ulp-encoding"
+
+
+def spec_key(words: np.ndarray, bits: int) -> np.ndarray:
+    x = words.astype(np.uint64)
+    top = np.uint64(1 << (bits - 1))
+    return np.where(x >= top, x ^ np.uint64((1 << bits) - 1), x ^ top)
+
+
+def spec_unkey(keys: np.ndarray, bits: int) -> np.ndarray:
+    top = np.uint64(1 << (bits - 1))
+    return np.where(keys >= top, keys ^ top, keys ^ np.uint64((1 << bits) - 1))
+
+
+def pco_numbers(data: bytes, k: int, number_type: str) -> np.ndarray:
+    """Exactly k numbers of one pcodec standalone file."""
+    assert data[:4] == b"pco!", "not a pcodec standalone file"
+    out = np.empty(k, dtype=number_type)
+    try:
+        progress = pcodec.standalone.simple_decompress_into(data, out)
+    except RuntimeError as exc:  # pcodec's corruption errors, another number type included
+        raise ValueError(f"pcodec: {exc}") from None
+    assert progress.n_processed == k and progress.finished, "pcodec file count"
+    return out
+
+
+class Distances:
+    """ulp values: signed distances in key order from the base words (resolved when applied)."""
+
+    def __init__(self, d: np.ndarray, bits: int):
+        self.d, self.bits, self.size = d, bits, d.size
+
+    def xor_values(self, base: np.ndarray) -> np.ndarray:
+        mod = np.uint64((1 << self.bits) - 1) if self.bits < 64 else None
+        moved = spec_key(base, self.bits) + self.d.astype(np.int64).view(np.uint64)  # wraps mod 2^64
+        if mod is not None:
+            moved &= mod
+        return (base.astype(np.uint64) ^ spec_unkey(moved, self.bits)).astype(base.dtype)
+
+
+def values_d(xor: np.ndarray, base: np.ndarray, w: int) -> list[int]:
+    """The signed distances (as Python ints) that take ``base`` to ``base ^ xor``."""
+    bits = 8 * w
+    d = (spec_key(base ^ xor, bits).astype(object) - spec_key(base, bits).astype(object)) % (1 << bits)
+    return [x - (1 << bits) if x >= 1 << (bits - 1) else x for x in d]
+
+
 def decode_payload(row: dict, n: int, w: int) -> tuple[np.ndarray, np.ndarray]:
-    """(box-local positions, values) of one record, per the encodings of FORMAT.md."""
+    """(box-local positions, values) of one record, per the encodings of FORMAT.md (values of
+    ulp records: Distances, resolved against the base words)."""
     kind, k, payload = row["kind"], row["n_changed"], row["payload"]
     params = json.loads(row["params"])
     assert spec_canonical(params) == row["params"]  # also refuses non-integer values
@@ -174,6 +224,17 @@ def decode_payload(row: dict, n: int, w: int) -> tuple[np.ndarray, np.ndarray]:
         body = zstd_exact(payload, k * (gw + w))
         gaps = unplane(body[: k * gw], k, gw).astype(np.int64)
         return np.cumsum(gaps + 1) - 1, unplane(body[k * gw :], k, w)
+    if row["encoding"] == "ulp":
+        assert kind == "xor" and set(params) == {"gap_bytes", "level"} and 0 <= params["level"] <= 12
+        assert params["gap_bytes"] in (4, 8) and k >= 1
+        size = int.from_bytes(payload[:8], "little")
+        assert len(payload) >= 8 and size <= len(payload) - 8
+        gaps = pco_numbers(payload[8:8 + size], k, f"<u{params['gap_bytes']}").astype(np.uint64)
+        d = pco_numbers(payload[8 + size:], k, f"<i{max(w, 2)}")
+        assert np.all(d != 0), "a zero distance"
+        assert w > 1 or (d.min() >= -128 and d.max() <= 127), "a 1-byte distance out of range"
+        assert int(gaps.max()) < n, "gap beyond the box"
+        return (np.cumsum(gaps + np.uint64(1)) - np.uint64(1)).astype(np.int64), Distances(d, 8 * w)
     assert row["encoding"] == "dense" and kind != "overwrite" and set(params) == {"level"}
     full = unplane(zstd_exact(payload, n * w), n, w)
     if kind == "tensor":
@@ -459,9 +520,9 @@ def _spec_read(root: Path, facts: set[str], where: dict, from_states: dict) -> d
     identity = spec_unseal((root / "dcr.json").read_bytes())
     assert set(identity) == {"format_version", "log_id", "created_at", "features"}
     features = identity["features"]
-    # format 1 defines two features; a name is never listed twice
-    assert identity["format_version"] == 1 and features in (
-        [], [SUM_DIGESTS], [FILES], [FILES, SUM_DIGESTS]), features
+    # format 1 defines three features, listed in this order; a name is never listed twice
+    assert identity["format_version"] == 1 and isinstance(features, list), features
+    assert features == [f for f in (FILES, SUM_DIGESTS, ULP_ENCODING) if f in features], features
     facts.update(features)
     log_id = identity["log_id"]
     where["stage"] = "listing"
@@ -611,6 +672,16 @@ def apply_row(row: dict, state: dict, created: set, facts: set, features: list[s
         assert old == row["base_digest"], "precondition"
     else:
         assert row["base_digest"] == 0
+    if isinstance(values, Distances):
+        assert ULP_ENCODING in features, "a ulp record in a log without the feature"
+        base = words[flat]
+        values = values.xor_values(base)
+        keys = spec_key(base, 8 * w).astype(object) + values_d(values, base, w)
+        facts.add(f"ulp-width:{w}")
+        if any(x < 0 or x >= 1 << (8 * w) for x in keys):
+            facts.add("ulp-wraps")
+        if np.any((base ^ (base ^ values)) >> (8 * w - 1) != base >> (8 * w - 1)):
+            facts.add("ulp-crosses-sign")
     if kind == "xor":
         words[flat] ^= values
     else:
@@ -623,7 +694,7 @@ def apply_row(row: dict, state: dict, created: set, facts: set, features: list[s
     if SUM_DIGESTS in features:  # the tensor's digest changes by target minus the old words' digest
         running[row["tensor"]] = (running[row["tensor"]] + row["target_digest"] - old) & MASK64
     facts.add(f"{kind}/{row['encoding']}")
-    if row["encoding"] == "sparse":
+    if row["encoding"] in ("sparse", "ulp"):
         facts.add(f"gap_bytes:{json.loads(row['params'])['gap_bytes']}")
     if len(shape) >= 2 and (any(offset[1:]) or list(box[1:]) != list(shape[1:])):
         facts.add(f"interior-box-{len(shape)}d")
@@ -795,6 +866,18 @@ def test_sum_digest_vectors_cover_the_format():
               "xor/raw", "xor/sparse", "xor/dense", "overwrite/raw", "overwrite/sparse", "tensor/raw",
               "tensor/dense", "0-d", "empty", "interior-box-2d", "interior-box-3d", "added", "removed",
               "reshaped", "retyped", "zero-records", "tensor-on-existing", "overwrite-repair"}
+    assert wanted <= facts, sorted(wanted - facts)
+
+
+def test_ulp_vectors_cover_the_feature():
+    """The logs with feature ulp-encoding exercise every word width, both gap widths, a sign
+    crossing and a key that wraps around."""
+    facts: set[str] = set()
+    for name in [n for n in VALID if ULP_ENCODING in log_features(n)]:
+        spec_replay(VECTORS / name / "log", facts)
+    wanted = {ULP_ENCODING, "xor/ulp", "xor/sparse", "ulp-width:1", "ulp-width:2", "ulp-width:4",
+              "ulp-width:8", "gap_bytes:4", "gap_bytes:8", "ulp-wraps", "ulp-crosses-sign",
+              "interior-box-2d"}
     assert wanted <= facts, sorted(wanted - facts)
 
 

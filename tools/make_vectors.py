@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import pcodec
 import pyarrow as pa
 import xxhash
 import zstandard
@@ -41,6 +42,7 @@ from dcr_log.codec.base import ChangeSet
 from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import SparseEncoding
+from dcr_log.codec.ulp import ULP_ENCODING, UlpEncoding
 from dcr_log.coords import DTYPE_WIDTH, Box, numel, word_dtype
 from dcr_log.digest import SUM
 from dcr_log.format import (
@@ -259,8 +261,34 @@ def sparse_payload(gaps: np.ndarray, values: np.ndarray, gap_bytes: int, level: 
     return zstd_frame(planes(gap_words) + planes(values), level)
 
 
-def spec_encode(kind, encoding, n, positions, values, level, gap_bytes=None) -> tuple[dict, bytes]:
-    """(params, payload) of one record, from the encoding rules of spec/FORMAT.md."""
+def spec_key(words: np.ndarray) -> np.ndarray:
+    """FORMAT.md section 11, ulp: x XOR (2^W - 1) if the top bit is set, else x XOR 2^(W-1)."""
+    bits = 8 * words.dtype.itemsize
+    x = words.astype(np.uint64)
+    top = np.uint64(1 << (bits - 1))
+    return np.where(x >= top, x ^ np.uint64((1 << bits) - 1), x ^ top)
+
+
+def pco_file(numbers: np.ndarray, level: int) -> bytes:
+    cfg = pcodec.ChunkConfig(compression_level=level, delta_spec=pcodec.DeltaSpec.no_op(),
+                             mode_spec=pcodec.ModeSpec.classic())
+    return pcodec.standalone.simple_compress(np.ascontiguousarray(numbers), cfg)
+
+
+def ulp_payload(positions, base, target, gap_bytes: int, level: int) -> bytes:
+    bits = 8 * base.dtype.itemsize
+    d = (spec_key(target) - spec_key(base)) & np.uint64((1 << bits) - 1)  # mod 2^W
+    signed = np.where(d >= np.uint64(1 << (bits - 1)), d.astype(object) - (1 << bits), d.astype(object))
+    number_type = {8: "<i2", 16: "<i2", 32: "<i4", 64: "<i8"}[bits]
+    gaps = pco_file(gaps_of(positions).astype(f"<u{gap_bytes}"), level)
+    distances = pco_file(np.array(list(signed), dtype=number_type), level)
+    return len(gaps).to_bytes(8, "little") + gaps + distances
+
+
+def spec_encode(kind, encoding, n, positions, values, level, gap_bytes=None,
+                base=None) -> tuple[dict, bytes]:
+    """(params, payload) of one record, from the encoding rules of spec/FORMAT.md; ``base``:
+    the base words at the positions (the ulp encoding codes values relative to them)."""
     values = np.ascontiguousarray(values)
     if encoding == "raw":
         pos = b"" if kind == "tensor" else positions.astype("<u8").tobytes()
@@ -274,15 +302,23 @@ def spec_encode(kind, encoding, n, positions, values, level, gap_bytes=None) -> 
         if kind != "tensor":
             full[positions] = values
         return {"level": level}, zstd_frame(planes(full), level)
+    if encoding == "ulp":
+        assert kind == "xor"
+        gw = gap_bytes or (4 if int(gaps_of(positions).max()) < 1 << 32 else 8)
+        return {"gap_bytes": gw, "level": level}, ulp_payload(positions, base, base ^ values, gw, level)
     raise ValueError(encoding)
 
 
-def encode(kind, encoding, n, positions, values, level=3, gap_bytes=None) -> tuple[dict, bytes]:
+def encode(kind, encoding, n, positions, values, level=3, gap_bytes=None, base=None) -> tuple[dict, bytes]:
     """Encode with the library's encoder and check the spec's rules give the same bytes."""
-    mine = spec_encode(kind, encoding, n, positions, values, level, gap_bytes)
+    mine = spec_encode(kind, encoding, n, positions, values, level, gap_bytes, base)
     if gap_bytes is not None:  # a non-minimal gap width: the library encoder never picks one
         return mine
     changes = ChangeSet(n, None if kind == "tensor" else positions, values)
+    if encoding == "ulp":
+        lib = UlpEncoding(level).encode(kind, changes, base=base, new=base ^ values)
+        assert lib == mine, f"{kind}/{encoding}: library and spec encodings differ"
+        return lib
     encoder = {"raw": RawEncoding(), "sparse": SparseEncoding(level), "dense": DenseEncoding(level)}[encoding]
     lib = encoder.encode(kind, changes)
     assert lib == mine, f"{kind}/{encoding}: library and spec encodings differ"
@@ -320,7 +356,8 @@ class Step:
         b, t = old.words[flat], new.words[flat]
         positions = np.union1d(np.flatnonzero(b != t), np.asarray(extra, dtype=np.int64))
         values = (b ^ t)[positions] if kind == "xor" else t[positions]
-        params, payload = encode(kind, encoding, box.size, positions, values, level, gap_bytes)
+        params, payload = encode(kind, encoding, box.size, positions, values, level, gap_bytes,
+                                 b[positions])
         at = flat[positions]  # record digests hash tensor flat indices, not box-local positions
         return Record(name, kind, box, encoding, params, int(positions.size),
                       self.digests.at(at, b[positions]), self.digests.at(at, t[positions]), payload)
@@ -1162,6 +1199,72 @@ def v_retention() -> LogBuilder:
     return retention_log("retention")
 
 
+def spec_unkey(keys: np.ndarray, bits: int) -> np.ndarray:
+    top = np.uint64(1 << (bits - 1))
+    return np.where(keys >= top, keys ^ top, keys ^ np.uint64((1 << bits) - 1))
+
+
+def ulp_stepped(bits: TensorBits, flat, distances) -> TensorBits:
+    """A copy whose words at ``flat`` moved by ``distances`` steps in key order (mod 2^W)."""
+    flat = np.asarray(flat, dtype=np.int64)
+    w = 8 * bits.words.dtype.itemsize
+    d = np.resize(np.array(distances, dtype=object), flat.size)
+    mod = 1 << w
+    keys = spec_key(bits.words[flat])
+    moved = np.array([(int(k) + int(x)) % mod for k, x in zip(keys, d)], dtype=np.uint64)
+    words = bits.words.copy()
+    words[flat] = spec_unkey(moved, w).astype(words.dtype)
+    return TensorBits(bits.dtype, bits.shape, words)
+
+
+def v_ulp() -> LogBuilder:
+    """Feature ulp-encoding (with sum-digests): xor records coded as distances from the base."""
+    b = LogBuilder("ulp", features=(SUM_DIGESTS, ULP_ENCODING))
+    w0 = det_tensor("uw0", "BF16", (16, 64))
+    big = zeros_tensor("U8", (70000,))
+    st = {"w": w0, "specials": words_tensor("BF16", (16,), SPECIALS["BF16"]),
+          "f32": det_tensor("uf32", "F32", (40,)), "f16": det_tensor("uf16", "F16", (3, 10)),
+          "f64": det_tensor("uf64", "F64", (8,)), "fp8": det_tensor("ufp8", "F8_E4M3", (20,)),
+          "i8": det_tensor("ui8", "I8", (12,)), "u16": det_tensor("uu16", "U16", (9,)), "big": big}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor(n, "raw") for n in st])])
+
+    interior = Box((2, 8), (4, 16))
+    st = dict(st)
+    # Weight-like steps: mostly one unit in the last place, some two or three, a few far.
+    st["w"] = ulp_stepped(st["w"], det_positions("uw1", box_flat((16, 64), rows_box((16, 64), 0, 2)), 24),
+                          [1, -1, 1, -1, 2, -1, 1, -3, 1, -2, 1, -1, 700, -1, 1, -40000])
+    st["w"] = ulp_stepped(st["w"], det_positions("uw1i", box_flat((16, 64), interior), 9), [1, -1, 2])
+    st["w"] = ulp_stepped(st["w"], det_positions("uw1s", box_flat((16, 64), rows_box((16, 64), 6, 16)), 20),
+                          [1, -1])
+    # +0 one step down is -0; -0 down is the negative minimum subnormal; +inf up is a NaN;
+    # the largest positive NaN up wraps to the all-ones NaN; 1 up is 1 + ulp.
+    st["specials"] = ulp_stepped(st["specials"], [0, 1, 2, 15, 11], [-1, -1, 1, 1, 1])
+    st["f32"] = ulp_stepped(st["f32"], det_positions("uf32", np.arange(40), 7), [1, -1, 5, -100000, 1 << 30])
+    st["f16"] = ulp_stepped(st["f16"], det_positions("uf16", np.arange(30), 6), [1, -2])
+    st["f64"] = ulp_stepped(st["f64"], [0, 3, 7], [1, -(1 << 62), (1 << 63) - 1])
+    st["fp8"] = ulp_stepped(st["fp8"], det_positions("ufp8", np.arange(20), 20), [1, -1, 127, -128])
+    st["i8"] = ulp_stepped(st["i8"], [0, 5, 11], [-128, 127, 1])
+    st["u16"] = ulp_stepped(st["u16"], [2, 4], [3, -3])
+    st["big"] = ulp_stepped(st["big"], [3, 69000, 69991, 69999], [1, -1, 2, 64])
+    s = b.step(st)
+    b.commit(s, [Seg([
+        s.xor("w", "ulp", rows_box((16, 64), 0, 2)), s.xor("w", "ulp", interior),
+        s.xor("w", "sparse", rows_box((16, 64), 6, 16)),
+        s.xor("specials", "ulp"), s.xor("f32", "ulp"), s.xor("f16", "ulp", level=4),
+        s.xor("f64", "ulp", level=0), s.xor("fp8", "ulp"),  # every element changed
+        s.xor("i8", "ulp"), s.xor("u16", "ulp", level=12),
+        s.xor("big", "ulp", Box((0,), (69990,))),                # a gap of 68996
+        s.xor("big", "ulp", Box((69990,), (10,)), gap_bytes=8),  # u64 gaps: wider than needed
+    ])])
+    st = dict(st)
+    st["w"] = ulp_stepped(st["w"], det_positions("uw2", box_flat((16, 64), rows_box((16, 64), 2, 16)), 30),
+                          [-1, 1, 1, -1, 2])
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("w", "ulp", rows_box((16, 64), 2, 16))])])
+    return b
+
+
 VALID = [
     (v_worked_example, "one BF16 tensor; version 1 is the sparse xor record decoded in FORMAT.md"),
     (v_kinds_and_encodings, "every record kind with every encoding it allows; gap_bytes 1, 2, 4 and "
@@ -1182,6 +1285,11 @@ VALID = [
      "removed and unchanged across versions; an empty file; binary bytes; a name needing JSON "
      "escapes; two names with the same bytes (one object); a version without files; an object "
      "listed again by a later version"),
+    (v_ulp, "feature ulp-encoding (with sum-digests): xor records as distances from the base, "
+     "on BF16 (interior boxes, steps of one to 40000 units), float specials (+0 to -0, +inf to a "
+     "NaN, the largest NaN wrapping around), F32, F16, F64, F8_E4M3 (every element changed), "
+     "I8 and U16 (1-byte distances at -128 and 127), a gap of 68996 and a record with u64 gaps; "
+     "pcodec levels 0, 4, 8 and 12"),
     (v_retention, "sections 23 to 25 (with sum-digests): a log after retention, starting at "
      "version 3 (a log-start marker naming snapshot 3's manifest; versions 0 to 2 and their "
      "segments deleted); snapshots at 3 (one tensor in two boxes), 4 (retired) and 5 (two "
@@ -1330,6 +1438,69 @@ def _dense_overwrite(row):
     full = np.zeros(6, dtype="<u4")
     full[np.frombuffer(row["payload"][:16], "<u8").astype(np.int64)] = values
     row.update(encoding="dense", params='{"level":3}', payload=zstd_frame(planes(full), 3))
+
+
+ULP_FEATURES = (SUM_DIGESTS, ULP_ENCODING)
+
+
+def _w_as_ulp(s: Step, recs):
+    """Version 1's xor record of the BF16 tensor w in the ulp encoding."""
+    return [s.xor("w", "ulp") if r.tensor == "w" else r for r in recs]
+
+
+def _x_overwrite_as_ulp(s: Step, recs):
+    return [Record("x", "overwrite", r.box, "ulp", {"gap_bytes": 4, "level": 3}, r.n_changed,
+                   r.base_digest, r.target_digest, ulp_payload(
+                       np.flatnonzero(s.base["x"].words != s.new["x"].words),
+                       s.base["x"].words[s.base["x"].words != s.new["x"].words],
+                       s.new["x"].words[s.base["x"].words != s.new["x"].words], 4, 3))
+            if r.tensor == "x" else r for r in recs]
+
+
+def _ulp_files(row) -> tuple[np.ndarray, np.ndarray]:
+    payload = row["payload"]
+    size = int.from_bytes(payload[:8], "little")
+    return (pcodec.standalone.simple_decompress(payload[8:8 + size]),
+            pcodec.standalone.simple_decompress(payload[8 + size:]))
+
+
+def _ulp_rewrite(row, gaps: np.ndarray, distances: np.ndarray, length=None) -> None:
+    g, d = pco_file(gaps, 3), pco_file(distances, 3)
+    size = len(g) if length is None else length(len(g), len(g) + len(d) + 8)
+    row["payload"] = size.to_bytes(8, "little") + g + d
+
+
+def _ulp_zero_distance(row):
+    gaps, d = _ulp_files(row)
+    d[0] = 0
+    _ulp_rewrite(row, gaps, d)
+
+
+def _ulp_short_distances(row):
+    gaps, d = _ulp_files(row)
+    _ulp_rewrite(row, gaps, d[:-1])
+
+
+def _ulp_wrong_distance(row):
+    gaps, d = _ulp_files(row)
+    d[0] = d[0] + 1 if d[0] != -1 else 1
+    _ulp_rewrite(row, gaps, d)
+
+
+def _ulp_u64_gaps(row):
+    gaps, d = _ulp_files(row)
+    _ulp_rewrite(row, gaps.astype("<u8"), d)  # params still say gap_bytes 4
+
+
+def _ulp_gap_beyond_box(row):
+    gaps, d = _ulp_files(row)
+    gaps[0] = 32  # the box holds 32 elements
+    _ulp_rewrite(row, gaps, d)
+
+
+def _ulp_length_beyond_payload(row):
+    gaps, d = _ulp_files(row)
+    _ulp_rewrite(row, gaps, d, length=lambda gap_len, total: total - 7)
 
 
 def _new_tensor_as_xor(s: Step, recs):
@@ -1527,6 +1698,31 @@ INVALID = [
     ("apply-sparse-gap-beyond-box", "IntegrityError", "apply", 1,
      "a sparse record's first gap is 32 in a box of 32 elements",
      {"rows_hook": row_hook("w", _gap_beyond_box)}, None),
+    ("segment-ulp-without-feature", "IntegrityError", "segment", 1,
+     "a record uses the encoding 'ulp' in a log whose features (sum-digests) do not list ulp-encoding",
+     {"features": (SUM_DIGESTS,), "v1_records": _w_as_ulp}, None),
+    ("apply-ulp-zero-distance", "IntegrityError", "apply", 1,
+     "a ulp record's first distance is 0 (an unchanged position)",
+     {"features": ULP_FEATURES, "v1_records": _w_as_ulp, "rows_hook": row_hook("w", _ulp_zero_distance)}, None),
+    ("apply-ulp-distance-count", "IntegrityError", "apply", 1,
+     "a ulp record's distance file holds 2 numbers for its 3 changes",
+     {"features": ULP_FEATURES, "v1_records": _w_as_ulp, "rows_hook": row_hook("w", _ulp_short_distances)}, None),
+    ("apply-ulp-gap-number-type", "IntegrityError", "apply", 1,
+     "a ulp record with gap_bytes 4 holds a gap file of u64 numbers",
+     {"features": ULP_FEATURES, "v1_records": _w_as_ulp, "rows_hook": row_hook("w", _ulp_u64_gaps)}, None),
+    ("apply-ulp-gap-beyond-box", "IntegrityError", "apply", 1,
+     "a ulp record's first gap is 32 in a box of 32 elements",
+     {"features": ULP_FEATURES, "v1_records": _w_as_ulp, "rows_hook": row_hook("w", _ulp_gap_beyond_box)}, None),
+    ("apply-ulp-length-beyond-payload", "IntegrityError", "apply", 1,
+     "a ulp record's gap file length runs past the end of its payload",
+     {"features": ULP_FEATURES, "v1_records": _w_as_ulp,
+      "rows_hook": row_hook("w", _ulp_length_beyond_payload)}, None),
+    ("apply-ulp-wrong-distance", "IntegrityError", "apply", 1,
+     "a ulp record's first distance is off by one: a valid payload whose target digest fails",
+     {"features": ULP_FEATURES, "v1_records": _w_as_ulp, "rows_hook": row_hook("w", _ulp_wrong_distance)}, None),
+    ("apply-ulp-overwrite", "IntegrityError", "apply", 1,
+     "an overwrite record uses the ulp encoding, which carries only xor records",
+     {"features": ULP_FEATURES, "v1_records": _x_overwrite_as_ulp}, None),
     ("apply-unknown-encoding", "IntegrityError", "apply", 1,
      "a record names encoding 'lz4'", {"rows_hook": row_hook("x", lambda r: r.update(encoding="lz4"))}, None),
     ("apply-unknown-param", "IntegrityError", "apply", 1,

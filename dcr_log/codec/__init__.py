@@ -7,11 +7,13 @@ from .base import KINDS, ChangeSet, Encoding
 from .dense import DenseEncoding
 from .raw import RawEncoding
 from .sparse import SparseEncoding
+from .ulp import UlpEncoding
 
 ENCODINGS: dict[str, type[Encoding]] = {
     RawEncoding.name: RawEncoding,
     SparseEncoding.name: SparseEncoding,
     DenseEncoding.name: DenseEncoding,
+    UlpEncoding.name: UlpEncoding,
 }
 
 

@@ -22,11 +22,16 @@ KINDS = ("xor", "overwrite", "tensor")
 
 @dataclass(frozen=True)
 class ChangeSet:
-    """Box-local changes: ``positions is None`` means all ``n`` positions in order."""
+    """Box-local changes: ``positions is None`` means all ``n`` positions in order.
+
+    ``relative``: the values are distances in ulps from the base words (the ``ulp``
+    encoding), not xor words; ``xor_values`` turns them into xor words given the base.
+    """
 
     n: int
     positions: np.ndarray | None
     values: np.ndarray
+    relative: bool = False
 
     @property
     def k(self) -> int:

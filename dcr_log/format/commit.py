@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..coords import DTYPE_WIDTH, numel
+from ..codec.ulp import ULP_ENCODING
 from ..digest import SUM_DIGESTS
 from ..errors import IntegrityError, UsageError
 from ..state import TensorInfo, digest_hex
@@ -18,7 +19,7 @@ from .keys import check_segment_key
 FORMAT_VERSION = 1
 # Features this implementation reads and writes. A reader MUST refuse a log or commit that
 # lists a feature it does not know.
-KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS, FILES})
+KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS, FILES, ULP_ENCODING})
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")

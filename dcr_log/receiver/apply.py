@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from ..coords import DTYPE_WIDTH, numel, word_dtype
-from ..delta import decode_record, flat_positions
+from ..delta import decode_record, flat_positions, record_bases, record_targets
 from ..errors import IntegrityError, LineageError, NotFoundError, UsageError
 from ..format import CommitRecord, Record
 from ..log import DeltaLog, Step
@@ -826,7 +826,7 @@ class Receiver:
                     cache.keep_place(seg, i, place)
                 cur = storage.gather(place)
                 values = storage.select(place, changes.values)
-                target = np.bitwise_xor(cur, values) if rec.kind == "xor" else values
+                target = record_targets(rec.kind, changes, cur, values)
                 pending.append((i, rec, self._part(place, where, cur), self._part(place, where, target)))
             sums = self._sums([d for p in pending for d in p[2:]])
             for n, (i, rec, _, _) in enumerate(pending):
@@ -927,7 +927,7 @@ class Receiver:
                 work.append(_Work(i, rec, place, where, values, base, False, i in torn))
                 continue
             cur = storage.gather(place)
-            target = np.bitwise_xor(cur, values) if rec.kind == "xor" else values
+            target = record_targets(rec.kind, changes, cur, values)
             classify.append((i, rec, info, place, where, cur, values, target))
         sums = self._sums([d for c in classify
                            for d in (self._part(c[3], c[4], c[5]), self._part(c[3], c[4], c[7]))])
@@ -1023,7 +1023,7 @@ class Receiver:
             place = storage.locate(rec.tensor, flat_positions(rec, info.shape, changes))
             if base is None:  # an xor is its own inverse
                 values = storage.select(place, changes.values)
-                storage.write(place, np.bitwise_xor(storage.gather(place), values))
+                storage.write(place, record_bases(rec.kind, changes, storage.gather(place), values))
             else:
                 storage.write(place, base)
         if undo.layout:

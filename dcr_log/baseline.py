@@ -165,10 +165,20 @@ class Baseline:
 
 
 def _scatter(arrays: dict, scatters: Mapping) -> None:
-    for key, parts in scatters.items():
+    """The committed changes into the baseline's pieces, pieces on the shared pool's threads
+    (numpy releases the GIL in a fancy-index assignment)."""
+    from .delta import DEFAULT_WORKERS, map_ordered
+
+    def scatter(item) -> None:
+        key, parts = item
         arr = arrays[key]
         for pos, values in parts:
             arr[pos] = values
+
+    items = list(scatters.items())
+    big = sum(pos.size for _, parts in items for pos, _ in parts) >= 1 << 16
+    for _ in map_ordered(scatter, items, DEFAULT_WORKERS, parallel=big):
+        pass
 
 
 class Generation:

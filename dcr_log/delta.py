@@ -139,14 +139,37 @@ def _lane_changes(b64: np.ndarray, n64: np.ndarray, word: np.dtype, offset: int,
     return positions, base_vals, new_vals
 
 
+try:
+    from . import _changes as _native_changes
+except ImportError:  # built without a compiler: the numpy path below
+    _native_changes = None
+
+
 def find_changes(base: np.ndarray, new: np.ndarray, scratch: _Scratch | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(positions, base values, new values) where the word arrays ``base`` and ``new`` differ.
 
-    Positions are increasing int64 indices. Narrow words are compared 8 bytes at a time (as
-    uint64 lanes): the one full pass reads both arrays and writes a mask of n/4 bytes (bf16);
-    only the few differing groups are then gathered and looked at word by word.
+    Positions are increasing int64 indices. With the C extension this is one pass reading
+    each array once; the results are copied out of per-thread buffers (O(changes)).
     """
+    scratch = scratch or _Scratch()
+    if (_native_changes is not None and base.flags.c_contiguous and new.flags.c_contiguous
+            and base.dtype == new.dtype and base.size == new.size):
+        n = base.size
+        word = np.dtype(f"<u{base.dtype.itemsize}")
+        pos = scratch.get("found_positions", np.int64, n)
+        bv = scratch.get("found_base", word, n)
+        nv = scratch.get("found_new", word, n)
+        k = _native_changes.find(base.view(word), new.view(word), word.itemsize, pos, bv, nv)
+        return pos[:k].copy(), bv[:k].view(base.dtype).copy(), nv[:k].view(base.dtype).copy()
+    return find_changes_numpy(base, new, scratch)
+
+
+def find_changes_numpy(base: np.ndarray, new: np.ndarray, scratch: _Scratch | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """find_changes in numpy. Narrow words are compared 8 bytes at a time (as uint64 lanes):
+    the one full pass reads both arrays and writes a mask of n/4 bytes (bf16); only the few
+    differing groups are then gathered and looked at word by word."""
     scratch = scratch or _Scratch()
     n = base.size
     w = base.dtype.itemsize

@@ -41,6 +41,7 @@ def test_planes_match_the_transposed_bytes(word, count, seed):
     assert back is out and np.array_equal(back.view(word), words)
 
 
+@pytest.mark.parametrize("find", ["native", "numpy"])
 @settings(deadline=None, max_examples=50)
 @given(
     word=st.sampled_from(WORDS),
@@ -50,7 +51,8 @@ def test_planes_match_the_transposed_bytes(word, count, seed):
     rate=st.sampled_from([0.0, 0.001, 0.03, 0.5, 1.0]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_find_changes_equals_flatnonzero(word, n, base_skew, new_skew, rate, seed):
+def test_find_changes_equals_flatnonzero(find, word, n, base_skew, new_skew, rate, seed):
+    """The C pass (dcr_log._changes) and the numpy reference, on every width and alignment."""
     rng = np.random.default_rng(seed)
     # Slices at every byte skew from an 8-byte boundary: the lane path and its fallbacks.
     base_buf = rng.integers(0, np.iinfo(word).max, n + 8, dtype=word, endpoint=True)
@@ -65,10 +67,18 @@ def test_find_changes_equals_flatnonzero(word, n, base_skew, new_skew, rate, see
     for piece in (delta.FIND_PIECE_WORDS, 64):  # one piece, and many pieces per box
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(delta, "FIND_PIECE_WORDS", piece)
-            positions, base_vals, new_vals = find_changes(base, new)
+            if find == "native":
+                mp.setattr(delta, "find_changes_numpy", None)  # the C pass or nothing
+            positions, base_vals, new_vals = (find_changes if find == "native" else
+                                              delta.find_changes_numpy)(base, new)
         assert positions.dtype == np.int64 and np.array_equal(positions, expected)
         assert base_vals.dtype == word and np.array_equal(base_vals, base[expected])
         assert new_vals.dtype == word and np.array_equal(new_vals, new[expected])
+
+
+def test_the_change_pass_is_built():
+    """make test builds the C extension; without it appends fall back to numpy, 1.3x slower."""
+    assert delta._native_changes is not None
 
 
 @pytest.mark.parametrize("planes", [1, 2, 6])

@@ -29,7 +29,7 @@ import pyarrow as pa
 import xxhash
 
 from .baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline, piece_key
-from .coords import DTYPE_WIDTH, Box, flat_range_boxes, numel
+from .coords import DTYPE_WIDTH, Box, flat_range_boxes, numel, word_dtype
 from .delta import Differ, EncodePolicy, map_ordered
 from .codec.ulp import ULP_ENCODING
 from .digest import MASK64, SUM_DIGESTS
@@ -713,6 +713,12 @@ class ShardedWriter:
             infos = [(p, _kept(p.name, layout, previous), layout.tensors[p.name][1]) for p in mine]
             bases = [self._baseline.words(p.key) if kept else None for p, kept, _ in infos]
             tasks = [(i, chunk) for i, (p, _, _) in enumerate(infos) for chunk in p.chunks(policy.chunk_elements)]
+            if generation is None:
+                # The baseline's words of new pieces, filled by the encoding threads (their
+                # page faults in parallel, not on this thread after each chunk).
+                for p, kept, _ in infos:
+                    if not kept:
+                        pending.fresh[p.key] = np.empty(p.box.size, dtype=word_dtype(p.dtype))
 
             def one(task):
                 i, (r0, r1) = task
@@ -723,6 +729,8 @@ class ShardedWriter:
                 delta = self._differ.diff_box(piece.name, piece.sub_box(r0, r1), shape, old, new, piece.kind)
                 if generation is not None and not kept:
                     generation.write(piece.key, r0 * row, new)  # on the worker: overlaps encoding
+                elif not kept:
+                    pending.fresh[piece.key][r0 * row:r0 * row + new.size] = new
                 return task, new, delta
 
             wholes = {} if digests.composable else {i: xxhash.xxh3_64() for i in range(len(infos))}
@@ -933,7 +941,7 @@ class _Pending:
         self.kept = kept
         self.generation = generation
         self.scatters: dict[PieceKey, list[tuple[np.ndarray, np.ndarray]]] = {}
-        self.fresh: dict[PieceKey, np.ndarray] = {}  # the whole new words of a fresh piece
+        self.fresh: dict[PieceKey, np.ndarray] = {}  # the whole new words of a fresh piece (no cache)
         self.contrib: dict[PieceKey, int] = {}
         self.segment_keys: list[str] = []  # every segment this rank tried to write
 
@@ -948,13 +956,8 @@ class _Pending:
             if key in self.kept:
                 pos = np.arange(start, start + values.size, dtype=np.int64)
                 self.scatters.setdefault(key, []).append((pos, np.array(values, copy=True)))
-            elif self.generation is not None:
-                pass  # written to the new cache generation by the worker that encoded it
-            else:
-                words = self.fresh.get(key)
-                if words is None:
-                    words = self.fresh[key] = np.empty(piece.box.size, dtype=values.dtype)
-                words[start:start + values.size] = values
+            # Otherwise the worker that encoded the chunk wrote it to the new cache generation
+            # or to the piece's fresh words.
             return
         self.scatters.setdefault(key, []).append((delta.positions + start, delta.new_values))
 

@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from ..coords import DTYPE_WIDTH, numel, word_dtype
-from ..delta import decode_record, flat_positions, record_bases, record_targets
+from ..delta import DEFAULT_WORKERS, decode_record, flat_positions, map_ordered, record_bases, record_targets
 from ..errors import IntegrityError, LineageError, NotFoundError, UsageError
 from ..format import CommitRecord, Record
 from ..log import DeltaLog, Step
@@ -47,6 +47,10 @@ VERIFY_LEVELS = ("none", "sample", "full")
 SAMPLE_DIVISOR = 16
 # A batch holds records up to about this many decoded bytes (positions, values, targets).
 BATCH_BYTES = 256 << 20
+# Batches with at least this many changes are gathered, checked and written by records on
+# the shared pool's threads; smaller ones on the calling thread (a hop costs more).
+PARALLEL_MIN_CHANGES = 1 << 16
+APPLY_WORKERS = DEFAULT_WORKERS
 # Segment bytes kept between pass 1 and the writes (and for rollback), beyond which they
 # are read again from the log.
 SEGMENT_CACHE_BYTES = 1 << 30
@@ -906,6 +910,7 @@ class Receiver:
         version = commit.version
         work: list[_Work] = []
         classify = []
+        items = []
         for i in range(start, end):
             rec = records[i]
             info = self._info(table, rec, version)
@@ -913,25 +918,37 @@ class Receiver:
             if not storage.holds(rec.tensor):
                 report.unheld += 1
                 continue
-            changes = cache.take_changes(seg, i) or decode_record(rec, info)
-            where = flat_positions(rec, info.shape, changes)
-            place = cache.take_place(seg, i) or storage.locate(rec.tensor, where)
+            items.append((i, rec, info, cache.take_changes(seg, i), cache.take_place(seg, i)))
             report.changed_elements += rec.n_changed
             touched.add(rec.tensor)
+
+        def prepare(item):
+            """Gather, targets and digest parts of one record: reads only, so records run
+            on the shared pool's threads (numpy, the digests and pcodec release the GIL)."""
+            i, rec, info, changes, place = item
+            changes = changes or decode_record(rec, info)
+            where = flat_positions(rec, info.shape, changes)
+            place = place or storage.locate(rec.tensor, where)
             values = storage.select(place, changes.values)
             if rec.kind == "tensor":
                 # Whole values and no precondition: writing them again is harmless.
                 base = None
                 if undo is not None and rec.tensor not in created:
                     base = storage.gather(place)
-                work.append(_Work(i, rec, place, where, values, base, False, i in torn))
-                continue
+                return _Work(i, rec, place, where, values, base, False, i in torn)
             cur = storage.gather(place)
             target = record_targets(rec.kind, changes, cur, values)
-            classify.append((i, rec, info, place, where, cur, values, target))
-        sums = self._sums([d for c in classify
-                           for d in (self._part(c[3], c[4], c[5]), self._part(c[3], c[4], c[7]))])
-        for n, (i, rec, info, place, where, cur, values, target) in enumerate(classify):
+            parts = (self._part(place, where, cur), self._part(place, where, target))
+            return (i, rec, info, place, where, cur, values, target, parts)
+
+        parallel = sum(it[1].n_changed for it in items) >= PARALLEL_MIN_CHANGES
+        for prepared in map_ordered(prepare, items, APPLY_WORKERS, parallel):
+            if isinstance(prepared, _Work):
+                work.append(prepared)
+            else:
+                classify.append(prepared)
+        sums = self._sums([d for c in classify for d in c[8]])
+        for n, (i, rec, info, place, where, cur, values, target, _) in enumerate(classify):
             d, d_target = sums[2 * n], sums[2 * n + 1]
             if d == rec.target_digest:
                 report.skipped += 1
@@ -972,11 +989,19 @@ class Receiver:
                                {w.index: memoryview(np.ascontiguousarray(w.target)).cast("B")
                                 for w in work if w.redo})
             self._hook("redo", version=version, segment=seg, start=start, end=end)
-        for n, w in enumerate(work):
-            self._write(w, seg, undo)
-            report.written += 1
-            report.repaired += w.repaired
-            self._hook("record", version=version, segment=seg, record=w.index, written=n + 1)
+        if self._fault_hook is None and parallel:
+            # Records of a version do not overlap: their writes go in parallel. (With a fault
+            # hook installed they stay in order, so that a test stops at a known record.)
+            for _ in map_ordered(lambda w: self._write(w, seg, undo), work, APPLY_WORKERS):
+                pass
+            report.written += len(work)
+            report.repaired += sum(w.repaired for w in work)
+        else:
+            for n, w in enumerate(work):
+                self._write(w, seg, undo)
+                report.written += 1
+                report.repaired += w.repaired
+                self._hook("record", version=version, segment=seg, record=w.index, written=n + 1)
         if durable:
             if work:
                 storage.flush()

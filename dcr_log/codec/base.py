@@ -235,6 +235,25 @@ def zstd_decompress_exact(payload: bytes, expected: int) -> np.ndarray:
     return np.frombuffer(out, dtype=np.uint8)
 
 
+def positions_from_gaps(gaps: np.ndarray, n: int, what: str) -> np.ndarray:
+    """Box-local positions (int64) from k >= 1 gap-coded ones: p[i] = sum(gap[0..i] + 1) - 1,
+    accumulated in uint64, every gap below n and the positions strictly increasing below n."""
+    k = gaps.size
+    if int(gaps.max()) >= n:
+        raise IntegrityError(f"{what} gap exceeds the box")
+    positions = np.empty(k, dtype=np.uint64)
+    np.add(gaps, np.uint64(1), out=positions, casting="unsafe")
+    np.cumsum(positions, out=positions)
+    positions -= np.uint64(1)
+    if k * n < 1 << 63:
+        # Each gap is below n, so the sum cannot wrap: positions strictly increase.
+        if int(positions[-1]) >= n:
+            raise IntegrityError("positions are not strictly increasing inside the box")
+    else:
+        check_positions(positions, n)
+    return positions.view(np.int64)
+
+
 def check_positions(positions: np.ndarray, n: int) -> None:
     """Strictly increasing and below n (also catches uint64 wrap-around of a cumulative sum)."""
     if positions.size == 0:

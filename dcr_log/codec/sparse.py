@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import IntegrityError
 from .base import (
     ZSTD_LEVELS,
     ChangeSet,
     Encoding,
     check_params,
-    check_positions,
     from_planes,
+    positions_from_gaps,
     to_planes,
     zstd_compress_planes,
     zstd_decompress_exact,
@@ -74,17 +73,4 @@ class SparseEncoding(Encoding):
         values = from_planes(body[k * gw:], k, word)
         if k == 0:
             return ChangeSet(n, np.empty(0, dtype=np.int64), values)
-        if int(gaps.max()) >= n:
-            raise IntegrityError("sparse gap exceeds the box")
-        # p[i] = sum(gap[0..i] + 1) - 1, accumulated in place in uint64.
-        positions = np.empty(k, dtype=np.uint64)
-        np.add(gaps, np.uint64(1), out=positions, casting="unsafe")
-        np.cumsum(positions, out=positions)
-        positions -= np.uint64(1)
-        if k * n < 1 << 63:
-            # Each gap is below n, so the sum cannot wrap: positions strictly increase.
-            if int(positions[-1]) >= n:
-                raise IntegrityError("positions are not strictly increasing inside the box")
-        else:
-            check_positions(positions, n)
-        return ChangeSet(n, positions.view(np.int64), values)
+        return ChangeSet(n, positions_from_gaps(gaps, n, "sparse"), values)

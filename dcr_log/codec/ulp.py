@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import IntegrityError
-from .base import ChangeSet, Encoding, check_params, check_positions
+from .base import ChangeSet, Encoding, check_params, positions_from_gaps
 
 # The log feature that allows this encoding (spec/FORMAT.md section 14).
 ULP_ENCODING = "ulp-encoding"
@@ -184,16 +184,5 @@ class UlpEncoding(Encoding):
                 raise IntegrityError("ulp: a distance does not fit the word")
         if not signed.all():
             raise IntegrityError("ulp: a distance of zero (an unchanged position)")
-        if int(gaps.max()) >= n:
-            raise IntegrityError("ulp: a gap exceeds the box")
-        positions = np.add(gaps, np.uint64(1))
-        np.cumsum(positions, out=positions)
-        positions -= np.uint64(1)
-        if k * n < 1 << 63:
-            # Each gap is below n, so the sum cannot wrap: positions strictly increase.
-            if int(positions[-1]) >= n:
-                raise IntegrityError("positions are not strictly increasing inside the box")
-        else:
-            check_positions(positions, n)
         distance = signed.astype(np.dtype(f"<i{word.itemsize}"), copy=False).view(word)
-        return ChangeSet(n, positions.view(np.int64), distance, relative=True)
+        return ChangeSet(n, positions_from_gaps(gaps, n, "ulp:"), distance, relative=True)

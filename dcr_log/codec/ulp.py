@@ -84,9 +84,27 @@ def ulp_distance(base: np.ndarray, new: np.ndarray) -> np.ndarray:
     return np.subtract(to_key(new), to_key(base))
 
 
+try:
+    from .. import _changes as _native
+except ImportError:  # built without a compiler: numpy below
+    _native = None
+
+
 def step_from(base: np.ndarray, distance: np.ndarray, backwards: bool = False) -> np.ndarray:
     """The words ``distance`` ulps from ``base`` (or back from it, ``backwards``), as words of
     ``base``'s dtype; element by element, so any subset of a record's positions works."""
+    u = np.dtype(f"<u{base.dtype.itemsize}")
+    d = np.asarray(distance).view(u)
+    if _native is not None and base.shape == d.shape and base.ndim == 1:
+        out = np.empty(base.size, dtype=base.dtype)
+        _native.step(np.ascontiguousarray(base).view(u), np.ascontiguousarray(d), u.itemsize,
+                     backwards, out.view(u))
+        return out
+    return step_from_numpy(base, d, backwards)
+
+
+def step_from_numpy(base: np.ndarray, distance: np.ndarray, backwards: bool = False) -> np.ndarray:
+    """step_from in numpy (the reference of the C pass)."""
     u = np.dtype(f"<u{base.dtype.itemsize}")
     d = np.asarray(distance).view(u)
     key = to_key(np.ascontiguousarray(base))

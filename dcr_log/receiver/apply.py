@@ -15,6 +15,7 @@ The protocol is normative in spec/RECEIVER.md; in short, applying version v+1:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -744,7 +745,10 @@ class Receiver:
                     raise IntegrityError(f"{commit.describe()}: storage state digest differs after apply")
             elif verify == "sample":
                 names = [n for n in sample_tensors(commit.tensors, version) if storage.holds(n)]
-                sums = self._sums([storage.tensor_digest(n, self.digests) for n in names])
+                # Whole-tensor digests release the GIL: tensors on the pool (an engine's may
+                # talk to its group, so those stay on this thread).
+                sums = self._sums(list(map_ordered(lambda n: storage.tensor_digest(n, self.digests),
+                                                   names, APPLY_WORKERS, not self.placed)))
                 for name, d in zip(names, sums):
                     if d != table[name].digest:
                         raise IntegrityError(f"version {version}: tensor {name!r} differs from its digest")
@@ -793,45 +797,17 @@ class Receiver:
             whole = whole and prog.done == 0
             records_seen += len(recs)
             pending = []
-            for i, rec in enumerate(recs):
+            decoded = map_ordered(
+                lambda i, recs=recs, done=prog.done: self._decode_ahead(table, recs[i], i >= done),
+                range(len(recs)), APPLY_WORKERS, sum(r.n_changed for r in recs) >= PARALLEL_MIN_CHANGES)
+            with contextlib.closing(decoded):
+                self._precheck_segment(commit, table, cache, seg, recs, prog, verify, recovering,
+                                       parent_layout, classify, decoded, pending)
+            for rec in recs:
                 changed += rec.n_changed
-                if i < prog.done:
-                    continue
-                info = self._info(table, rec, version)
-                kept = parent_layout.get(rec.tensor) == (info.dtype, info.shape)
-                if rec.kind != "tensor" and not kept:
-                    raise IntegrityError(f"version {version}: {rec.kind} record for the new "
-                                         f"or reshaped tensor {rec.tensor!r}")
-                # (Checked before the step went in flight: when recovering, the storage may
-                # already hold the new layout, which is all a squash from an expired version
-                # can be compared with.)
-                if rec.kind == "tensor" and kept and commit.kind == "squash" and not recovering:
-                    raise IntegrityError(f"{commit.describe()}: tensor record for {rec.tensor!r}, "
-                                         "which the squash keeps")
-                held = rec.kind == "tensor" or storage.holds(rec.tensor)
-                if not held:
-                    continue  # an engine that does not use the tensor: nothing to write or check
-                changes = decode_record(rec, info)
-                kept = cache.keep_changes(seg, i, changes)
-                if rec.kind == "xor":
-                    redo_bytes += rec.n_changed * DTYPE_WIDTH[info.dtype]
-                if not classify:
-                    continue
-                if verify == "sample" and not _sampled(version, seg, i):
-                    continue
-                where = flat_positions(rec, info.shape, changes)
-                if rec.kind == "tensor":  # no precondition; its values must be its target
-                    if self.digests.at(where, changes.values) != rec.target_digest:
-                        raise IntegrityError(f"version {version}: tensor record of {rec.tensor!r} "
-                                             "does not match its target digest")
-                    continue
-                place = storage.locate(rec.tensor, where)
-                if kept:
-                    cache.keep_place(seg, i, place)
-                cur = storage.gather(place)
-                values = storage.select(place, changes.values)
-                target = record_targets(rec.kind, changes, cur, values)
-                pending.append((i, rec, self._part(place, where, cur), self._part(place, where, target)))
+            for rec in recs[prog.done:]:
+                if rec.kind == "xor" and storage.holds(rec.tensor):
+                    redo_bytes += rec.n_changed * DTYPE_WIDTH[table[rec.tensor].dtype]
             sums = self._sums([d for p in pending for d in p[2:]])
             for n, (i, rec, _, _) in enumerate(pending):
                 d, d_target = sums[2 * n], sums[2 * n + 1]
@@ -849,6 +825,61 @@ class Receiver:
         if whole and (records_seen != commit.stats.records or changed != commit.stats.changed_elements):
             raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
         return 2 * min(redo_bytes, BATCH_BYTES)
+
+    def _decode_ahead(self, table: dict[str, TensorInfo], rec: Record, wanted: bool):
+        """A record's decoded changes for pass 1 (None when it is not needed), or the error
+        decoding it raised, raised in turn when pass 1 reaches it: decoding runs ahead on the
+        shared pool while the records before it are checked, in order."""
+        info = table.get(rec.tensor)
+        if not wanted or info is None or not (rec.kind == "tensor" or self.storage.holds(rec.tensor)):
+            return None
+        try:
+            return decode_record(rec, info)
+        except Exception as exc:
+            return exc
+
+    def _precheck_segment(self, commit, table, cache, seg, recs, prog, verify, recovering,
+                          parent_layout, classify, decoded, pending) -> None:
+        """Pass 1 over one segment's records, in order (see _precheck)."""
+        version = commit.version
+        storage = self.storage
+        for (i, rec), changes in zip(enumerate(recs), decoded):
+            if i < prog.done:
+                continue
+            info = self._info(table, rec, version)
+            kept = parent_layout.get(rec.tensor) == (info.dtype, info.shape)
+            if rec.kind != "tensor" and not kept:
+                raise IntegrityError(f"version {version}: {rec.kind} record for the new "
+                                     f"or reshaped tensor {rec.tensor!r}")
+            # (Checked before the step went in flight: when recovering, the storage may
+            # already hold the new layout, which is all a squash from an expired version
+            # can be compared with.)
+            if rec.kind == "tensor" and kept and commit.kind == "squash" and not recovering:
+                raise IntegrityError(f"{commit.describe()}: tensor record for {rec.tensor!r}, "
+                                     "which the squash keeps")
+            held = rec.kind == "tensor" or storage.holds(rec.tensor)
+            if not held:
+                continue  # an engine that does not use the tensor: nothing to write or check
+            if isinstance(changes, Exception):
+                raise changes
+            kept = cache.keep_changes(seg, i, changes)
+            if not classify:
+                continue
+            if verify == "sample" and not _sampled(version, seg, i):
+                continue
+            where = flat_positions(rec, info.shape, changes)
+            if rec.kind == "tensor":  # no precondition; its values must be its target
+                if self.digests.at(where, changes.values) != rec.target_digest:
+                    raise IntegrityError(f"version {version}: tensor record of {rec.tensor!r} "
+                                         "does not match its target digest")
+                continue
+            place = storage.locate(rec.tensor, where)
+            if kept:
+                cache.keep_place(seg, i, place)
+            cur = storage.gather(place)
+            values = storage.select(place, changes.values)
+            target = record_targets(rec.kind, changes, cur, values)
+            pending.append((i, rec, self._part(place, where, cur), self._part(place, where, target)))
 
     def _check_composition(self, log: DeltaLog, step: Step, cache: SegmentCache, readable: bool) -> bool:
         """A squash's records must lead from its start's tensor digests to its version's: per

@@ -165,7 +165,91 @@ static PyObject *py_step(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Gathers and scatters at sorted (or any) flat indices, with the line PREFETCH indices
+ * ahead requested early: a receiver's changes are one or two per cache line, too far apart
+ * for the hardware prefetcher, and numpy's loop waits for each line in turn (2x slower on
+ * 1% of a 256 MiB tensor). Every index is checked against the buffer first. */
+#define PREFETCH 32
+
+#define MOVE(T)                                                                      \
+    static void gather_##T(const T *w, const int64_t *pos, Py_ssize_t k, T *out) {   \
+        for (Py_ssize_t i = 0; i < k; i++) {                                         \
+            if (i + PREFETCH < k)                                                    \
+                __builtin_prefetch(w + pos[i + PREFETCH], 0, 0);                     \
+            out[i] = w[pos[i]];                                                      \
+        }                                                                            \
+    }                                                                                \
+    static void scatter_##T(T *w, const int64_t *pos, Py_ssize_t k, const T *v) {    \
+        for (Py_ssize_t i = 0; i < k; i++) {                                         \
+            if (i + PREFETCH < k)                                                    \
+                __builtin_prefetch(w + pos[i + PREFETCH], 1, 0);                     \
+            w[pos[i]] = v[i];                                                        \
+        }                                                                            \
+    }
+
+MOVE(uint8_t)
+MOVE(uint16_t)
+MOVE(uint32_t)
+MOVE(uint64_t)
+
+static int indices_inside(const int64_t *pos, Py_ssize_t k, Py_ssize_t n) {
+    int64_t bad = 0;
+    for (Py_ssize_t i = 0; i < k; i++)
+        bad |= (pos[i] < 0) | (pos[i] >= n);
+    return !bad;
+}
+
+/* gather(words, positions, width, out): out[i] = words[positions[i]]; scatter(words,
+ * positions, width, values): words[positions[i]] = values[i]. Buffers aligned to their word
+ * width (numpy arrays are), positions int64. */
+static PyObject *move(PyObject *args, int scatter) {
+    Py_buffer w, pos, v;
+    int width;
+    if (!PyArg_ParseTuple(args, scatter ? "w*y*iy*" : "y*y*iw*", &w, &pos, &width, &v))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = width > 0 ? w.len / width : 0, k = pos.len / 8;
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_SetString(PyExc_ValueError, "word width must be 1, 2, 4 or 8");
+    } else if (w.len % width || pos.len % 8 || v.len != k * width
+               || ((uintptr_t)w.buf | (uintptr_t)v.buf) % width || (uintptr_t)pos.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "words, positions and values do not match");
+    } else {
+        int inside;
+        Py_BEGIN_ALLOW_THREADS
+        inside = indices_inside(pos.buf, k, n);
+        if (inside) {
+            switch (width * (scatter ? -1 : 1)) {
+            case 1: gather_uint8_t(w.buf, pos.buf, k, v.buf); break;
+            case 2: gather_uint16_t(w.buf, pos.buf, k, v.buf); break;
+            case 4: gather_uint32_t(w.buf, pos.buf, k, v.buf); break;
+            case 8: gather_uint64_t(w.buf, pos.buf, k, v.buf); break;
+            case -1: scatter_uint8_t(w.buf, pos.buf, k, v.buf); break;
+            case -2: scatter_uint16_t(w.buf, pos.buf, k, v.buf); break;
+            case -4: scatter_uint32_t(w.buf, pos.buf, k, v.buf); break;
+            default: scatter_uint64_t(w.buf, pos.buf, k, v.buf); break;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (!inside) {
+            PyErr_SetString(PyExc_IndexError, "a position lies outside the words");
+        } else {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&pos);
+    PyBuffer_Release(&v);
+    return result;
+}
+
+static PyObject *py_gather(PyObject *self, PyObject *args) { return move(args, 0); }
+static PyObject *py_scatter(PyObject *self, PyObject *args) { return move(args, 1); }
+
 static PyMethodDef methods[] = {
+    {"gather", py_gather, METH_VARARGS, "words at int64 positions, into out"},
+    {"scatter", py_scatter, METH_VARARGS, "values into words at int64 positions"},
     {"find", py_find, METH_VARARGS, "positions, base words and new words where two buffers differ"},
     {"step", py_step, METH_VARARGS, "the words distance steps from base in the ulp key order"},
     {NULL, NULL, 0, NULL},

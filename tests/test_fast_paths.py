@@ -292,3 +292,21 @@ def test_native_gather_scatter_and_ulp_step_equal_numpy(word):
         with pytest.raises(IndexError):
             scatter_words(words, bad.astype(np.int64), np.ones(bad.size, word))
         assert np.array_equal(words, before)  # nothing written
+
+
+def test_receivers_write_in_parallel_only_disjoint_records():
+    """A batch's writes go to the pool only when no two records' flat spans meet in a tensor."""
+    from types import SimpleNamespace
+
+    from dcr_log.receiver.apply import _disjoint
+
+    def work(tensor, where):
+        return SimpleNamespace(record=SimpleNamespace(tensor=tensor), where=where)
+
+    a = work("w", np.array([0, 5, 9]))
+    b = work("w", np.array([10, 11]))
+    assert _disjoint([a, b, work("v", np.array([0, 9])), work("w", np.zeros(0, np.int64))])
+    assert _disjoint([work("w", slice(0, 10)), work("w", slice(10, 20))])
+    assert not _disjoint([a, work("w", np.array([9, 12]))])          # meet at 9
+    assert not _disjoint([b, work("w", slice(0, 11))])                # a slice over 10
+    assert not _disjoint([work("w", np.array([3, 20])), work("w", np.array([4, 5]))])  # nested

@@ -22,7 +22,8 @@ Bytes per pair:
 - dense xor + zstd: per tensor the xor words (base ^ new) as raw bytes, one zstd level-1 frame;
 - ZipNN: ``ZipNN(delta_compressed_type="byte").compress(new, delta_second_data=base)`` per
   tensor, round-tripped; "not installed" (JSON null) when ``import zipnn`` fails, "error"
-  (null, and the reason) when it raises or does not round-trip;
+  (null, and the reason) when it raises or does not round-trip. It is not a dependency:
+  ``.venv/bin/pip install zipnn`` (it builds from source, about a minute) to include it;
 - the bound: log2 C(n, k) bits for the positions (n elements, k changed) plus k times the
   empirical entropy of the xor values of the changed words (tools/bench_delta.py).
 

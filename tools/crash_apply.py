@@ -2,6 +2,7 @@
 """SIGKILL ``dcr apply`` at random instants, run it again, and check every run ends bit-exact.
 
     python tools/crash_apply.py [--kills 1000] [--mb 4] [--versions 6] [--seed 0] [--dir DIR] [--catchup]
+                                [--segment-bytes 2048]
 
 A log of a small bf16 model is built (versions with 1-5% changes, many segments, a tensor
 added, one dropped, one reshaped, an overwrite version; its files, feature files: a config
@@ -376,6 +377,9 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=1000)
     ap.add_argument("--mb", type=int, default=4, help="model size in MiB")
     ap.add_argument("--versions", type=int, default=6)
+    ap.add_argument("--segment-bytes", type=int, default=2048,
+                    help="writer segment size (default 2048: many segments, kills between them; "
+                         "64 MiB: one segment per version, whose records a receiver writes in parallel)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--catchup", action="store_true", help="receivers catch up through a squash and a snapshot")
@@ -385,7 +389,7 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         fx = build_fixture(work / "fixture", mb=args.mb, versions=args.versions, seed=args.seed,
-                           catchup=args.catchup)
+                           catchup=args.catchup, segment_bytes=args.segment_bytes)
         log = DeltaLog.open(fx.log)
         segs = [len(log.commit(v).segments) for v in log.versions()[1:]]
         print(f"log: {len(fx.expected)} versions, {sum(segs)} segments after version 0, "

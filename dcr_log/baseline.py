@@ -167,14 +167,14 @@ class Baseline:
 
 def _scatter(arrays: dict, scatters: Mapping) -> None:
     """The committed changes into the baseline's pieces, pieces on the shared pool's threads
-    (numpy releases the GIL in a fancy-index assignment)."""
-    from .delta import DEFAULT_WORKERS, map_ordered
+    (the C scatter releases the GIL)."""
+    from .delta import DEFAULT_WORKERS, map_ordered, scatter_words
 
     def scatter(item) -> None:
         key, parts = item
         arr = arrays[key]
         for pos, values in parts:
-            arr[pos] = values
+            scatter_words(arr, pos, values)
 
     items = list(scatters.items())
     big = sum(pos.size for _, parts in items for pos, _ in parts) >= 1 << 16

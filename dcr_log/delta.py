@@ -407,7 +407,8 @@ def gather_words(words: np.ndarray, where) -> np.ndarray:
 
 def scatter_words(words: np.ndarray, where, values: np.ndarray) -> None:
     """``words[where] = values``, with the C scatter for index arrays (see gather_words)."""
-    if not _native_moves(words, where) or values.shape != where.shape:
+    if (not _native_moves(words, where) or values.shape != where.shape
+            or values.dtype.itemsize != words.dtype.itemsize):
         words[where] = values
         return
     u = np.dtype(f"<u{words.dtype.itemsize}")

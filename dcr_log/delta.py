@@ -421,6 +421,10 @@ def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: n
     values at those positions (all of them, or the subset a receiver holds)."""
     if kind != "xor":
         return values
+    if not isinstance(current, np.ndarray):  # torch words on their device
+        from . import torch_ops
+
+        return torch_ops.step_from(current, values) if changes.relative else current ^ values
     if changes.relative:
         return step_from(current, values)
     return np.bitwise_xor(current, values)
@@ -428,6 +432,10 @@ def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: n
 
 def record_bases(kind: str, changes: ChangeSet, target: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Inverse of record_targets for ``xor`` records: the base words, from the target's."""
+    if not isinstance(target, np.ndarray):
+        from . import torch_ops
+
+        return torch_ops.step_from(target, values, backwards=True) if changes.relative else target ^ values
     if changes.relative:
         return step_from(target, values, backwards=True)
     return np.bitwise_xor(target, values)

@@ -280,3 +280,48 @@ def to_device_changes(positions_np: np.ndarray, values_np: np.ndarray, device: A
     if pos.size != vals.size:
         raise ValueError(f"to_device_changes: {pos.size} positions and {vals.size} values")
     return _upload(pos, device), _upload(vals, device)
+
+
+# --- sum digests (spec/FORMAT.md section 7.1) on the device ------------------------------------
+
+_G = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+# A sum digest works through this many words at a time (bounded int64 temporaries).
+DIGEST_CHUNK_ELEMENTS = 1 << 22
+
+
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _logical_shift(z: torch.Tensor, shift: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; masking off the copied sign bits makes it logical.
+    return torch.bitwise_and(torch.bitwise_right_shift(z, shift), (1 << (64 - shift)) - 1)
+
+
+def sum_digest(words: torch.Tensor, flat: torch.Tensor | None = None, start: int = 0) -> int:
+    """The sum digest of section 7.1: the sum mod 2^64 of mix64(((f + 1) G) XOR w) over the
+    words ``words`` (a signed word tensor) at flat indices ``flat`` (int64, same device), or at
+    start, start + 1, ... without ``flat``. int64 products and sums wrap as the unsigned ones
+    do, so the result equals dcr_log.digest's bit for bit."""
+    words = signed_words(words)
+    bits = 8 * words.element_size()
+    total = 0
+    n = words.numel()
+    for lo in range(0, n, DIGEST_CHUNK_ELEMENTS):
+        hi = min(n, lo + DIGEST_CHUNK_ELEMENTS)
+        w = words[lo:hi].to(torch.int64)
+        if bits < 64:
+            w = torch.bitwise_and(w, (1 << bits) - 1)  # the unsigned word, zero-extended
+        if flat is None:
+            f = torch.arange(start + lo + 1, start + hi + 1, dtype=torch.int64, device=words.device)
+        else:
+            f = flat[lo:hi].to(torch.int64) + 1
+        z = torch.bitwise_xor(f * _signed64(_G), w)
+        z = torch.bitwise_xor(z, _logical_shift(z, 30)) * _signed64(_M1)
+        z = torch.bitwise_xor(z, _logical_shift(z, 27)) * _signed64(_M2)
+        z = torch.bitwise_xor(z, _logical_shift(z, 31))
+        total += int(z.sum())
+    return total & _MASK64

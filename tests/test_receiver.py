@@ -592,3 +592,79 @@ def test_checkpoint_with_tensors_sharing_bytes_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02\x03\x04")
     with pytest.raises(IntegrityError, match="share bytes"):
         CheckpointStorage(tmp_path)
+
+
+# -- torch receivers with their words on the device (device_words) ------------------------------
+
+
+def _device_receiver(tmp_path, states, name="jd"):
+    tensors = {n: to_torch(TensorBits(b.dtype, b.shape, b.words.copy())) for n, b in states[0].items()}
+    # On the CPU here; the receiver turns this on by itself for tensors on an accelerator.
+    return Receiver.open(TorchStorage(tensors, device_words=True), tmp_path / name), tensors
+
+
+def _ulp_steps(rng, bits: TensorBits, rate: float) -> TensorBits:
+    """Weight-like changes: a ``rate`` of the words one or two units in the last place away."""
+    from dcr_log.codec.ulp import step_from
+
+    words = bits.words.copy()
+    where = np.flatnonzero(rng.random(words.size) < rate)
+    d = rng.choice(np.array([1, -1, 2, -1], dtype=np.int64), where.size)
+    words[where] = step_from(words[where], d.astype(f"<i{words.itemsize}").view(words.dtype))
+    return TensorBits(bits.dtype, bits.shape, words)
+
+
+@pytest.mark.parametrize("verify", ["none", "sample", "full"])
+@pytest.mark.parametrize("kind", ["layout", "ulp", "xxh3"])
+def test_torch_device_words_receiver_is_bit_exact(tmp_path, kind, verify):
+    """Gathers, targets and digests computed on the tensors' device (torch ops; sum digests in
+    torch, xxh3 through the host) give every version bit for bit: a log with layout changes and
+    an overwrite version, one whose records are ulp distances, and a plain xxh3 log."""
+    if kind == "layout":
+        log, states = build_log(tmp_path / "log", seed=4)
+    else:
+        rng = np.random.default_rng(4)
+        state = make_state(rng, SPEC)
+        states = [copy_state(state)]
+        # Whole-tensor boxes: big enough for ulp's pcodec files to beat raw and sparse.
+        writer = LogWriter.create(tmp_path / "log", state, segment_bytes=400,
+                                  features=() if kind == "xxh3" else ("sum-digests", "ulp-encoding"))
+        for v in range(1, 4):
+            state = {n: _ulp_steps(rng, b, 0.08) if b.dtype in ("BF16", "F32", "F16") else
+                     change_words(rng, b, 0.08) for n, b in state.items()}
+            writer.append(state)
+            states.append(copy_state(state))
+        log = DeltaLog.open(tmp_path / "log")
+    used = {r.encoding for v in log.versions()[1:] for r in log.records(v)}
+    assert ("ulp" in used) == (kind == "ulp")
+    rx, tensors = _device_receiver(tmp_path, states)
+    with rx:
+        rx.bind(log, 0)
+        assert rx.storage.device_words
+        for v in log.versions()[1:]:
+            assert rx.apply(log, to=v, verify=verify) == [v]
+            assert_same_bits(to_state(rx.storage.tensors), states[v])
+
+
+def test_torch_device_words_receiver_refuses_a_changed_tensor_and_keeps_it(tmp_path, logged):
+    log, states = logged
+    rx, tensors = _device_receiver(tmp_path, states)
+    with rx:
+        rx.bind(log, 0)
+        t = tensors["w.a"]
+        t.view(-1)[:200].view(torch.int16).add_(1)  # behind the journal's back
+        before = to_state(tensors)
+        with pytest.raises(LineageError):
+            rx.apply(log, to=1)
+        assert_same_bits(to_state(tensors), before)
+        assert rx.version == 0
+
+
+def test_torch_device_sum_digest_of_whole_tensors(tmp_path, logged):
+    log, states = logged
+    rx, tensors = _device_receiver(tmp_path, states)
+    with rx:
+        storage = rx.storage
+        for name in tensors:
+            host = TorchStorage(tensors).tensor_digest(name, log.digests)
+            assert storage.tensor_digest(name, log.digests) == host

@@ -40,7 +40,7 @@ from ..state import TensorInfo, digest_hex, state_digest
 from .files import FilePlan, plan_files, write_files
 from .journal import Journal, JournalState, SegmentProgress
 from .placed import PlacedStorage
-from .storage import FaultHook, Layout, Storage, open_storage, storage_state_digest
+from .storage import FaultHook, Layout, Storage, TorchStorage, open_storage, storage_state_digest
 
 VERIFY_LEVELS = ("none", "sample", "full")
 # verify=sample checks one record in SAMPLE_DIVISOR (and the first of each version), and the
@@ -211,7 +211,8 @@ class SegmentCache:
 
     def staged_bytes(self) -> int:
         """Decoded records and mapped positions kept for the write pass."""
-        placed = sum(getattr(p, "where", np.empty(0)).nbytes * 2 for p in self._places.values())
+        placed = sum(w.nbytes * 2 for p in self._places.values()
+                     if isinstance(w := getattr(p, "where", None), np.ndarray))
         return self._decoded_used + placed
 
     def keep_place(self, segment: int, record: int, place) -> None:
@@ -338,6 +339,8 @@ class Receiver:
                 base = NumpyStorage(storage, dtypes)
             else:
                 base = open_storage(storage, device=device)
+                if isinstance(base, TorchStorage) and placement is None and base.device.type != "cpu":
+                    base.device_words = True  # (an engine layout reads its parameters on the host)
             if placement is not None:
                 from ..placement import Placement
                 if isinstance(placement, (str, os.PathLike)):
@@ -401,7 +404,7 @@ class Receiver:
 
     def _part(self, place, where, words: np.ndarray) -> int:
         owned, idx = self.storage.owned(place, where)
-        return self.digests.at(owned, words if idx is None else words[idx])
+        return self.storage.digest_at(place, owned, words if idx is None else words[idx], self.digests)
 
     def _holds_state(self, commit: CommitRecord) -> bool:
         """Whether the storage holds ``commit``'s state: its state digest, or for an engine

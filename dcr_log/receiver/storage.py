@@ -21,6 +21,7 @@ import stat
 import struct
 import tempfile
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, MutableMapping
 
@@ -116,6 +117,11 @@ class Storage(ABC):
         """The positions whose digest this storage adds to its group's sum, and their indices
         among the held words (None: all)."""
         return where, None
+
+    def digest_at(self, place: Any, owned: Where, words: Any, digests: DigestScheme) -> int:
+        """The digest of ``words`` (what gather gave, or targets computed from it) at the
+        flat positions ``owned``."""
+        return digests.at(owned, words)
 
     def _fault(self, point: str, **info) -> None:
         if self.fault is not None:
@@ -248,6 +254,13 @@ class NumpyStorage(Storage):
 
 # -- torch ---------------------------------------------------------------------------------
 
+@dataclass
+class _DevicePlace:
+    flat: Any            # the tensor's signed words on its device
+    where: Where         # the flat positions on the host (digest fallbacks)
+    device_where: Any    # the same on the device (a slice stays a slice)
+
+
 class TorchStorage(Storage):
     """A mutable mapping of torch tensors (CPU or any accelerator), updated in place.
 
@@ -256,10 +269,15 @@ class TorchStorage(Storage):
     changes. New tensors go to ``device`` (default: the device of the existing tensors).
     """
 
-    def __init__(self, tensors: MutableMapping[str, Any], device: Any = None):
+    def __init__(self, tensors: MutableMapping[str, Any], device: Any = None,
+                 device_words: bool = False):
         import torch
 
         self._torch = torch
+        # With device_words (the receiver sets it for tensors off the CPU), gathered words,
+        # targets and digests stay on the tensors' device: a record moves its positions and
+        # values there once and two digests back, not its words both ways.
+        self.device_words = device_words
         self.tensors = tensors
         self._signed = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
         devices = {t.device for t in tensors.values()}
@@ -295,6 +313,10 @@ class TorchStorage(Storage):
 
     def locate(self, name: str, where: Where) -> Any:
         flat = self._flat[name]
+        if self.device_words:
+            device_where = where if isinstance(where, slice) else self._host_to_device(
+                np.asarray(where, dtype=np.int64), flat.device)
+            return _DevicePlace(flat, where, device_where)
         if isinstance(where, slice):
             return flat, where
         if flat.device.type == "cpu":
@@ -304,6 +326,9 @@ class TorchStorage(Storage):
         return flat, self._host_to_device(np.asarray(where, dtype=np.int64), flat.device)
 
     def gather(self, place) -> np.ndarray:
+        if isinstance(place, _DevicePlace):
+            picked = place.flat[place.device_where]
+            return picked.clone() if isinstance(place.device_where, slice) else picked
         flat, where = place
         if isinstance(flat, np.ndarray):
             return gather_words(flat, where)
@@ -315,7 +340,40 @@ class TorchStorage(Storage):
         arr = picked.numpy()
         return arr.view(arr.dtype.str.replace("i", "u"))
 
+    def select(self, place, values: np.ndarray):
+        if isinstance(place, _DevicePlace) and isinstance(values, np.ndarray):
+            return self._host_to_device(values.view(_signed(values.dtype.itemsize)), place.flat.device)
+        return values
+
+    def digest_at(self, place, owned, words, digests: DigestScheme) -> int:
+        if isinstance(words, np.ndarray):
+            return digests.at(owned, words)
+        if digests.composable:  # sum digests: computed where the words are
+            from .. import torch_ops
+
+            if isinstance(place.device_where, slice):
+                return torch_ops.sum_digest(words, start=place.device_where.start or 0)
+            return torch_ops.sum_digest(words, place.device_where)
+        host = words.cpu().numpy()
+        return digests.at(owned, host.view(host.dtype.str.replace("i", "u")))
+
+    def tensor_digest(self, name: str, digests: DigestScheme = XXH3) -> int:
+        flat = self._flat[name]
+        if self.device_words and digests.composable:
+            from .. import torch_ops
+
+            return torch_ops.sum_digest(flat)  # no copy of the tensor to the host
+        return super().tensor_digest(name, digests)
+
     def write(self, place, values: np.ndarray) -> None:
+        if isinstance(place, _DevicePlace):
+            src = values if not isinstance(values, np.ndarray) else self._host_to_device(
+                values.view(_signed(values.dtype.itemsize)), place.flat.device)
+            if isinstance(place.device_where, slice):
+                place.flat[place.device_where].copy_(src)
+            else:
+                place.flat.index_put_((place.device_where,), src)
+            return
         flat, where = place
         if isinstance(flat, np.ndarray):
             scatter_words(flat, where, values.view(flat.dtype))

@@ -26,9 +26,12 @@ Checked bit for bit (every check compares integer views, never floats):
 - applying the xor words, the relative distances and the overwrite values to a copy of base
   gives exactly new (torch.equal of the int16 views);
 - to_device_changes carries positions and words exactly;
+- sum_digest on the device (a sum digest of the whole model is also timed) equals the host's
+  sum digest (dcr_log.digest) on the prefix;
 - a round trip through the library: a small dcr-log log (version 0 a slice of base, version 1
   the same slice of new) applied by a torch Receiver holding device tensors, and the log's
-  decoded records applied on the device with apply_changes, both give exactly new.
+  decoded records applied on the device with apply_changes, both give exactly new (off the
+  CPU the receiver keeps words and digests on the device: device_words).
 
 Ends with ``exact: yes`` or ``exact: no``; exits 1 if any check failed (3 if dcr_log could not
 be imported, so the library checks could not run). ``--json`` also prints a JSON report.
@@ -179,12 +182,14 @@ def library_checks(ck: Checker, base: torch.Tensor, new: torch.Tensor, device: t
         def receiver() -> tuple[bool, str]:
             tensors = {"w": base_cpu.to(device).clone()}
             with Receiver.open(tensors, tmp / "journal", device=device) as rx:
+                on_device = rx.storage.device_words  # words and digests on the device off the CPU
                 rx.bind(log, 0)
                 applied = rx.apply(log, verify="full")
             got = tensors["w"]
             ok = (applied == [1] and got.device.type == device.type
+                  and on_device == (device.type != "cpu")
                   and torch.equal(T.word_view(got), T.word_view(new_dev.contiguous())))
-            return ok, f"applied {applied} on {got.device}, records {encodings}"
+            return ok, f"applied {applied} on {got.device}, device_words {on_device}, records {encodings}"
 
         ck.check("library: torch Receiver on device == new", receiver)
 
@@ -254,6 +259,7 @@ def run(args) -> int:
     nw1 = T.word_view(pairs[RATES[0]][0])
     out = torch.empty_like(bw)
     measure("bitwise_xor (full model)", lambda: torch.bitwise_xor(bw, nw1, out=out))
+    measure("sum_digest (full model)", lambda: T.sum_digest(bw))
 
     scratch = base.clone()
     sw = T.word_view(scratch)
@@ -279,6 +285,11 @@ def run(args) -> int:
 
     # --- exactness ---------------------------------------------------------------------------
     prefix = min(n, args.prefix)
+    if LIBRARY_ERROR is None:
+        from dcr_log.digest import SUM
+
+        ck.check("sum_digest == digest.SUM on the host (prefix)",
+                 lambda: T.sum_digest(bw[:prefix]) == SUM.tensor(host_u(bw[:prefix]), (prefix,)))
     for r in RATES:
         new, chosen, steps = pairs[r]
         nw = T.word_view(new)

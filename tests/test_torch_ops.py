@@ -489,3 +489,24 @@ def test_gpu_check_reports_a_wrong_apply(monkeypatch, capsys):
     assert rc == 1
     assert "exact: no" in text and "FAILED" in text
     assert "exact: yes" not in text
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_sum_digest_equals_the_host_digest(width):
+    """torch_ops.sum_digest (int64 products and sums that wrap) against dcr_log.digest, at flat
+    indices up to 2^40, over a range start, and across its chunk boundary."""
+    from dcr_log.digest import SUM
+
+    rng = np.random.default_rng(width)
+    word = np.dtype(f"<u{width}")
+    for n in (0, 1, 7, 5000):
+        words = rng.integers(0, 256, n * width, dtype=np.uint8).view(word)
+        flat = np.sort(rng.choice(1 << 40, n, replace=False)).astype(np.int64)
+        signed = torch.from_numpy(words.view(f"<i{width}").copy())
+        assert T.sum_digest(signed, torch.from_numpy(flat)) == SUM.at(flat, words)
+        assert T.sum_digest(signed, start=(1 << 33) + 5) == SUM.at(slice((1 << 33) + 5, (1 << 33) + 5 + n), words)
+    words = rng.integers(0, 256, 3 * width * 1000 + width, dtype=np.uint8).view(word)
+    signed = torch.from_numpy(words.view(f"<i{width}").copy())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(T, "DIGEST_CHUNK_ELEMENTS", 1000)  # several chunks, the last one partial
+        assert T.sum_digest(signed) == SUM.tensor(words, (words.size,))

@@ -310,3 +310,18 @@ def test_receivers_write_in_parallel_only_disjoint_records():
     assert not _disjoint([a, work("w", np.array([9, 12]))])          # meet at 9
     assert not _disjoint([b, work("w", slice(0, 11))])                # a slice over 10
     assert not _disjoint([work("w", np.array([3, 20])), work("w", np.array([4, 5]))])  # nested
+
+
+def test_tensor_records_compose_to_the_digest_only_when_they_cover_exactly():
+    """A created tensor's digest is the sum of its row-block tensor records' target digests
+    only when those cover every element once; anything else is hashed again."""
+    from dcr_log.log import _covers_exactly
+
+    assert _covers_exactly([(5, 5, 0), (0, 5, 0)], 10)
+    assert _covers_exactly([], 0)
+    assert not _covers_exactly([], 3)
+    assert not _covers_exactly(None, 10)                      # a record that is not a row block
+    assert not _covers_exactly([(0, 5, 0), (0, 5, 0)], 10)    # one box twice, another missing
+    assert not _covers_exactly([(0, 4, 0), (5, 5, 0)], 10)    # a gap
+    assert not _covers_exactly([(0, 6, 0), (5, 5, 0)], 10)    # an overlap
+    assert not _covers_exactly([(0, 5, 0)], 10)               # short

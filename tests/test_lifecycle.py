@@ -368,6 +368,8 @@ def test_gc_is_safe_with_concurrent_writers_and_receivers(tmp_path):
                 failures.append(f"writer {seed}: {type(exc).__name__}: {exc}")
                 return
 
+    expired = [0]  # materializes that found their version expired (allowed)
+
     def receiver(index: int) -> None:
         log = DeltaLog.open(root)
         v = log.latest_version()
@@ -378,7 +380,12 @@ def test_gc_is_safe_with_concurrent_writers_and_receivers(tmp_path):
                 log = DeltaLog.open(root)
                 rx.apply(log)
                 if index % 2:  # readers too: a fresh materialize of the latest
-                    log.materialize(rx.version)
+                    try:
+                        log.materialize(rx.version)
+                    except ExpiredError:
+                        # Writers committed past keep_last meanwhile and gc moved the log
+                        # start: the documented answer to a request below it, never wrong bits.
+                        expired[0] += 1
             except Exception as exc:
                 failures.append(f"receiver {index}: {type(exc).__name__}: {exc}")
                 return

@@ -668,3 +668,35 @@ def test_torch_device_sum_digest_of_whole_tensors(tmp_path, logged):
         for name in tensors:
             host = TorchStorage(tensors).tensor_digest(name, log.digests)
             assert storage.tensor_digest(name, log.digests) == host
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_memory_rollback_undoes_ulp_records(tmp_path, kind):
+    """A failure after some ulp records were written: the rollback steps each one back by its
+    distances (record_bases), and the tensors hold version 0's bits again."""
+    rng = np.random.default_rng(9)
+    state = make_state(rng, {"w.a": ("BF16", (64, 48)), "w.b": ("F32", (40, 10)), "w.c": ("F16", (300,))})
+    first = copy_state(state)
+    writer = LogWriter.create(tmp_path / "log", state, segment_bytes=400)
+    writer.append({n: _ulp_steps(rng, b, 0.1) for n, b in state.items()})
+    log = DeltaLog.open(tmp_path / "log")
+    assert {r.encoding for r in log.records(1)} == {"ulp"}
+    if kind == "numpy":
+        tensors = copy_state(first)
+    else:
+        tensors = {n: to_torch(TensorBits(b.dtype, b.shape, b.words.copy())) for n, b in first.items()}
+    written = []
+
+    def fault(name, **info):
+        if name == "record":
+            written.append(info["record"])
+            if len(written) == 2:
+                raise RuntimeError("injected")
+
+    with Receiver.open(tensors, tmp_path / "j") as rx:
+        rx.bind(log, 0)
+        rx.fault = fault
+        with pytest.raises(RuntimeError):
+            rx.apply(log)
+        assert rx.version == 0 and len(written) == 2
+        assert_same_bits(to_state(tensors), first)

@@ -69,6 +69,11 @@ def logged(tmp_path):
     return build_log(tmp_path / "log")
 
 
+def torch_copy(state) -> dict:
+    """CPU torch tensors holding copies of a state's bits."""
+    return {n: to_torch(TensorBits(b.dtype, b.shape, b.words.copy())) for n, b in state.items()}
+
+
 def numpy_receiver(tmp_path: Path, state, name: str = "j") -> tuple[Receiver, dict]:
     tensors = copy_state(state)
     return Receiver.open(tensors, tmp_path / name), tensors
@@ -124,7 +129,7 @@ def test_numpy_arrays_of_native_dtypes_updated_in_place(tmp_path):
 
 def test_torch_cpu_in_place_and_identity(tmp_path, logged):
     log, states = logged
-    tensors = {name: to_torch(TensorBits(b.dtype, b.shape, b.words.copy())) for name, b in states[0].items()}
+    tensors = torch_copy(states[0])
     ptrs = {name: t.data_ptr() for name, t in tensors.items() if t.numel()}
     with Receiver.open(tensors, tmp_path / "j") as rx:
         assert isinstance(rx.storage, TorchStorage)
@@ -279,7 +284,7 @@ def test_memory_storage_rolls_back_on_exception(tmp_path, logged, point):
 
 def test_torch_storage_rolls_back_on_exception(tmp_path, logged):
     log, states = logged
-    tensors = {n: to_torch(TensorBits(b.dtype, b.shape, b.words.copy())) for n, b in states[0].items()}
+    tensors = torch_copy(states[0])
 
     def fault(name, **info):
         if name == "record" and info["written"] == 5 and info["segment"] == 2:
@@ -572,7 +577,7 @@ def test_reapplying_an_applied_version_changes_nothing(tmp_path, logged, kind):
     if kind == "numpy":
         tensors = copy_state(states[2])
     else:
-        tensors = {n: to_torch(TensorBits(b.dtype, b.shape, b.words.copy())) for n, b in states[2].items()}
+        tensors = torch_copy(states[2])
     reports = []
     with Receiver.open(tensors, tmp_path / "j") as rx:
         rx.bind(log, 1, verify="none")  # trusted, and wrong: the words are version 2's
@@ -598,7 +603,7 @@ def test_checkpoint_with_tensors_sharing_bytes_is_refused(tmp_path):
 
 
 def _device_receiver(tmp_path, states, name="jd"):
-    tensors = {n: to_torch(TensorBits(b.dtype, b.shape, b.words.copy())) for n, b in states[0].items()}
+    tensors = torch_copy(states[0])
     # On the CPU here; the receiver turns this on by itself for tensors on an accelerator.
     return Receiver.open(TorchStorage(tensors, device_words=True), tmp_path / name), tensors
 
@@ -684,7 +689,7 @@ def test_memory_rollback_undoes_ulp_records(tmp_path, kind):
     if kind == "numpy":
         tensors = copy_state(first)
     else:
-        tensors = {n: to_torch(TensorBits(b.dtype, b.shape, b.words.copy())) for n, b in first.items()}
+        tensors = torch_copy(first)
     written = []
 
     def fault(name, **info):

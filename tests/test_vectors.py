@@ -198,13 +198,6 @@ class Distances:
         return (base.astype(np.uint64) ^ spec_unkey(moved, self.bits)).astype(base.dtype)
 
 
-def values_d(xor: np.ndarray, base: np.ndarray, w: int) -> list[int]:
-    """The signed distances (as Python ints) that take ``base`` to ``base ^ xor``."""
-    bits = 8 * w
-    d = (spec_key(base ^ xor, bits).astype(object) - spec_key(base, bits).astype(object)) % (1 << bits)
-    return [x - (1 << bits) if x >= 1 << (bits - 1) else x for x in d]
-
-
 def decode_payload(row: dict, n: int, w: int) -> tuple[np.ndarray, np.ndarray]:
     """(box-local positions, values) of one record, per the encodings of FORMAT.md (values of
     ulp records: Distances, resolved against the base words)."""
@@ -675,12 +668,14 @@ def apply_row(row: dict, state: dict, created: set, facts: set, features: list[s
     if isinstance(values, Distances):
         assert ULP_ENCODING in features, "a ulp record in a log without the feature"
         base = words[flat]
+        d = values.d.astype(np.int64)
         values = values.xor_values(base)
-        keys = spec_key(base, 8 * w).astype(object) + values_d(values, base, w)
+        key_base, key_target = spec_key(base, 8 * w), spec_key(base ^ values, 8 * w)
         facts.add(f"ulp-width:{w}")
-        if any(x < 0 or x >= 1 << (8 * w) for x in keys):
+        # key(B) + d left 0 .. 2^W - 1: a step up landed below its start, or one down above it.
+        if np.any(((d > 0) & (key_target < key_base)) | ((d < 0) & (key_target > key_base))):
             facts.add("ulp-wraps")
-        if np.any((base ^ (base ^ values)) >> (8 * w - 1) != base >> (8 * w - 1)):
+        if np.any(values >> (8 * w - 1)):  # the xor flips the sign bit: base and target differ in sign
             facts.add("ulp-crosses-sign")
     if kind == "xor":
         words[flat] ^= values

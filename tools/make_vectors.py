@@ -277,11 +277,15 @@ def pco_file(numbers: np.ndarray, level: int) -> bytes:
 
 def ulp_payload(positions, base, target, gap_bytes: int, level: int) -> bytes:
     bits = 8 * base.dtype.itemsize
-    d = (spec_key(target) - spec_key(base)) & np.uint64((1 << bits) - 1)  # mod 2^W
-    signed = np.where(d >= np.uint64(1 << (bits - 1)), d.astype(object) - (1 << bits), d.astype(object))
+    d = spec_key(target) - spec_key(base)  # uint64: wraps mod 2^64
+    if bits < 64:  # mod 2^W, then read as a W-bit two's-complement integer
+        top = np.int64(1 << (bits - 1))
+        signed = ((d & np.uint64((1 << bits) - 1)).astype(np.int64) ^ top) - top
+    else:
+        signed = d.view(np.int64)
     number_type = {8: "<i2", 16: "<i2", 32: "<i4", 64: "<i8"}[bits]
     gaps = pco_file(gaps_of(positions).astype(f"<u{gap_bytes}"), level)
-    distances = pco_file(np.array(list(signed), dtype=number_type), level)
+    distances = pco_file(signed.astype(number_type), level)
     return len(gaps).to_bytes(8, "little") + gaps + distances
 
 
@@ -1208,10 +1212,11 @@ def ulp_stepped(bits: TensorBits, flat, distances) -> TensorBits:
     """A copy whose words at ``flat`` moved by ``distances`` steps in key order (mod 2^W)."""
     flat = np.asarray(flat, dtype=np.int64)
     w = 8 * bits.words.dtype.itemsize
-    d = np.resize(np.array(distances, dtype=object), flat.size)
-    mod = 1 << w
-    keys = spec_key(bits.words[flat])
-    moved = np.array([(int(k) + int(x)) % mod for k, x in zip(keys, d)], dtype=np.uint64)
+    # The distances (a few parameters) as their two's complement images; uint64 sums wrap.
+    d = np.resize(np.array([x % (1 << 64) for x in distances], dtype=np.uint64), flat.size)
+    moved = spec_key(bits.words[flat]) + d
+    if w < 64:
+        moved &= np.uint64((1 << w) - 1)
     words = bits.words.copy()
     words[flat] = spec_unkey(moved, w).astype(words.dtype)
     return TensorBits(bits.dtype, bits.shape, words)

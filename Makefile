@@ -28,6 +28,8 @@ bench: $(VENV)/.installed
 	$(PY) tools/bench_sharded.py
 	$(PY) tools/bench_engine.py
 	$(PY) tools/bench_lifecycle.py
+	$(PY) tools/bench_codec.py
+	$(PY) tools/bench_side.py --plot bench_side.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis dcr_log/*.so

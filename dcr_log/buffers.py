@@ -1,8 +1,9 @@
 """Large zero-filled word buffers backed by transparent huge pages.
 
 A fresh numpy array of hundreds of MiB is faulted in one 4 KiB page at a time on first write:
-on these machines filling a new 256 MiB array took 0.71 s, against 0.066 s for the same
-bytes in an anonymous map advised MADV_HUGEPAGE (2 MiB pages, 512 times fewer faults). The
+on these machines filling a new 256 MiB array took 120-925 ms, against 72-78 ms for the same
+bytes in an anonymous map advised MADV_HUGEPAGE (2 MiB pages, 512 times fewer faults;
+tools/bench_codec.py). The
 writer's baseline of a new tensor, a replayed state and a receiver's new tensors are such
 buffers. Small ones stay ordinary arrays. Pure: no I/O.
 """

@@ -395,8 +395,8 @@ def _native_moves(words: np.ndarray, where) -> bool:
 
 def gather_words(words: np.ndarray, where) -> np.ndarray:
     """``words[where]`` (a copy), with the C gather for index arrays: it requests the cache
-    lines of later positions early, where numpy waits for each in turn (2x faster on 1% of a
-    large tensor)."""
+    lines of later positions early, where numpy waits for each in turn (on 1% of a 256 MiB
+    array, gathers 1.2x and scatters 1.5x faster; tools/bench_codec.py)."""
     if not _native_moves(words, where):
         return words[where].copy() if isinstance(where, slice) else words[where]
     u = np.dtype(f"<u{words.dtype.itemsize}")

@@ -77,3 +77,23 @@ def test_minilm_trace_pairs_partly_changed():
     # The states are views of the flat arrays.
     name, bits = next(iter(pair.new_state.items()))
     assert np.shares_memory(bits.words, pair.new)
+
+
+def test_bench_codec_reports_what_the_codec_comments_quote(capsys):
+    """tools/bench_codec.py on a small pair: ulp below sparse and below the bound at 1%, level 8
+    below level 2, distances of lower entropy than xor words, every timing positive."""
+    import bench_codec
+
+    assert bench_codec.main(["--rates", "0.01", "--elements", str(1 << 20), "--levels", "2", "8",
+                             "--gather-mib", "8", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (row,) = report["codecs"]
+    ulp = row["ulp"]
+    assert ulp["8"]["bits_per_change"] < row["sparse_bits"]
+    assert ulp["8"]["bits_per_change"] < row["bound_bits"]
+    assert ulp["8"]["bits_per_change"] < ulp["2"]["bits_per_change"]
+    assert row["distance_entropy"] < row["xor_entropy"] and row["unit_steps"] > 0.5
+    kernels = report["kernels"]
+    timings = [kernels["xor_ms"], *kernels["ulp_step_1pct"].values(), *kernels["fresh_fill"].values()]
+    timings += [t for f in kernels["find_changes"].values() for t in f.values()]
+    assert all(t > 0 for t in timings)

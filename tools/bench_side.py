@@ -73,7 +73,7 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_delta import ROW, as_state, entropy_bound_bits, tensor_rows, timed  # noqa: E402
+from bench_delta import ROW, as_state, best_time, entropy_bound_bits, tensor_rows, timed  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
@@ -275,11 +275,6 @@ def minilm_pairs(lrs=MINILM_LRS, steps: int = 4, batch: int = 8, tokens: int = 3
 
 # -- timing --------------------------------------------------------------------------------------
 
-def best(fn, repeats: int) -> tuple[float, float]:
-    """(wall, CPU) seconds of the fastest of ``repeats`` calls."""
-    return min(timed(fn) for _ in range(repeats))
-
-
 def check_words(got: dict[str, np.ndarray], expected: dict[str, TensorBits], what: str) -> None:
     for name, exp in expected.items():
         if not np.array_equal(got[name], exp.words):
@@ -339,7 +334,7 @@ def time_dense_create(base_state, repeats: int, work: Path) -> tuple[float, floa
 
 
 def time_nemo_encode(pair: Pair, scratch, cctx, repeats: int) -> tuple[float, float]:
-    return best(lambda: nemo_like_bytes(pair, scratch, cctx), repeats)
+    return best_time(lambda: nemo_like_bytes(pair, scratch, cctx), repeats)
 
 
 # -- writer peak memory (child process) ----------------------------------------------------------
@@ -440,7 +435,7 @@ def run(args, work: Path, say) -> dict:
     say(f"generated the pairs in {time.perf_counter() - t0:.1f} s (lrs {', '.join(f'{lr:.3g}' for lr in lrs)})")
 
     scratch = np.empty(n, dtype=np.uint16)  # xor output and codec scratch, reused everywhere
-    copy_s, copy_cpu = best(lambda: np.copyto(scratch, base), repeats)
+    copy_s, copy_cpu = best_time(lambda: np.copyto(scratch, base), repeats)
     create_s, create_cpu = time_dense_create(base_state, repeats, work)
     say(f"np.copyto {dense_bytes / copy_s / 1e9:.2f} GB/s; dense create {create_s:.2f} s")
 
@@ -456,7 +451,7 @@ def run(args, work: Path, say) -> dict:
                     as_state(new, layout))
         sizes = codec_sizes(pair, scratch, cctx, zipnn)
         k = sizes["changed_elements"]
-        xor_s, xor_cpu = best(lambda: np.bitwise_xor(base, new, out=scratch), repeats)
+        xor_s, xor_cpu = best_time(lambda: np.bitwise_xor(base, new, out=scratch), repeats)
         nemo_s, nemo_cpu = time_nemo_encode(pair, scratch, cctx, repeats)
 
         appends, replays, delta_sizes, first_version = [], [], [], None

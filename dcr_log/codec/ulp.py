@@ -4,14 +4,15 @@ signed distances in the base's order, each compressed by pcodec.
 Most changes of a training step move a weight by one or two units in the last place. As xor
 words those steps are spread over many symbols (the carry depends on the base's low bits);
 as distances between ``key(base)`` and ``key(new)`` they are a few symbols (+1 and -1 about
-90% of the time): 1.8 bits per change instead of 2.7 on bf16 Adam steps. The distance is
+84-90% of the time): 1.8 bits per change instead of 2.7 on bf16 Adam steps at 1% changed
+(entropies; tools/bench_codec.py gives these figures and those below). The distance is
 decoded without the base; only turning it into the new word needs the base word at the same
 position, element by element, so a receiver holding part of a box can apply its part.
 
 pcodec (tANS over adaptive bins, a documented format) codes both sequences within 1-6% of
-their empirical entropy, at 160-220 M changes/s decoding with the GIL released. Measured
-against a rANS coder (constriction): the same bytes within 1%, but that one decodes at
-50 M symbols/s holding the GIL, slower than the rest of a receiver put together.
+their empirical entropy; a whole record decodes at 95-145 M changes/s with the GIL released.
+A static rANS coder (constriction) of the same gaps and distances is 1-2% smaller but decodes
+24-28 M symbols/s (two per change) holding the GIL: slower than the rest of a receiver.
 
 Payload: the byte length of the gap file (u64 LE), the gap file, the distance file; each a
 pcodec standalone file of ``k`` integers (gaps u32, or u64 when one is 2^32 or more;
@@ -30,7 +31,8 @@ from .base import ChangeSet, Encoding, check_params, positions_from_gaps
 ULP_ENCODING = "ulp-encoding"
 PCO_LEVELS = tuple(range(0, 13))
 # Level 8: on gaps and distances of bf16 Adam steps, 10.0 bits per change at 1% changed
-# (level 4: 11.3; level 2: 12.0), encoding 47 M changes/s on one core.
+# (level 6: 10.3; 4: 11.3; 2: 12.0), and no slower: 25-45 M changes/s encoding on one core
+# at every level (tools/bench_codec.py).
 DEFAULT_LEVEL = 8
 
 _pcodec = None

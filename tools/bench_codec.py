@@ -1,0 +1,214 @@
+"""Codec and kernel benchmark: the figures the ulp encoding, its pcodec level and the C kernels
+are chosen by (dcr_log/codec/ulp.py, dcr_log/_changes.c, spec/FORMAT.md section 11).
+
+On one bf16 Adam-step pair per rate (dcr_log.synthetic.adam_step_pair, ``--elements`` per
+pair, default 4 Mi, one record's box), in one process:
+
+- entropy in bits per change of the xor words and of the ulp distances, and the share of
+  distances that are +1 or -1;
+- bits per change: the zeroth-order bound (log2 C(n, k) / k + the xor entropy), ``sparse``,
+  and ``ulp`` at each of ``--levels`` (pcodec levels), with ulp's encode and decode speed in
+  M changes/s (one thread, best of ``--repeats``);
+- the pcodec files against the empirical entropy of what they hold (gaps, distances);
+- where the ``constriction`` package is installed (it is not a dependency), a static rANS
+  coder of ulp's symbols (gap and zigzagged distance, each as one categorical), for
+  comparison: bits per change and decode M symbols/s;
+- the C change pass and ulp step against their numpy references; C gather and scatter
+  against numpy's at 1% of a ``--gather-mib`` MiB array (default 256); a new buffer of that
+  size filled once, numpy's against dcr_log.buffers' huge pages.
+
+Usage: python tools/bench_codec.py [--rates 0.01 0.03 0.10] [--elements N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from dcr_log import buffers
+from dcr_log.codec.base import ChangeSet
+from dcr_log.codec.sparse import SparseEncoding
+from dcr_log.codec.ulp import UlpEncoding, step_from, step_from_numpy, ulp_distance
+from dcr_log.delta import _Scratch, find_changes, find_changes_numpy, gather_words, scatter_words
+from dcr_log.synthetic import adam_step_pair, lr_for_rate
+
+
+def entropy_bits(values: np.ndarray) -> float:
+    """Empirical entropy (bits per value) of the values' histogram."""
+    if values.size == 0:
+        return 0.0
+    _, counts = np.unique(values, return_counts=True)
+    p = counts / values.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def rans_row(gaps: np.ndarray, distances: np.ndarray, k: int, repeats: int) -> dict | None:
+    """constriction's stack rANS on one categorical per stream (tables not counted)."""
+    try:
+        import constriction
+    except ImportError:
+        return None
+    zigzag = ((distances << 1) ^ (distances >> 63)).astype(np.int64)
+    streams = []
+    for symbols in (np.minimum(gaps, 1 << 16).astype(np.int32), np.minimum(zigzag, 1 << 16).astype(np.int32)):
+        counts = np.bincount(symbols).astype(np.float64)
+        streams.append((symbols, constriction.stream.model.Categorical(counts / counts.sum(), perfect=False)))
+    coder = constriction.stream.stack.AnsCoder()
+    for symbols, model in reversed(streams):
+        coder.encode_reverse(symbols, model)
+    words = coder.get_compressed()
+
+    def decode():
+        d = constriction.stream.stack.AnsCoder(words)
+        for symbols, model in streams:
+            d.decode(model, symbols.size)
+
+    seconds = best(decode, repeats)
+    return {"bits_per_change": words.nbytes * 8 / k, "decode_msym_s": 2 * k / seconds / 1e6}
+
+
+def codec_rows(rates: list[float], n: int, levels: list[int], repeats: int, seed: int) -> list[dict]:
+    pair = adam_step_pair(n, seed, tuple(lr_for_rate(r) for r in rates))
+    base, rows = pair[0], []
+    for rate, new in zip(rates, pair[1:]):
+        positions, b, v = find_changes(base, new)
+        k = positions.size
+        xor = b ^ v
+        distances = ulp_distance(b, v).view(np.int16).astype(np.int64)
+        changes = ChangeSet(n, positions, xor)
+        log2_binom = (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
+        gaps = np.diff(positions, prepend=-1) - 1
+        row = {"target_rate": rate, "changed_rate": k / n, "changes": k,
+               "xor_entropy": entropy_bits(xor), "distance_entropy": entropy_bits(distances),
+               "unit_steps": float(np.mean(np.abs(distances) == 1)),
+               "bound_bits": log2_binom / k + entropy_bits(xor),
+               "sparse_bits": len(SparseEncoding().encode("xor", changes)[1]) * 8 / k,
+               "gap_entropy": entropy_bits(gaps), "ulp": {}}
+        for level in levels:
+            enc = UlpEncoding(level)
+            params, payload = enc.encode("xor", changes, base=b, new=v)
+            encode_s = best(lambda: enc.encode("xor", changes, base=b, new=v), repeats)
+            decode_s = best(lambda: enc.decode("xor", params, payload, n, k, np.dtype("<u2")), repeats)
+            gap_file = int.from_bytes(payload[:8], "little")
+            row["ulp"][level] = {
+                "bits_per_change": len(payload) * 8 / k,
+                "gap_file_bits": gap_file * 8 / k,
+                "distance_file_bits": (len(payload) - 8 - gap_file) * 8 / k,
+                "encode_mchg_s": k / encode_s / 1e6, "decode_mchg_s": k / decode_s / 1e6}
+        row["rans"] = rans_row(gaps, distances, k, repeats)
+        rows.append(row)
+    return rows
+
+
+def kernel_rows(n: int, gather_mib: int, repeats: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    out = np.empty_like(base)
+    xor_s = best(lambda: np.bitwise_xor(base, base, out=out), repeats)
+    found = {}
+    for rate in (0.01, 0.03, 0.10):
+        new = base.copy()
+        new[rng.random(n) < rate] ^= 1
+        scratch = _Scratch()
+        found[rate] = {"c_ms": best(lambda: find_changes(base, new, scratch), repeats) * 1e3,
+                       "numpy_ms": best(lambda: find_changes_numpy(base, new, scratch), repeats) * 1e3}
+    d = rng.choice(np.array([1, -1, 2], dtype=np.int16), n // 100).view(np.uint16)
+    some = base[: d.size]
+    step = {"c_ms": best(lambda: step_from(some, d), repeats) * 1e3,
+            "numpy_ms": best(lambda: step_from_numpy(some, d), repeats) * 1e3}
+    big = np.zeros(gather_mib << 19, dtype=np.uint16)  # gather_mib MiB of bf16
+    big[:] = 1
+    where = np.sort(rng.choice(big.size, big.size // 100, replace=False)).astype(np.int64)
+    values = gather_words(big, where)
+    moves = {"gather_c_ms": best(lambda: gather_words(big, where), repeats) * 1e3,
+             "gather_numpy_ms": best(lambda: big[where], repeats) * 1e3,
+             "scatter_c_ms": best(lambda: scatter_words(big, where, values), repeats) * 1e3}
+
+    def numpy_scatter():
+        big[where] = values
+
+    moves["scatter_numpy_ms"] = best(numpy_scatter, repeats) * 1e3
+    del big, where, values
+    # A new buffer of gather_mib MiB filled once (the pages are faulted in on first write),
+    # numpy's own against dcr_log.buffers' huge pages; none is freed before the next.
+    source = np.ones(gather_mib << 19, dtype=np.uint16)
+    fill = {}
+    for label, make in (("numpy_ms", lambda: np.empty(source.size, np.uint16)),
+                        ("huge_pages_ms", lambda: buffers.zeros(source.size, np.uint16))):
+        kept, times = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf = make()
+            np.copyto(buf, source)
+            times.append(time.perf_counter() - t0)
+            kept.append(buf)
+        fill[label] = min(times) * 1e3
+        del kept
+    return {"elements": n, "xor_ms": xor_s * 1e3, "find_changes": found, "ulp_step_1pct": step,
+            "moves_1pct": {"mib": gather_mib, **moves}, "fresh_fill": {"mib": gather_mib, **fill}}
+
+
+def print_report(report: dict) -> None:
+    for r in report["codecs"]:
+        print(f"{100 * r['changed_rate']:.2f}% changed ({r['changes']:,} changes): entropy xor "
+              f"{r['xor_entropy']:.2f}, distances {r['distance_entropy']:.2f} bits "
+              f"({100 * r['unit_steps']:.0f}% are +-1), gaps {r['gap_entropy']:.2f}")
+        print(f"  bits/change: bound {r['bound_bits']:.2f}, sparse {r['sparse_bits']:.2f}")
+        for level, u in r["ulp"].items():
+            print(f"  ulp level {level}: {u['bits_per_change']:.2f} (gaps {u['gap_file_bits']:.2f}, "
+                  f"distances {u['distance_file_bits']:.2f}); encode {u['encode_mchg_s']:.0f}, "
+                  f"decode {u['decode_mchg_s']:.0f} M changes/s")
+        if r["rans"]:
+            print(f"  rANS (constriction): {r['rans']['bits_per_change']:.2f} bits/change, decode "
+                  f"{r['rans']['decode_msym_s']:.0f} M symbols/s")
+        else:
+            print("  rANS (constriction): not installed")
+    k = report["kernels"]
+    print(f"kernels on {k['elements']:,} bf16 words (one xor pass {k['xor_ms']:.2f} ms):")
+    for rate, f in k["find_changes"].items():
+        print(f"  find_changes {100 * float(rate):g}%: C {f['c_ms']:.2f} ms, numpy {f['numpy_ms']:.2f} ms")
+    s = k["ulp_step_1pct"]
+    print(f"  ulp step of 1%: C {s['c_ms']:.3f} ms, numpy {s['numpy_ms']:.3f} ms")
+    m = k["moves_1pct"]
+    print(f"  1% of {m['mib']} MiB: gather C {m['gather_c_ms']:.1f} ms, numpy {m['gather_numpy_ms']:.1f} ms; "
+          f"scatter C {m['scatter_c_ms']:.1f} ms, numpy {m['scatter_numpy_ms']:.1f} ms")
+    f = k["fresh_fill"]
+    print(f"  a new {f['mib']} MiB buffer filled: numpy {f['numpy_ms']:.0f} ms, "
+          f"huge pages {f['huge_pages_ms']:.0f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.01, 0.03, 0.10])
+    ap.add_argument("--elements", type=int, default=1 << 22, help="elements of each pair (default 4 Mi)")
+    ap.add_argument("--levels", type=int, nargs="+", default=[2, 4, 6, 8])
+    ap.add_argument("--gather-mib", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    report = {"codecs": codec_rows(args.rates, args.elements, args.levels, args.repeats, args.seed),
+              "kernels": kernel_rows(args.elements, args.gather_mib, args.repeats, args.seed)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

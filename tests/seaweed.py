@@ -37,6 +37,10 @@ def weed_binary() -> str:
     return found
 
 
+class _PortTaken(RuntimeError):
+    """weed mini exited because a port drawn free was taken before it bound it."""
+
+
 class SeaweedServer:
     """One SeaweedFS instance. ``env`` holds the AWS_* variables that point obstore at it."""
 
@@ -50,18 +54,34 @@ class SeaweedServer:
         self.logs = self.root / "logs"
         for d in (self.data, self.logs):
             d.mkdir(parents=True, exist_ok=True)
-        self.ports = {flag: free_port() for flag in PORT_FLAGS}
         self.proc: subprocess.Popen | None = None
         self._probed = False
-        self.endpoint = f"http://{ip}:{self.ports['s3.port']}"
-        self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "dcr", "AWS_SECRET_ACCESS_KEY": "dcr-test",
+        self.env = {"AWS_ACCESS_KEY_ID": "dcr", "AWS_SECRET_ACCESS_KEY": "dcr-test",
                     "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+        self._draw_ports()
 
     def url(self, name: str | None = None) -> str:
         """A fresh log location (a prefix of the bucket)."""
         return f"s3://{BUCKET}/{name or uuid.uuid4().hex}"
 
     def start(self, timeout: float = 60.0) -> None:
+        """Start it and wait until it serves. A first start that loses one of its ports to
+        another process (they were free when drawn) draws new ones, up to three times; a
+        restart keeps its ports, which its clients know."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except _PortTaken:
+                if self._probed or attempt == 2:
+                    raise
+                self._draw_ports()
+
+    def _draw_ports(self) -> None:
+        self.ports = {flag: free_port() for flag in PORT_FLAGS}
+        self.endpoint = f"http://{self.ip}:{self.ports['s3.port']}"
+        self.env["AWS_ENDPOINT_URL"] = self.endpoint
+
+    def _start(self, timeout: float) -> None:
         args = [*self.prefix, weed_binary(), f"-logdir={self.logs}", "mini", f"-dir={self.data}", f"-ip={self.ip}",
                 f"-ip.bind={self.ip}", "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
                 f"-bucket={BUCKET}", f"-filer.localSocket={self.root / 'filer.sock'}",
@@ -73,6 +93,17 @@ class SeaweedServer:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
+                self._out.close()
+                log = (self.logs / "stdout.txt").read_text(errors="replace")
+                # weed's words for it: at its own check before binding, or when binding.
+                taken = [line for line in log.splitlines()
+                         if "address already in use" in line or "Port allocation failed" in line]
+                if taken:
+                    # The next attempt starts clean: no log, no data of a server that never served.
+                    (self.logs / "stdout.txt").unlink()
+                    shutil.rmtree(self.data)
+                    self.data.mkdir()
+                    raise _PortTaken(f"weed mini lost a port to another process: {taken[-1][:200]}")
                 raise RuntimeError(f"weed mini exited {self.proc.returncode}: see {self.logs}")
             if self._answers():
                 return

@@ -248,3 +248,22 @@ def test_server_killed_in_the_middle_of_applies_and_appends(own_server, tmp_path
 
 def _same(a, b) -> bool:
     return a.keys() == b.keys() and all(a[k].same_bits(b[k]) for k in a)
+
+
+def test_a_first_start_that_loses_a_port_draws_new_ones(tmp_path):
+    """Ports are drawn free, then bound by weed a moment later: another process can take one in
+    between (seen once in a full run). The first start then draws new ports and serves."""
+    import socket
+
+    server = SeaweedServer(tmp_path / "seaweedfs")
+    taken = server.ports["s3.port"]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        blocker.bind(("127.0.0.1", taken))
+        blocker.listen()
+        try:
+            server.start()
+            assert server.ports["s3.port"] != taken
+            assert server.env["AWS_ENDPOINT_URL"] == server.endpoint == f"http://127.0.0.1:{server.ports['s3.port']}"
+        finally:
+            server.stop()

@@ -96,6 +96,31 @@ class Box:
         return int(self.offset[0]) * numel(tensor_shape[1:])
 
 
+def tiles(boxes: list[Box], shape: tuple[int, ...]) -> bool:
+    """Whether ``boxes`` (each inside ``shape``) cover every element of a tensor of ``shape``
+    exactly once: their sizes add up to its size and no two of them meet."""
+    boxes = [b for b in boxes if b.size]
+    if sum(b.size for b in boxes) != numel(shape):
+        return False
+    if len(boxes) < 2:
+        return True
+    if all(b.is_row_block(shape) for b in boxes):  # the usual case: flat spans, sorted
+        spans = sorted((b.flat_start(shape), b.size) for b in boxes)
+        return all(s + n <= t for (s, n), (t, _) in zip(spans, spans[1:]))
+    # Any boxes: two meet when their ranges overlap in every dimension. Sizes add up, so
+    # disjoint boxes tile; checked pairwise in blocks of rows (vectorised, bounded memory).
+    lo = np.array([b.offset for b in boxes], dtype=np.int64)
+    hi = lo + np.array([b.shape for b in boxes], dtype=np.int64)
+    step = max(1, (1 << 22) // len(boxes))
+    for i in range(0, len(boxes), step):
+        meet = np.all((lo[i:i + step, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[i:i + step, None, :]), axis=2)
+        rows = np.arange(i, min(i + step, len(boxes)))
+        meet[rows - i, rows] = False
+        if meet.any():
+            return False
+    return True
+
+
 def row_blocks(shape: tuple[int, ...], max_elements: int) -> list[Box]:
     """Split a tensor into contiguous row-block boxes of at most ``max_elements`` each.
 

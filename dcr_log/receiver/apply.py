@@ -29,9 +29,9 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from ..coords import DTYPE_WIDTH, numel, word_dtype
+from ..coords import DTYPE_WIDTH, numel, tiles, word_dtype
 from ..delta import DEFAULT_WORKERS, decode_record, flat_positions, map_ordered, record_bases, record_targets
-from ..errors import IntegrityError, LineageError, NotFoundError, UsageError
+from ..errors import IntegrityError, LineageError, NotFoundError, StoreError, UsageError
 from ..format import CommitRecord, Record
 from ..log import DeltaLog, Step
 from ..signing import as_trust
@@ -630,6 +630,12 @@ class Receiver:
         commit, version = step, step.version
         if self.trust is not None:
             log.check_signed(version, self.trust)
+        if step.kind != "snapshot" and commit.parent is not None and commit.parent >= log.known_start():
+            # The log's own chain first: a commit whose parent digest is not its parent's state
+            # digest is damage in the log (IntegrityError), whatever the receiver holds.
+            if log.commit(commit.parent).state_digest != commit.parent_state_digest:
+                raise IntegrityError(f"{step.describe()}: parent digest does not match version "
+                                     f"{commit.parent}'s state digest")
         if step.kind != "snapshot" and (commit.parent != st.version or commit.parent_state_digest != st.state_digest):
             parent = "none" if commit.parent is None else f"{commit.parent} ({digest_hex(commit.parent_state_digest)})"
             raise LineageError(f"{step.describe()} follows version {parent}; the receiver holds "
@@ -679,11 +685,17 @@ class Receiver:
             # sha256, schema, record count) and every record decoded, so that nothing the
             # version needs can fail after the first write; with verification, (sampled)
             # preconditions.
-            journal_bytes = self._precheck(commit, table, cache, progress, verify, recovering,
-                                           parent_layout, classify=verify != "none")
+            # The tensor digests the records start from, where the log has them: none for a
+            # snapshot, the start's for a version or a squash (not after it expired).
+            if step.kind == "snapshot":
+                before: dict[str, TensorInfo] | None = {}
+            else:
+                before = log.commit(step.parent).tensor_map() if readable else None
+            journal_bytes, composed = self._precheck(commit, table, cache, progress, verify, recovering,
+                                                     parent_layout, before, classify=verify != "none")
             whole_check = step.kind == "snapshot"
             if step.kind == "squash":
-                whole_check = recovering or not self._check_composition(log, step, cache, readable)
+                whole_check = recovering or not composed
             # The version's files (a checkpoint directory): fetched and checked before any write.
             file_plan = self.plan_files(log, commit)
             # A layout change is prepared here (allocations, space, an engine's new placement).
@@ -778,19 +790,27 @@ class Receiver:
 
     def _precheck(self, commit: CommitRecord, table: dict[str, TensorInfo], cache: SegmentCache,
                   progress: dict[int, SegmentProgress], verify: str, recovering: bool,
-                  parent_layout: Layout, classify: bool) -> int:
+                  parent_layout: Layout, before: dict[str, TensorInfo] | None,
+                  classify: bool) -> tuple[int, bool]:
         """Everything checked before the first write: each segment not yet done is read and
         parsed, each of its records (from ``done`` on) checked against the tensor table (known
-        tensor, box inside, only ``tensor`` records for created tensors) and decoded; the
-        record counts and changed elements checked against the commit's stats when the whole
-        version is read; with ``classify``, (a sample of) the preconditions, one sum across
-        the group per segment. Returns about how many journal bytes the redo images of the
-        largest batch will take."""
+        tensor, box inside, only ``tensor`` records for created tensors) and decoded; when the
+        whole version is read, the record counts and changed elements against the commit's
+        stats and every created tensor covered exactly once by its ``tensor`` records (at
+        every level: structure). With ``classify``, every record's precondition and target
+        (one sum across the group per segment), and with sum digests, that the records lead
+        from ``before`` (the start's tensor digests) to the commit's (RECEIVER.md 5.2).
+        Returns about how many journal bytes the redo images of the largest batch will take,
+        and whether the composition was checked."""
         version = commit.version
         storage = self.storage
         records_seen = changed = 0
         whole = True
         redo_bytes = 0
+        created = {n for n, t in table.items() if parent_layout.get(n) != (t.dtype, t.shape)}
+        boxes: dict[str, list] = {n: [] for n in created}
+        # Per tensor, the sum of its records' digest moves (target minus base).
+        moves: dict[str, int] = {}
         for seg, ref in enumerate(commit.segments):
             prog = progress.get(seg, SegmentProgress())
             if prog.done >= ref.records:
@@ -799,21 +819,30 @@ class Receiver:
             recs = cache.records(seg)
             whole = whole and prog.done == 0
             records_seen += len(recs)
-            pending = []
+            pending: list[tuple[int, Record, int, int]] = []
             decoded = map_ordered(
                 lambda i, recs=recs, done=prog.done: self._decode_ahead(table, recs[i], i >= done),
                 range(len(recs)), APPLY_WORKERS, sum(r.n_changed for r in recs) >= PARALLEL_MIN_CHANGES)
             with contextlib.closing(decoded):
-                self._precheck_segment(commit, table, cache, seg, recs, prog, verify, recovering,
+                self._precheck_segment(commit, table, cache, seg, recs, prog, recovering,
                                        parent_layout, classify, decoded, pending)
             for rec in recs:
                 changed += rec.n_changed
+                if rec.kind == "tensor":
+                    if rec.tensor in boxes:
+                        boxes[rec.tensor].append(rec.box)
+                        moves[rec.tensor] = (moves.get(rec.tensor, 0) + rec.target_digest) & MASK64
+                else:
+                    moves[rec.tensor] = (moves.get(rec.tensor, 0) + rec.target_digest - rec.base_digest) & MASK64
             for rec in recs[prog.done:]:
                 if rec.kind == "xor" and storage.holds(rec.tensor):
                     redo_bytes += rec.n_changed * DTYPE_WIDTH[table[rec.tensor].dtype]
             sums = self._sums([d for p in pending for d in p[2:]])
             for n, (i, rec, _, _) in enumerate(pending):
                 d, d_target = sums[2 * n], sums[2 * n + 1]
+                if rec.kind == "tensor":  # on a kept tensor: the box's old words are replaced
+                    moves[rec.tensor] = (moves.get(rec.tensor, 0) + rec.target_digest - d) & MASK64
+                    continue
                 if d == rec.target_digest:
                     continue
                 if d == rec.base_digest:
@@ -825,9 +854,27 @@ class Receiver:
                     continue  # torn by the interrupted apply; the redo images finish it
                 raise LineageError(f"version {version}: tensor {rec.tensor!r} holds neither the "
                                    "record's base nor its target: changed behind the journal's back")
-        if whole and (records_seen != commit.stats.records or changed != commit.stats.changed_elements):
+        if not whole:
+            return 2 * min(redo_bytes, BATCH_BYTES), False
+        if records_seen != commit.stats.records or changed != commit.stats.changed_elements:
             raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
-        return 2 * min(redo_bytes, BATCH_BYTES)
+        for name in sorted(created):
+            if not tiles(boxes[name], table[name].shape):
+                raise IntegrityError(f"{commit.describe()}: the tensor records of the new or reshaped "
+                                     f"tensor {name!r} do not cover it exactly once")
+        # (Not when recovering: the words a tensor record replaced may be written already.)
+        composed = classify and not recovering and before is not None and self.digests.composable
+        if composed:
+            for info in commit.tensors:
+                old = before.get(info.name)
+                if info.name not in created and not storage.holds(info.name):
+                    continue  # (a tensor record's old box is read from the storage)
+                start = self.digests.empty() if info.name in created or old is None else old.digest
+                if (start + moves.get(info.name, 0)) & MASK64 != info.digest:
+                    raise IntegrityError(f"{commit.describe()}: its records do not lead from version "
+                                         f"{commit.parent}'s digest of {info.name!r} to version "
+                                         f"{version}'s")
+        return 2 * min(redo_bytes, BATCH_BYTES), composed
 
     def _decode_ahead(self, table: dict[str, TensorInfo], rec: Record, wanted: bool):
         """A record's decoded changes for pass 1 (None when it is not needed), or the error
@@ -841,7 +888,7 @@ class Receiver:
         except Exception as exc:
             return exc
 
-    def _precheck_segment(self, commit, table, cache, seg, recs, prog, verify, recovering,
+    def _precheck_segment(self, commit, table, cache, seg, recs, prog, recovering,
                           parent_layout, classify, decoded, pending) -> None:
         """Pass 1 over one segment's records, in order (see _precheck)."""
         version = commit.version
@@ -863,49 +910,33 @@ class Receiver:
             held = rec.kind == "tensor" or storage.holds(rec.tensor)
             if not held:
                 continue  # an engine that does not use the tensor: nothing to write or check
+            if isinstance(changes, MemoryError):
+                raise StoreError(f"version {version}: out of memory decoding a record of "
+                                 f"{rec.tensor!r} ({rec.n_changed} changes)")
             if isinstance(changes, Exception):
                 raise changes
-            kept = cache.keep_changes(seg, i, changes)
+            kept_changes = cache.keep_changes(seg, i, changes)
             if not classify:
                 continue
-            if verify == "sample" and not _sampled(version, seg, i):
-                continue
+            # Every record is checked here at sample and full (sample thins out only the
+            # whole-tensor checks): nothing found after the first write can be the log's fault.
             where = flat_positions(rec, info.shape, changes)
             if rec.kind == "tensor":  # no precondition; its values must be its target
                 if self.digests.at(where, changes.values) != rec.target_digest:
                     raise IntegrityError(f"version {version}: tensor record of {rec.tensor!r} "
                                          "does not match its target digest")
+                if kept and not recovering and storage.holds(rec.tensor):
+                    # The digest of the words it replaces, for the composition of digests.
+                    place = storage.locate(rec.tensor, where)
+                    pending.append((i, rec, self._part(place, where, storage.gather(place)), 0))
                 continue
             place = storage.locate(rec.tensor, where)
-            if kept:
+            if kept_changes:
                 cache.keep_place(seg, i, place)
             cur = storage.gather(place)
             values = storage.select(place, changes.values)
             target = record_targets(rec.kind, changes, cur, values)
             pending.append((i, rec, self._part(place, where, cur), self._part(place, where, target)))
-
-    def _check_composition(self, log: DeltaLog, step: Step, cache: SegmentCache, readable: bool) -> bool:
-        """A squash's records must lead from its start's tensor digests to its version's: per
-        tensor, the start's digest (the empty digest for a tensor the squash creates) plus each
-        record's target minus base digest (sum-digests, FORMAT.md section 24). Returns False
-        when that cannot be computed (xxh3 digests, or a start retention expired)."""
-        if not self.digests.composable or not readable:
-            return False
-        table = step.tensor_map()
-        before = log.commit(step.parent).tensor_map()
-        sums = {}
-        for seg in range(len(step.segments)):
-            for rec in cache.records(seg):
-                delta = rec.target_digest if rec.kind == "tensor" else rec.target_digest - rec.base_digest
-                sums[rec.tensor] = (sums.get(rec.tensor, 0) + delta) & MASK64
-        for info in step.tensors:
-            old = before.get(info.name)
-            kept = old is not None and (old.dtype, old.shape) == (info.dtype, info.shape)
-            d = ((old.digest if kept else self.digests.empty()) + sums.get(info.name, 0)) & MASK64
-            if d != info.digest:
-                raise IntegrityError(f"{step.describe()}: its records do not lead from version "
-                                     f"{step.parent}'s digest of {info.name!r} to version {step.version}'s")
-        return True
 
     @staticmethod
     def _info(table: dict[str, TensorInfo], rec: Record, version: int) -> TensorInfo:

@@ -13,6 +13,16 @@ class UsageError(DcrError):
     exit_code = 2
 
 
+class PlacementError(UsageError):
+    """A placement does not fit the engine or the log's tensor table, or the engine's loader
+    places tensors in a way receivers cannot follow."""
+
+
+class LayoutError(PlacementError):
+    """A version changes the tensor table in a way this receiver cannot or may not follow
+    (an engine's layout; a caller's own tensors); refused before any write."""
+
+
 class IntegrityError(DcrError):
     """Stored bytes fail a hash, digest, length or format check."""
 

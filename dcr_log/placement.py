@@ -35,22 +35,12 @@ import numpy as np
 
 from .coords import DTYPE_WIDTH, numel, word_dtype
 from .digest import GOLDEN, mix64_into
-from .errors import UsageError
+from .errors import LayoutError, PlacementError, UsageError  # noqa: F401 (re-exported)
 
 PLACEMENT_FORMAT = "dcr-placement/1"
 
 Loader = Callable[[Iterable[tuple[str, Any]]], Any]
 TableLayout = dict[str, tuple[str, tuple[int, ...]]]
-
-
-class PlacementError(UsageError):
-    """A placement does not fit the engine or the log's tensor table, or the engine's loader
-    places tensors in a way receivers cannot follow."""
-
-
-class LayoutError(PlacementError):
-    """A version changes the tensor table in a way this receiver cannot follow through its
-    engine; refused before any write."""
 
 
 # -- pieces ----------------------------------------------------------------------------------

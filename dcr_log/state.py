@@ -203,3 +203,27 @@ def to_torch(bits: TensorBits, device: Any = None):
 
     t = torch.from_numpy(bits.words).view(getattr(torch, _DTYPE_TO_TORCH[bits.dtype])).reshape(bits.shape)
     return t if device is None else t.to(device)
+
+
+def describe_layout_change(old: Mapping[str, tuple[str, tuple[int, ...]]],
+                   new: Mapping[str, tuple[str, tuple[int, ...]]], limit: int = 3) -> str:
+    """The first ``limit`` differences between two tensor tables (name -> (dtype, shape)), in
+    one bounded line: "added 'x' (BF16 [4, 4]), removed 'y', reshaped 'z' [3] -> [4] (+61 more)"."""
+    def dims(shape) -> str:
+        return "[" + ", ".join(str(s) for s in shape) + "]"
+
+    out = []
+    for name in sorted(set(old) | set(new), key=str.encode):
+        a, b = old.get(name), new.get(name)
+        if a == b:
+            continue
+        if a is None:
+            out.append(f"added {name!r} ({b[0]} {dims(b[1])})")
+        elif b is None:
+            out.append(f"removed {name!r}")
+        elif a[0] != b[0]:
+            out.append(f"retyped {name!r} {a[0]} -> {b[0]}")
+        else:
+            out.append(f"reshaped {name!r} {dims(a[1])} -> {dims(b[1])}")
+    more = f" (+{len(out) - limit} more)" if len(out) > limit else ""
+    return ", ".join(out[:limit]) + more

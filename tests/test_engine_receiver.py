@@ -294,7 +294,7 @@ def test_torch_dict_receiver_follows_a_reshape_in_place(tmp_path):
     w.append(state1)
     log = DeltaLog.open(tmp_path / "log")
     params = dict(model.named_parameters())
-    with Receiver.open(params, tmp_path / "j") as rx:
+    with Receiver.open(params, tmp_path / "j", layout_changes="own") as rx:
         rx.bind(log, 0)
         rx.apply(log, verify="full")
     assert params["weight"] is model.weight and model.weight.shape == (5, 2)

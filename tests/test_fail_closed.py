@@ -154,3 +154,41 @@ def test_tiles():
     assert not tiles(quads[:3] + [Box((2, 2), (3, 2))], shape)  # a gap and an overlap
     assert tiles([], (0, 3)) and not tiles([], (1,))
     assert tiles([Box((), ())], ()) and tiles([Box((0, 0), (0, 4)), *rows], shape)
+
+
+def test_a_live_model_is_never_half_changed_by_a_table_change(tmp_path):
+    """A torch receiver on ``dict(model.named_parameters())`` over a version that changes the
+    tensor table (another model appended by mistake): LayoutError before any write; the
+    caller's dict keeps its keys and every parameter its object, dtype, shape and bits."""
+    torch = pytest.importorskip("torch")
+    from dcr_log.errors import LayoutError
+    from dcr_log.state import to_bits
+    from dcr_log.writer import LogWriter
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
+    first = {n: to_bits(p.detach()) for n, p in model.named_parameters()}
+    other = torch.nn.Sequential(torch.nn.Linear(8, 6)).to(torch.float32)
+    writer = LogWriter.create(tmp_path / "log", first, cache_dir=False)
+    writer.append({n: to_bits(p.detach()) for n, p in other.named_parameters()})
+    params = dict(model.named_parameters())
+    before = {n: (p, p.dtype, tuple(p.shape), p.detach().view(torch.int16).clone()) for n, p in params.items()}
+    log = DeltaLog.open(tmp_path / "log")
+    with Receiver.open(params, tmp_path / "j") as rx:
+        rx.bind(log, 0)
+        journal = snapshot_files(tmp_path / "j")
+        for verify in ("none", "sample", "full"):
+            with pytest.raises(LayoutError, match="changes the tensor table .*layout_changes='own'"):
+                rx.apply(log, verify=verify)
+            assert rx.version == 0 and rx.inflight is None
+            assert snapshot_files(tmp_path / "j") == journal
+    assert params.keys() == before.keys()
+    for name, (obj, dtype, shape, words) in before.items():
+        assert params[name] is obj and obj.dtype == dtype and tuple(obj.shape) == shape
+        assert torch.equal(obj.detach().view(torch.int16), words)
+    model(torch.zeros(2, 8, dtype=torch.bfloat16))  # still a working model
+    # Opened as the owner of the mapping, the same receiver follows the change.
+    mine = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with Receiver.open(mine, tmp_path / "j2", layout_changes="own") as rx:
+        rx.bind(log, 0)
+        rx.apply(log)
+        assert rx.version == 1 and set(mine) == {n for n, _ in other.named_parameters()}

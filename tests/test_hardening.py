@@ -224,7 +224,7 @@ def test_huge_tensor_in_memory_receiver_refused_before_any_write(tmp_path):
     reseal_commit(root, 3, lambda o: o["tensors"].append(
         {"name": "zz.big", "dtype": "F64", "shape": [1 << 40, 1 << 4], "digest": "0" * 16}))
     tensors = copy_state(states[2])
-    rx = Receiver.open(tensors, tmp_path / "j")
+    rx = Receiver.open(tensors, tmp_path / "j", layout_changes="own")
     rx.bind(DeltaLog.open(root), 2)
     journal_before = snapshot_files(tmp_path / "j")
     with pytest.raises(IntegrityError, match="do not cover it exactly once"):

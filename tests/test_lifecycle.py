@@ -41,7 +41,7 @@ def _trace(root: Path, versions: int, seed: int = 0, rate: float = 0.03) -> list
 def _memory_receiver(tmp_path: Path, log: DeltaLog, state: dict, version: int):
     arrays = {n: b.words.reshape(b.shape).copy() for n, b in state.items()}
     rx = Receiver.open(arrays, tmp_path / f"j-{uuid.uuid4().hex[:8]}",
-                       dtypes={n: b.dtype for n, b in state.items()})
+                       dtypes={n: b.dtype for n, b in state.items()}, layout_changes="own")
     rx.bind(log, version)
     return rx, arrays
 

@@ -76,7 +76,7 @@ def torch_copy(state) -> dict:
 
 def numpy_receiver(tmp_path: Path, state, name: str = "j") -> tuple[Receiver, dict]:
     tensors = copy_state(state)
-    return Receiver.open(tensors, tmp_path / name), tensors
+    return Receiver.open(tensors, tmp_path / name, layout_changes="own"), tensors
 
 
 def test_log_has_many_segments(logged):
@@ -118,7 +118,7 @@ def test_numpy_arrays_of_native_dtypes_updated_in_place(tmp_path):
     log = DeltaLog.open(tmp_path / "log")
     mine = {k: v.copy() for k, v in expected[0].items()}
     ids = {k: id(v) for k, v in mine.items()}
-    with Receiver.open(mine, tmp_path / "j") as rx:
+    with Receiver.open(mine, tmp_path / "j", layout_changes="own") as rx:
         rx.bind(log, 0)
         assert rx.apply(log) == [1, 2, 3]
     for k in mine:
@@ -131,7 +131,7 @@ def test_torch_cpu_in_place_and_identity(tmp_path, logged):
     log, states = logged
     tensors = torch_copy(states[0])
     ptrs = {name: t.data_ptr() for name, t in tensors.items() if t.numel()}
-    with Receiver.open(tensors, tmp_path / "j") as rx:
+    with Receiver.open(tensors, tmp_path / "j", layout_changes="own") as rx:
         assert isinstance(rx.storage, TorchStorage)
         rx.bind(log, 0)
         assert rx.apply(log, to=LAYOUT_VERSION - 1, verify="full") == [1, 2]
@@ -290,7 +290,7 @@ def test_torch_storage_rolls_back_on_exception(tmp_path, logged):
         if name == "record" and info["written"] == 5 and info["segment"] == 2:
             raise RuntimeError("injected")
 
-    with Receiver.open(tensors, tmp_path / "j") as rx:
+    with Receiver.open(tensors, tmp_path / "j", layout_changes="own") as rx:
         rx.bind(log, 0)
         rx.fault = fault
         with pytest.raises(RuntimeError):
@@ -540,7 +540,7 @@ def test_torch_parameters_are_updated_in_place(tmp_path, logged):
               for n, b in states[0].items()}
     params["w.a"].requires_grad_(True)
     objects = {n: p for n, p in params.items()}
-    with Receiver.open(params, tmp_path / "j") as rx:
+    with Receiver.open(params, tmp_path / "j", layout_changes="own") as rx:
         rx.bind(log, 0)
         assert rx.apply(log, to=2) == [1, 2]
     assert all(params[n] is objects[n] for n in params)
@@ -579,7 +579,7 @@ def test_reapplying_an_applied_version_changes_nothing(tmp_path, logged, kind):
     else:
         tensors = torch_copy(states[2])
     reports = []
-    with Receiver.open(tensors, tmp_path / "j") as rx:
+    with Receiver.open(tensors, tmp_path / "j", layout_changes="own") as rx:
         rx.bind(log, 1, verify="none")  # trusted, and wrong: the words are version 2's
         assert rx.apply(log, to=2, verify="sample", on_version=reports.append) == [2]
     n = log.commit(2).stats.records
@@ -605,7 +605,7 @@ def test_checkpoint_with_tensors_sharing_bytes_is_refused(tmp_path):
 def _device_receiver(tmp_path, states, name="jd"):
     tensors = torch_copy(states[0])
     # On the CPU here; the receiver turns this on by itself for tensors on an accelerator.
-    return Receiver.open(TorchStorage(tensors, device_words=True), tmp_path / name), tensors
+    return Receiver.open(TorchStorage(tensors, device_words=True, owns_layout=True), tmp_path / name), tensors
 
 
 def _ulp_steps(rng, bits: TensorBits, rate: float) -> TensorBits:
@@ -698,7 +698,7 @@ def test_memory_rollback_undoes_ulp_records(tmp_path, kind):
             if len(written) == 2:
                 raise RuntimeError("injected")
 
-    with Receiver.open(tensors, tmp_path / "j") as rx:
+    with Receiver.open(tensors, tmp_path / "j", layout_changes="own") as rx:
         rx.bind(log, 0)
         rx.fault = fault
         with pytest.raises(RuntimeError):

@@ -73,7 +73,7 @@ class ReceiverMachine(RuleBasedStateMachine):
         }
         self.rx = {}
         for kind in ("numpy", "torch"):
-            self.rx[kind] = Receiver.open(self.memory[kind], self.tmp / f"journal-{kind}")
+            self.rx[kind] = Receiver.open(self.memory[kind], self.tmp / f"journal-{kind}", layout_changes="own")
             self.rx[kind].bind(self.log, 0)
         self.ckpt_dir = self.tmp / "ckpt"
         self.ckpt_dir.mkdir()

@@ -31,12 +31,12 @@ import xxhash
 
 from ..coords import DTYPE_WIDTH, numel, tiles, word_dtype
 from ..delta import DEFAULT_WORKERS, decode_record, flat_positions, map_ordered, record_bases, record_targets
-from ..errors import IntegrityError, LineageError, NotFoundError, StoreError, UsageError
+from ..errors import IntegrityError, LayoutError, LineageError, NotFoundError, StoreError, UsageError
 from ..format import CommitRecord, Record
 from ..log import DeltaLog, Step
 from ..signing import as_trust
 from ..digest import MASK64, XXH3, DigestScheme
-from ..state import TensorInfo, digest_hex, state_digest
+from ..state import TensorInfo, describe_layout_change, digest_hex, state_digest
 from .files import FilePlan, plan_files, write_files
 from .journal import Journal, JournalState, SegmentProgress
 from .placed import PlacedStorage
@@ -316,7 +316,7 @@ class Receiver:
              fault: FaultHook | None = None, device: Any = None, trust: Any = None,
              placement: Any = None, loader: Callable | None = None, group: Any = None,
              rediscover: Callable | None = None, loader_params: Any = None,
-             shadow: Any = None, dtypes: Any = None) -> "Receiver":
+             shadow: Any = None, dtypes: Any = None, layout_changes: str = "refuse") -> "Receiver":
         """Open a receiver: ``storage`` is a Storage, a dict of numpy arrays or torch tensors,
         or a checkpoint directory (whose journal defaults to DIR/.dcr).
 
@@ -327,7 +327,18 @@ class Receiver:
         ``storage``), ``group`` is the tensor-parallel group whose ranks share the digests,
         and ``rediscover(table)`` gives a placement for a version that changes the tensor
         table (run on a scratch engine), without which such a version is refused. ``dtypes``
-        names the safetensors dtype of numpy arrays holding raw words (bf16 as uint16)."""
+        names the safetensors dtype of numpy arrays holding raw words (bf16 as uint16).
+
+        ``layout_changes`` says what a version that changes the tensor table (adds, drops,
+        renames, reshapes or retypes a tensor) may do to a mapping of tensors: ``"refuse"``
+        (the default: the tensors are the caller's, a model's parameters say, and such a
+        version is refused with LayoutError before any write; the mapping, its keys and every
+        tensor's dtype and shape stay as they are) or ``"own"`` (the mapping is the
+        receiver's: keys are added and removed, and a reshaped or retyped torch tensor gets
+        new data in place). Checkpoint directories always follow table changes; engine
+        receivers follow them through ``rediscover``."""
+        if layout_changes not in ("refuse", "own"):
+            raise UsageError(f"layout_changes must be 'refuse' or 'own', not {layout_changes!r}")
         if journal_path is None:
             if not isinstance(storage, (str, os.PathLike)):
                 raise UsageError("a journal path is needed for in-memory storage")
@@ -339,6 +350,8 @@ class Receiver:
                 base = NumpyStorage(storage, dtypes)
             else:
                 base = open_storage(storage, device=device)
+            if not isinstance(storage, (Storage, str, os.PathLike)):
+                base.owns_layout = layout_changes == "own"
                 if isinstance(base, TorchStorage) and placement is None and base.device.type != "cpu":
                     base.device_words = True  # (an engine layout reads its parameters on the host)
             if placement is not None:
@@ -672,6 +685,11 @@ class Receiver:
                 if verified_digest != st.state_digest and not self._holds_state(log.commit(st.version)):
                     raise LineageError(f"storage does not hold version {st.version} (state digest "
                                        "differs): changed behind the journal's back")
+        if not self.placed and not storage.owns_layout and storage.layout() != commit_layout(commit):
+            raise LayoutError(f"{step.describe()} changes the tensor table ("
+                              f"{describe_layout_change(storage.layout(), commit_layout(commit))}); the "
+                              "receiver's tensors are the caller's: open it with "
+                              "layout_changes='own' to let it add, drop, reshape and retype them")
         progress = self.journal.progress() if recovering else {}
         for seg, prog in progress.items():
             if seg >= len(commit.segments) or prog.started_end > commit.segments[seg].records:

@@ -46,6 +46,11 @@ class Storage(ABC):
     """A receiver's tensors as flat words. ``durable`` storage survives the process."""
 
     durable = False
+    # Whether the receiver may follow a version that changes the tensor table here (create,
+    # drop, reshape, retype tensors). Mappings of the caller's own tensors (a model's
+    # parameters) are not the receiver's to change unless it is opened with
+    # ``layout_changes="own"``; such a version is then refused with LayoutError.
+    owns_layout = True
     # The directory a version's files (feature files) are written to; None: the storage
     # holds tensors only and ignores files (memory storage).
     files_dir: Path | None = None
@@ -161,7 +166,9 @@ class NumpyStorage(Storage):
     mapping holds TensorBits, else arrays; bf16 and fp8 arrays as unsigned words).
     """
 
-    def __init__(self, tensors: MutableMapping[str, Any], dtypes: Mapping[str, str] | None = None):
+    def __init__(self, tensors: MutableMapping[str, Any], dtypes: Mapping[str, str] | None = None,
+                 owns_layout: bool = False):
+        self.owns_layout = owns_layout
         self.tensors = tensors
         self.dtypes = dict(dtypes or {})
         self._as_bits = any(isinstance(v, TensorBits) for v in tensors.values())
@@ -270,9 +277,10 @@ class TorchStorage(Storage):
     """
 
     def __init__(self, tensors: MutableMapping[str, Any], device: Any = None,
-                 device_words: bool = False):
+                 device_words: bool = False, owns_layout: bool = False):
         import torch
 
+        self.owns_layout = owns_layout
         self._torch = torch
         # With device_words (the receiver sets it for tensors off the CPU), gathered words,
         # targets and digests stay on the tensors' device: a record moves its positions and

@@ -192,3 +192,38 @@ def test_a_live_model_is_never_half_changed_by_a_table_change(tmp_path):
         rx.bind(log, 0)
         rx.apply(log)
         assert rx.version == 1 and set(mine) == {n for n, _ in other.named_parameters()}
+
+
+def test_a_hardlinked_weight_file_is_refused_before_any_write(tmp_path, capsys):
+    log, states = build_log(tmp_path / "log", versions=3)
+    root = log_dir(log)
+    rx = tmp_path / "rx"
+    assert dcr(capsys, "apply", root, "--receiver", rx, "--to", 1)[0] == 0
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.hardlink_to(rx / "model.safetensors")
+    before, kept = snapshot_files(rx), outside.read_bytes()
+    rc, _, err = dcr(capsys, "apply", root, "--receiver", rx)
+    assert rc == 2 and "2 hard links" in err, err
+    assert_one_line(err)
+    assert snapshot_files(rx) == before and outside.read_bytes() == kept
+    # Without a journal (binding an existing checkpoint): refused before .dcr is created.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "model.safetensors").hardlink_to(outside)
+    rc, _, err = dcr(capsys, "apply", root, "--receiver", fresh)
+    assert rc == 2 and "hard links" in err, err
+    assert not (fresh / ".dcr").exists()
+
+
+def test_apply_to_a_missing_version_creates_nothing(tmp_path, capsys):
+    log, states = build_log(tmp_path / "log", versions=2)
+    root = log_dir(log)
+    rx = tmp_path / "rx"
+    assert dcr(capsys, "apply", root, "--receiver", rx, "--to", 1)[0] == 0
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("model.safetensors",):
+        (bare / name).write_bytes((rx / name).read_bytes())
+    rc, _, err = dcr(capsys, "apply", root, "--receiver", bare, "--to", 999)
+    assert rc == 2 and "no version 999 (latest is 2)" in err, err
+    assert sorted(p.name for p in bare.iterdir()) == ["model.safetensors"]

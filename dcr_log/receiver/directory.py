@@ -133,9 +133,15 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
     """
     directory = Path(directory)
     jpath = directory / JOURNAL_DIR
+    if to is not None:  # before anything is created in DIR
+        if to < 0:
+            raise UsageError(f"no version {to}")
+        latest = log.latest_version()
+        if to > latest:
+            raise NotFoundError(f"no version {to} (latest is {latest})")
     if directory.is_dir():
-        for name in (MODEL_NAME, INDEX_NAME):
-            check_regular(directory / name)  # a link here would be written through
+        check_regular(directory / MODEL_NAME, in_place=True)  # a link would be written through
+        check_regular(directory / INDEX_NAME)
     journal = Journal.open(jpath) if Journal.exists(jpath) else None
     try:
         st = journal.state() if journal is not None else JournalState(None, None, None, None, None)

@@ -468,10 +468,11 @@ def _file_metadata(path: Path) -> dict[str, str] | None:
     return meta if isinstance(meta, dict) else None
 
 
-def check_regular(path: Path, what: str = "file") -> bool:
+def check_regular(path: Path, what: str = "file", in_place: bool = False) -> bool:
     """Whether ``path`` exists, refusing anything but a regular file (or a directory, for
     ``what="directory"``): a receiver writes its files in place and must never follow a
-    symbolic link out of its directory."""
+    symbolic link out of its directory. A file written ``in_place`` must have no other hard
+    link, which would be written through too (possibly outside the directory)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -484,6 +485,10 @@ def check_regular(path: Path, what: str = "file") -> bool:
     ok = stat.S_ISDIR(st.st_mode) if what == "directory" else stat.S_ISREG(st.st_mode)
     if not ok:
         raise UsageError(f"{path} is not a regular {what}")
+    if in_place and st.st_nlink > 1:
+        raise UsageError(f"{path} has {st.st_nlink} hard links: a receiver writes it in place, "
+                         "which would change every other name of it too (copy the file instead "
+                         "of linking it)")
     return True
 
 
@@ -616,7 +621,7 @@ class CheckpointStorage(Storage):
         self.files = [self.directory / f for f in files]
         self.locations: dict[str, TensorLocation] = {}
         for path in self.files:
-            if not check_regular(path):
+            if not check_regular(path, in_place=True):
                 raise NotFoundError(f"{path} is missing")
             for name, loc in read_header(path).items():
                 if name in self.locations:

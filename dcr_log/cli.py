@@ -5,9 +5,7 @@ trusted key), 130 SIGINT, 143 SIGTERM."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import sys
 import threading
 from collections import defaultdict
 from contextlib import contextmanager
@@ -20,11 +18,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from . import _entry
 from .checkpoint import load_checkpoint, save_safetensors
 from .errors import DcrError, IntegrityError, Interrupted, NotFoundError, StoreError, UsageError, os_error
 from .files import collect_files
 from .log import DeltaLog
-from .writer import LogWriter
+from .writer import LogWriter, default_writer_id
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="dcr-log: bit-exact delta logs for refitting model weights.")
@@ -51,12 +50,26 @@ def _version_progress(log: DeltaLog, label: str, upto: int | None = None):
 
 
 # What an interrupted command leaves behind, said in one line: the newest callable registered
-# by the running command (see main).
+# by the running command (see main); none registered: "nothing done".
 _LEFT: list = []
 
 
 def _left(say) -> None:
     _LEFT.append(say)
+
+
+def _version_left(location, version: int, writer_id: str) -> str:
+    """What an interrupted init or append left of VERSION, read from the store: the signal may
+    have landed after the commit record was written and before the writer returned."""
+    try:
+        commit = DeltaLog.open(location).commit(version)
+    except NotFoundError:
+        return f"version {version} not committed"
+    except Exception as exc:
+        return f"version {version}: commit state unknown ({type(exc).__name__}: run dcr log to see)"
+    if commit.writer_id != writer_id:
+        return f"version {version} not committed (another writer committed version {version})"
+    return f"version {version} committed"
 
 
 CACHE_HELP = ("baseline cache directory (default $DCR_CACHE_DIR or ~/.cache/dcr-log); "
@@ -92,8 +105,18 @@ def keygen(key: Path = typer.Argument(..., help="private key file to create (and
     from .signing import SigningKey, public_text
 
     k = SigningKey.generate()
+    _left(lambda: _keygen_left(key))
     pub = k.save(key)
     out.print(f"{public_text(k.public)}  key id {k.key_id}; public key in {pub}", markup=False)
+
+
+def _keygen_left(key: Path) -> str:
+    pub = Path(f"{key}.pub")
+    if not key.exists():
+        return "no key written"
+    if not pub.exists():
+        return f"{key} written without {pub}: delete {key} and run dcr keygen again"
+    return f"key {key} and {pub} written"
 
 
 @app.command()
@@ -104,8 +127,12 @@ def sign(log: str = typer.Argument(..., help="log directory or URL"),
     k = _signing_key(key)
     dlog = DeltaLog.open(log)
     versions = dlog.versions() if version is None else [version]
+    signed = []
+    _left(lambda: f"{len(signed)} of {len(versions)} versions signed: run dcr sign again "
+                  "(signing a version again is harmless)")
     for v in versions:
         dlog.sign(v, k)
+        signed.append(v)
     out.print(f"signed {len(versions)} versions with key {k.key_id}", markup=False)
 
 
@@ -148,10 +175,11 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
         carried = None  # a directory of weights only: a log without files, unless --files
     if carried is None and files:
         carried = {}
-    _left(lambda: "version 0 not committed")
+    writer_id = default_writer_id()
+    _left(lambda: _version_left(log, 0, writer_id))
     with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
         writer = LogWriter.create(log, state, progress=advance, cache_dir=_cache_dir(cache),
-                                  signing_key=key, files=carried)
+                                  signing_key=key, files=carried, writer_id=writer_id)
     _left(lambda: "version 0 committed")
     commit = writer.log.commit(0)
     out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes{_files_said(commit)}")
@@ -181,8 +209,10 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
                   f"{len(carried)} files of {from_} not logged", markup=False)
         carried = None
     _left(lambda: f"version {dlog.latest_version() + 1} not committed")
-    writer = LogWriter.open(dlog, cache_dir=_cache_dir(cache), signing_key=key)
-    _left(lambda: f"version {writer.version + 1} not committed")
+    writer_id = default_writer_id()
+    writer = LogWriter.open(dlog, cache_dir=_cache_dir(cache), signing_key=key, writer_id=writer_id)
+    version = writer.version + 1
+    _left(lambda: _version_left(log, version, writer_id))
     with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
         commit = writer.append(state, progress=advance, files=carried if dlog.has_files else None)
     _left(lambda: f"version {commit.version} committed")
@@ -462,9 +492,11 @@ def replay(log: str = typer.Argument(..., help="log directory or URL"),
     if not out_path.parent.is_dir():
         raise UsageError(f"no directory {out_path.parent} for --out")
     dlog = _open_log(log, trust)
+    _left(lambda: f"{out_path} not written")
     with _version_progress(dlog, "replay", version) as advance:
         state = dlog.materialize(version, progress=lambda v: advance())
-    save_safetensors(state, out_path)
+    save_safetensors(state, out_path)  # whole or not at all
+    _left(lambda: f"{out_path} written")
     out.print(f"wrote {out_path}: version {dlog.latest_version() if version is None else version}, "
               f"{len(state)} tensors")
 
@@ -474,6 +506,7 @@ def demo(dir: Optional[Path] = typer.Option(None, "--dir", help="where to write 
     """Build a small bf16 model, log ~10 training steps, replay and check every version."""
     from .demo import run_demo
 
+    _left(lambda: "demo not finished" + (f" (its log under {dir} may be incomplete)" if dir else ""))
     run_demo(dir, out)
 
 
@@ -577,14 +610,23 @@ _FOLLOW = _Follow()
 
 class _Signals:
     """SIGINT and SIGTERM raise Interrupted (a KeyboardInterrupt: rollbacks run) while a
-    command runs; remembers the first one."""
+    command runs; remembers the first one. Once the run is over (``raising`` False) a signal is
+    only remembered, for main to report; under dcr's entry point (dcr_log._entry) one that
+    comes when none was taken ends the process there and then, saying what the command left."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.raising = True
         self._old: dict = {}
 
     def _handler(self, signum, frame) -> None:
         first = self.signum is None
+        if not self.raising:
+            if first and _entry._State.active:
+                _entry.exit_on_signal(signum)
+            if first:
+                self.signum = signum
+            return  # a second signal while the first one is reported: that report stands
         if first:
             self.signum = signum
         if first and _FOLLOW.active:
@@ -603,66 +645,83 @@ class _Signals:
             signal.signal(sig, old)
 
 
+class _Outcome:
+    """The exit code of the command that ran (main's), once it is decided: a failure's or an
+    interrupt's line has been said by then (see signal_outcome)."""
+
+    code: int | None = None
+
+
+def _interrupted_line(signum: int) -> str:
+    left = "nothing done"
+    try:
+        if _LEFT:
+            left = _LEFT[-1]()
+    except (Exception, KeyboardInterrupt):
+        left = "interrupted"
+    return _one_line(f"dcr: interrupted ({signal.Signals(signum).name}): {left}")
+
+
+def signal_outcome(signum: int) -> tuple[int, str | None]:
+    """For dcr's entry point, a signal outside a command's run: the exit code and the line to
+    say. Before a command started: nothing done; after it finished: what it left (e.g.
+    "version 7 committed"); after a failure or an interrupt, reported already: that code, no
+    second line."""
+    if _Outcome.code not in (None, 0):
+        return _Outcome.code, None
+    return 128 + signum, _interrupted_line(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     _LEFT.clear()
     _FOLLOW.stop.clear()
+    _Outcome.code = None
     with _Signals() as signals:
+        rc = 0
         try:
             rc = _run(argv)
         except KeyboardInterrupt as exc:
             if signals.signum is None:
                 signals.signum = getattr(exc, "signum", signal.SIGINT)
-            rc = 0
+        finally:
+            signals.raising = False  # from here on a signal interrupts nothing
         if rc == 130 and signals.signum is None:  # typer turned a KeyboardInterrupt into 130
             signals.signum = signal.SIGINT
         if signals.signum is not None:
-            left = "interrupted"
-            try:
-                if _LEFT:
-                    left = _LEFT[-1]()
-            except (Exception, KeyboardInterrupt):
-                pass
-            name = signal.Signals(signals.signum).name
-            err.print(_one_line(f"dcr: interrupted ({name}): {left}"), markup=False)
-            return 128 + signals.signum
+            err.print(_interrupted_line(signals.signum), markup=False)
+            rc = 128 + signals.signum
+        _Outcome.code = rc
     return rc
+
+
+def _failed(code: int, line: str) -> int:
+    _Outcome.code = code  # set first: a signal while the line is said adds no second line
+    err.print(_one_line(line), markup=False)
+    return code
 
 
 def _run(argv: list[str] | None) -> int:
     try:
         rv = app(args=argv, standalone_mode=False)
     except DcrError as exc:
-        err.print(_one_line(f"dcr: error: {exc}"), markup=False)
-        return exc.exit_code
+        return _failed(exc.exit_code, f"dcr: error: {exc}")
     except typer.Exit as exc:
         return exc.exit_code
     except typer.Abort:
-        err.print("dcr: aborted", markup=False)
-        return 1
+        return _failed(1, "dcr: aborted")
     except OSError as exc:
-        err.print(_one_line(f"dcr: error: {os_error(exc, 'I/O failed')}"), markup=False)
-        return StoreError.exit_code
+        return _failed(StoreError.exit_code, f"dcr: error: {os_error(exc, 'I/O failed')}")
     except MemoryError:
-        err.print("dcr: error: out of memory", markup=False)
-        return StoreError.exit_code
+        return _failed(StoreError.exit_code, "dcr: error: out of memory")
     except Exception as exc:  # command-line usage errors (typer's click) and anything unexpected
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
             message = exc.format_message() or "missing command (see --help)"
-            err.print(_one_line(f"dcr: usage: {message}"), markup=False)
-            return UsageError.exit_code
-        err.print(_one_line(f"dcr: error: {type(exc).__name__}: {exc}"), markup=False)
-        return 1
+            return _failed(UsageError.exit_code, f"dcr: usage: {message}")
+        return _failed(1, f"dcr: error: {type(exc).__name__}: {exc}")
     return rv if isinstance(rv, int) else 0
 
 
 def entry() -> None:
-    code = main()
-    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
-        # Interrupted: everything that matters was undone or journaled on the main thread.
-        # Exit now: a worker thread whose start the signal interrupted was never registered
-        # with its pool, and the interpreter would wait for it forever (measured: dcr init
-        # hung after SIGTERM). Segments a worker is still writing are orphans (harmless).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    """The ``dcr`` command (kept for callers of dcr_log.cli:entry): dcr_log._entry.entry, whose
+    signal handling starts before this module's imports."""
+    _entry.entry()

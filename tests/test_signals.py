@@ -1,0 +1,322 @@
+"""SIGINT and SIGTERM at any instant of a real ``dcr`` process (python -m dcr_log): during the
+imports, before a command started, while it works, after its work landed and during
+interpreter shutdown. Always exit 130 or 143 (or 0 when the command finished before the
+signal), exactly one line on stderr, never a traceback, and a log and receiver left
+consistent."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import assert_file_holds, change_words, cli_env, make_state
+from dcr_log.checkpoint import save_safetensors
+from dcr_log.cli import main
+from dcr_log.log import DeltaLog
+from dcr_log.writer import LogWriter
+
+SPEC = {"w": ("BF16", (512, 256)), "b": ("F32", (256,))}
+CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """A log at version 2, the checkpoint of a version 3, and a receiver at version 0."""
+    root = tmp_path_factory.mktemp("signals")
+    rng = np.random.default_rng(7)
+    states = [make_state(rng, SPEC)]
+    for _ in range(3):
+        states.append({n: change_words(rng, b, 0.05) for n, b in states[-1].items()})
+    writer = LogWriter.create(root / "log", states[0], cache_dir=False)
+    for st in states[1:3]:
+        writer.append(st)
+    save_safetensors(states[3], root / "ck3.safetensors")
+    assert main(["apply", str(root / "log"), "--receiver", str(root / "rx"), "--to", "0"]) == 0
+    return root, states
+
+
+@pytest.fixture
+def case(template, tmp_path):
+    """A copy of the template to spoil."""
+    root, states = template
+    for name in ("log", "rx"):
+        shutil.copytree(root / name, tmp_path / name)
+    shutil.copy(root / "ck3.safetensors", tmp_path / "ck3.safetensors")
+    return tmp_path, states
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = cli_env()
+    env["DCR_CACHE_DIR"] = str(tmp_path / "cache")  # never the user's cache
+    return env
+
+
+def handlers_installed(pid: int) -> bool:
+    """Whether the process catches SIGTERM (Linux: /proc/PID/status), i.e. dcr's entry point
+    installed its handlers. Before that the interpreter is starting (tens of milliseconds, more
+    on a loaded machine), and no code of dcr has run that could handle a signal."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # no /proc (or the process is gone): count from the start
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def signalled(tmp_path: Path, args, delay: float, sig: int) -> tuple[int, str, str, bool]:
+    """Start ``python -m dcr_log ARGS``, send SIG DELAY seconds after dcr installed its
+    handlers unless it exited by then; returns (exit code, stdout, stderr, whether the signal
+    was sent). A delay of 0.1 s lands in the imports of numpy, pyarrow, typer and rich."""
+    proc = subprocess.Popen([sys.executable, "-m", "dcr_log", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while not handlers_installed(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(delay)
+        sent = proc.poll() is None
+        if sent:
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err, sent
+
+
+def interrupted_line(rc: int, err: str, sig: int) -> str:
+    """The one line an interrupted process says: what it left."""
+    assert "Traceback" not in err, err
+    assert rc == CODES[sig], (rc, err)
+    prefix = f"dcr: interrupted ({signal.Signals(sig).name}): "
+    assert err.startswith(prefix) and err.endswith("\n") and err.count("\n") == 1, repr(err)
+    return err[len(prefix):-1]
+
+
+def status(receiver: Path, capsys) -> dict:
+    capsys.readouterr()
+    rc = main(["status", "--receiver", str(receiver), "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    return json.loads(out)
+
+
+def assert_log_verifies(root: Path, latest: int) -> None:
+    log = DeltaLog.open(root)
+    assert log.latest_version() == latest
+    assert log.verify().versions == latest + 1
+
+
+SIGS = [pytest.param(signal.SIGINT, id="INT"), pytest.param(signal.SIGTERM, id="TERM")]
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.3, 1.0])
+@pytest.mark.parametrize("sig", SIGS)
+def test_append(case, sig, delay):
+    tmp, states = case
+    rc, out, err, sent = signalled(tmp, ["append", tmp / "log", "--from", tmp / "ck3.safetensors"], delay, sig)
+    if rc == 0:  # finished before the signal (or the signal landed after nothing was left to say)
+        assert err == "" and out.startswith("version 3: "), (out, err)
+        assert_log_verifies(tmp / "log", 3)
+        return
+    assert sent
+    left = interrupted_line(rc, err, sig)
+    assert left in ("nothing done", "version 3 not committed", "version 3 committed"), left
+    assert_log_verifies(tmp / "log", 3 if left == "version 3 committed" else 2)
+
+
+def _receiver_consistent(tmp: Path, states, left: str, capsys, latest: int = 2) -> None:
+    """The receiver is where the line says; `dcr apply` again brings it to the latest version."""
+    rx = tmp / "rx"
+    row = status(rx, capsys)
+    if left.startswith("receiver at version "):
+        v = int(left.rsplit(" ", 1)[1])
+        assert row["version"] == v and row["inflight"] is None
+        assert_file_holds(rx / "model.safetensors", states[v])
+    elif left == "nothing done":
+        assert row["version"] in (0, latest) and row["inflight"] is None  # 0: as the template left it
+        assert_file_holds(rx / "model.safetensors", states[row["version"]])
+    else:
+        assert left.endswith(": run dcr apply again"), left
+    assert main(["apply", str(tmp / "log"), "--receiver", str(rx)]) == 0
+    assert status(rx, capsys)["version"] == latest
+    assert_file_holds(rx / "model.safetensors", states[latest])
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.3, 1.0])
+@pytest.mark.parametrize("sig", SIGS)
+def test_apply(case, sig, delay, capsys):
+    tmp, states = case
+    rc, out, err, sent = signalled(tmp, ["apply", tmp / "log", "--receiver", tmp / "rx"], delay, sig)
+    if rc == 0:  # finished before the signal
+        assert err == "" and "applied version 2" in out, (out, err)
+        _receiver_consistent(tmp, states, "receiver at version 2", capsys)
+        return
+    assert sent
+    left = interrupted_line(rc, err, sig)
+    _receiver_consistent(tmp, states, left, capsys)
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.3, 1.0, 3.0])
+@pytest.mark.parametrize("sig", SIGS)
+def test_apply_follow(case, sig, delay, capsys):
+    tmp, states = case
+    rc, out, err, sent = signalled(tmp, ["apply", tmp / "log", "--receiver", tmp / "rx", "--follow",
+                                         "--interval", "0.05"], delay, sig)
+    assert sent  # --follow runs until a signal stops it
+    left = interrupted_line(rc, err, sig)
+    if delay >= 3.0:  # by then it caught up and follows: stopped between versions
+        assert left == "receiver at version 2", (left, out)
+    _receiver_consistent(tmp, states, left, capsys)
+
+
+# -- signals at chosen instants: a patched process, run through the entry point ------------------
+
+def run_entry(tmp: Path, setup: str, args) -> tuple[int, str, str]:
+    """Run dcr's entry point (dcr_log._entry.entry) in a subprocess after SETUP, python code
+    that may patch the library to send the process a signal at a chosen instant."""
+    code = "import os, signal, sys\n" + textwrap.dedent(setup) + textwrap.dedent(f"""
+        sys.argv = ["dcr", *{[str(a) for a in args]!r}]
+        from dcr_log._entry import entry
+        entry()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=_env(tmp))
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+KILL = "lambda: os.kill(os.getpid(), signal.{sig})"
+
+
+@pytest.mark.parametrize("sig", SIGS)
+def test_signal_after_the_commit_record_landed_says_committed(case, sig):
+    """Between the commit record's write and the writer's return, append has not recorded
+    the commit itself: the store says it landed."""
+    tmp, _ = case
+    setup = f"""
+        import time
+        from dcr_log.log import DeltaLog
+        real = DeltaLog.write_commit
+        def write_commit(self, record):
+            real(self, record)
+            os.kill(os.getpid(), signal.{signal.Signals(sig).name})
+            time.sleep(5)
+            raise AssertionError("signal not delivered")
+        DeltaLog.write_commit = write_commit
+    """
+    rc, out, err = run_entry(tmp, setup, ["append", tmp / "log", "--from", tmp / "ck3.safetensors"])
+    assert interrupted_line(rc, err, sig) == "version 3 committed"
+    assert out == ""
+    assert_log_verifies(tmp / "log", 3)
+
+
+@pytest.mark.parametrize("sig", SIGS)
+def test_signal_while_append_prints_its_result_says_committed(case, sig):
+    tmp, _ = case
+    name = signal.Signals(sig).name
+    setup = f"""
+        import time
+        from dcr_log import cli
+        real = cli.out.print
+        def say(*args, **kwargs):
+            os.kill(os.getpid(), signal.{name})
+            time.sleep(5)
+            raise AssertionError("signal not delivered")
+        cli.out.print = say
+    """
+    rc, out, err = run_entry(tmp, setup, ["append", tmp / "log", "--from", tmp / "ck3.safetensors"])
+    assert interrupted_line(rc, err, sig) == "version 3 committed"
+    assert_log_verifies(tmp / "log", 3)
+
+
+@pytest.mark.parametrize("sig", SIGS)
+def test_signal_during_interpreter_shutdown_says_committed(case, sig):
+    """After the command returned and said its result: the handler is still there, at exit."""
+    tmp, _ = case
+    setup = f"""
+        import atexit, time
+        def late():
+            os.kill(os.getpid(), signal.{signal.Signals(sig).name})
+            time.sleep(5)
+            print("signal not delivered", file=sys.stderr)
+        atexit.register(late)
+    """
+    rc, out, err = run_entry(tmp, setup, ["append", tmp / "log", "--from", tmp / "ck3.safetensors"])
+    assert interrupted_line(rc, err, sig) == "version 3 committed"
+    assert out.startswith("version 3: ")  # said before the signal, and not lost
+    assert_log_verifies(tmp / "log", 3)
+
+
+def test_signal_after_a_failure_adds_no_line(case):
+    """A command that failed said so in its line; a signal at exit keeps that line and code."""
+    tmp, _ = case
+    setup = """
+        import atexit, time
+        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))
+    """
+    rc, out, err = run_entry(tmp, setup, ["append", tmp / "log", "--from", tmp / "missing.safetensors"])
+    assert rc != 0 and rc not in CODES.values()
+    assert err.startswith("dcr: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_handlers_come_before_the_heavy_imports(tmp_path):
+    """The first import of numpy, pyarrow, typer or rich finds dcr's handlers installed; and
+    ``import dcr_log`` alone imports none of them."""
+    code = textwrap.dedent("""
+        import json, signal, sys
+        import dcr_log
+        heavy = ("numpy", "pyarrow", "typer", "rich", "dcr_log.log", "dcr_log.cli")
+        light = [m for m in heavy if m in sys.modules]
+        import dcr_log._entry as e
+        light += [m for m in heavy if m in sys.modules]
+        seen = {}
+
+        class Watch:
+            def find_spec(self, name, path=None, target=None):
+                if name in heavy and name not in seen:
+                    seen[name] = [signal.getsignal(s) is e.exit_on_signal for s in (signal.SIGINT, signal.SIGTERM)]
+                return None
+
+        sys.meta_path.insert(0, Watch())
+        sys.argv = ["dcr", "--help"]
+        import atexit
+        atexit.register(lambda: print(json.dumps({"light": light, "seen": seen})))  # entry exits
+        e.entry()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["light"] == []
+    assert set(got["seen"]) == {"numpy", "pyarrow", "typer", "rich", "dcr_log.log", "dcr_log.cli"}
+    assert all(v == [True, True] for v in got["seen"].values()), got["seen"]
+
+
+@pytest.mark.parametrize("sig", SIGS)
+def test_signal_during_the_imports_says_nothing_done(tmp_path, sig):
+    """Held in the middle of the heavy imports (a patched numpy import): one line, 130 or 143."""
+    name = signal.Signals(sig).name
+    setup = f"""
+        import time
+        class Slow:
+            def find_spec(self, name, path=None, target=None):
+                if name == "numpy":
+                    os.kill(os.getpid(), signal.{name})
+                    time.sleep(5)
+                    raise AssertionError("signal not delivered")
+        sys.meta_path.insert(0, Slow())
+    """
+    rc, out, err = run_entry(tmp_path, setup, ["--help"])
+    assert interrupted_line(rc, err, sig) == "nothing done"
+    assert out == ""

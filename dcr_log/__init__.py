@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "CommitConflict": "errors", "CommitStateUnknown": "errors", "DcrError": "errors",
     "IntegrityError": "errors", "LineageError": "errors", "NotFoundError": "errors", "UsageError": "errors",
+    "StoreError": "errors", "TrustError": "errors", "ExpiredError": "errors", "LayoutError": "errors",
+    "PlacementError": "errors", "AppendAborted": "errors",
     "DeltaLog": "log", "as_numpy": "log", "state_equal": "log",
     "TensorBits": "state", "to_bits": "state", "to_state": "state",
     "LogWriter": "writer", "create_log": "writer",
@@ -19,6 +21,7 @@ _LAZY = {
 
 __all__ = [
     "CommitConflict", "CommitStateUnknown", "DcrError", "IntegrityError", "LineageError", "NotFoundError", "UsageError",
+    "StoreError", "TrustError", "ExpiredError", "LayoutError", "PlacementError", "AppendAborted",
     "DeltaLog", "LogWriter", "TensorBits", "as_numpy", "create_log", "state_equal", "to_bits",
     "to_state",
 ]

@@ -227,3 +227,15 @@ def test_apply_to_a_missing_version_creates_nothing(tmp_path, capsys):
     rc, _, err = dcr(capsys, "apply", root, "--receiver", bare, "--to", 999)
     assert rc == 2 and "no version 999 (latest is 2)" in err, err
     assert sorted(p.name for p in bare.iterdir()) == ["model.safetensors"]
+
+
+def test_every_error_class_is_exported():
+    """What the errors say to catch can be imported from dcr_log (the README names them)."""
+    import inspect
+
+    import dcr_log
+    from dcr_log import errors
+
+    classes = {n for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, errors.DcrError)}
+    assert classes <= set(dcr_log.__all__)
+    assert all(getattr(dcr_log, n) is getattr(errors, n) for n in classes)

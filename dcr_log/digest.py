@@ -26,7 +26,7 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
-from .coords import Box
+from .coords import Box, numel
 
 try:
     from . import _digest as _native
@@ -198,6 +198,32 @@ def sum_runs(starts: np.ndarray, run: int, words: np.ndarray) -> int:
         np.add(x[:, :1], col_g[None, :], out=x)
         np.bitwise_xor(x, words[r0:r1], out=x, casting="unsafe")
         total += _mix_sum(x.reshape(-1), t)
+    return total & MASK64
+
+
+_ZERO_CHUNK = 1 << 22
+
+
+def zero_range(start: int, count: int) -> int:
+    """Sum of e(f, 0) for f in start .. start+count-1: zero words, in chunks (O(chunk) memory)."""
+    zeros = np.zeros(min(count, _ZERO_CHUNK), dtype=np.uint8)
+    total = 0
+    for lo in range(0, count, _ZERO_CHUNK):
+        total += sum_range(start + lo, zeros[:min(_ZERO_CHUNK, count - lo)])
+    return total & MASK64
+
+
+def zeros_outside(boxes: list[Box], shape: tuple[int, ...]) -> int:
+    """Sum digest of the zero words of a created tensor outside ``boxes`` (disjoint boxes
+    inside it, the ones its records write): what its uncovered elements contribute."""
+    total = zero_range(0, numel(shape))
+    for box in boxes:
+        if not box.size:
+            continue
+        if box.is_row_block(shape):
+            total -= zero_range(box.flat_start(shape), box.size)
+        else:
+            total -= sum_box(box, shape, np.zeros(box.size, dtype=np.uint8))
     return total & MASK64
 
 

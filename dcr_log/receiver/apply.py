@@ -35,7 +35,7 @@ from ..errors import IntegrityError, LayoutError, LineageError, NotFoundError, S
 from ..format import CommitRecord, Record
 from ..log import DeltaLog, Step
 from ..signing import as_trust
-from ..digest import MASK64, XXH3, DigestScheme
+from ..digest import MASK64, XXH3, DigestScheme, zeros_outside
 from ..state import TensorInfo, describe_layout_change, digest_hex, state_digest
 from .files import FilePlan, plan_files, write_files
 from .journal import Journal, JournalState, SegmentProgress
@@ -709,16 +709,20 @@ class Receiver:
                 before: dict[str, TensorInfo] | None = {}
             else:
                 before = log.commit(step.parent).tensor_map() if readable else None
-            journal_bytes, composed = self._precheck(commit, table, cache, progress, verify, recovering,
-                                                     parent_layout, before, classify=verify != "none")
-            whole_check = step.kind == "snapshot"
-            if step.kind == "squash":
-                whole_check = recovering or not composed
+            journal_bytes, composition = self._precheck(commit, table, cache, progress, verify, recovering,
+                                                        parent_layout, before, classify=verify != "none")
             # The version's files (a checkpoint directory): fetched and checked before any write.
             file_plan = self.plan_files(log, commit)
-            # A layout change is prepared here (allocations, space, an engine's new placement).
+            # A layout change is prepared here (allocations, space, an engine's new placement):
+            # before the composition, which hashes the zeros of created tensors' uncovered
+            # elements (a claimed tensor larger than the storage is refused at once).
             storage.prepare_layout(commit_layout(commit), extra_bytes=journal_bytes + (
                 0 if file_plan is None else file_plan.nbytes))
+            if composition is not None:
+                self._check_composition(commit, before, *composition)
+            whole_check = step.kind == "snapshot"
+            if step.kind == "squash":
+                whole_check = recovering or composition is None
         except BaseException:
             cache.close()
             raise
@@ -809,17 +813,17 @@ class Receiver:
     def _precheck(self, commit: CommitRecord, table: dict[str, TensorInfo], cache: SegmentCache,
                   progress: dict[int, SegmentProgress], verify: str, recovering: bool,
                   parent_layout: Layout, before: dict[str, TensorInfo] | None,
-                  classify: bool) -> tuple[int, bool]:
+                  classify: bool) -> tuple[int, tuple | None]:
         """Everything checked before the first write: each segment not yet done is read and
         parsed, each of its records (from ``done`` on) checked against the tensor table (known
         tensor, box inside, only ``tensor`` records for created tensors) and decoded; when the
         whole version is read, the record counts and changed elements against the commit's
-        stats and every created tensor covered exactly once by its ``tensor`` records (at
-        every level: structure). With ``classify``, every record's precondition and target
-        (one sum across the group per segment), and with sum digests, that the records lead
-        from ``before`` (the start's tensor digests) to the commit's (RECEIVER.md 5.2).
-        Returns about how many journal bytes the redo images of the largest batch will take,
-        and whether the composition was checked."""
+        stats and, for a snapshot or squash, every created tensor covered exactly once by its
+        ``tensor`` records (at every level: structure). With ``classify``, every record's
+        precondition and target (one sum across the group per segment). Returns about how
+        many journal bytes the redo images of the largest batch will take, and what
+        _check_composition needs (None where it cannot be checked: xxh3 digests, verify none,
+        recovering, a start retention expired)."""
         version = commit.version
         storage = self.storage
         records_seen = changed = 0
@@ -872,27 +876,43 @@ class Receiver:
                     continue  # torn by the interrupted apply; the redo images finish it
                 raise LineageError(f"version {version}: tensor {rec.tensor!r} holds neither the "
                                    "record's base nor its target: changed behind the journal's back")
+        journal_bytes = 2 * min(redo_bytes, BATCH_BYTES)
         if not whole:
-            return 2 * min(redo_bytes, BATCH_BYTES), False
+            return journal_bytes, None
         if records_seen != commit.stats.records or changed != commit.stats.changed_elements:
             raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
-        for name in sorted(created):
-            if not tiles(boxes[name], table[name].shape):
-                raise IntegrityError(f"{commit.describe()}: the tensor records of the new or reshaped "
-                                     f"tensor {name!r} do not cover it exactly once")
-        # (Not when recovering: the words a tensor record replaced may be written already.)
-        composed = classify and not recovering and before is not None and self.digests.composable
-        if composed:
-            for info in commit.tensors:
-                old = before.get(info.name)
-                if info.name not in created and not storage.holds(info.name):
-                    continue  # (a tensor record's old box is read from the storage)
-                start = self.digests.empty() if info.name in created or old is None else old.digest
-                if (start + moves.get(info.name, 0)) & MASK64 != info.digest:
-                    raise IntegrityError(f"{commit.describe()}: its records do not lead from version "
-                                         f"{commit.parent}'s digest of {info.name!r} to version "
-                                         f"{version}'s")
-        return 2 * min(redo_bytes, BATCH_BYTES), composed
+        if commit.kind != "version":  # (a version's uncovered elements are zero: section 13)
+            for name in sorted(created):
+                if not tiles(boxes[name], table[name].shape):
+                    raise IntegrityError(f"{commit.describe()}: the tensor records of the new tensor "
+                                         f"{name!r} do not cover it exactly once")
+        # Not when recovering (the words a tensor record replaced may be written already),
+        # and at verify none only for a squash (whose tensor records replace nothing: the
+        # composition is all that binds it to its version before the writes).
+        if (recovering or before is None or not self.digests.composable
+                or not (classify or commit.kind == "squash")):
+            return journal_bytes, None
+        return journal_bytes, (created, boxes, moves)
+
+    def _check_composition(self, commit: CommitRecord, before: dict[str, TensorInfo],
+                           created: set[str], boxes: dict[str, list], moves: dict[str, int]) -> None:
+        """Sum digests: the records lead from the start's tensor digests (``before``) to the
+        commit's, for every tensor the storage holds or creates (RECEIVER.md 5.2): the start's
+        digest (a created tensor's: the zeros its tensor records leave uncovered) plus the
+        records' moves. O(records), and O(elements) only for a created tensor that its records
+        do not cover whole."""
+        for info in commit.tensors:
+            name = info.name
+            if name in created:
+                start = 0 if tiles(boxes[name], info.shape) else zeros_outside(boxes[name], info.shape)
+            elif self.storage.holds(name):  # (a tensor record's old box was read from the storage)
+                start = before[name].digest
+            else:
+                continue
+            if (start + moves.get(name, 0)) & MASK64 != info.digest:
+                raise IntegrityError(f"{commit.describe()}: its records do not lead from version "
+                                     f"{commit.parent}'s digest of {name!r} to version "
+                                     f"{commit.version}'s")
 
     def _decode_ahead(self, table: dict[str, TensorInfo], rec: Record, wanted: bool):
         """A record's decoded changes for pass 1 (None when it is not needed), or the error

@@ -240,3 +240,30 @@ def test_every_error_class_is_exported():
     classes = {n for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, errors.DcrError)}
     assert classes <= set(dcr_log.__all__)
     assert all(getattr(dcr_log, n) is getattr(errors, n) for n in classes)
+
+
+def test_a_wrong_base_digest_in_the_log_is_damage_in_the_log(tmp_path, capsys):
+    """A record whose base digest the log's own tensor tables contradict: exit 3 (the log),
+    not 4 ("changed behind the journal's back"), before any write."""
+    log, _ = build_log(tmp_path / "log", versions=4)
+    root = log_dir(log)
+    rx = tmp_path / "rx"
+    assert dcr(capsys, "apply", root, "--receiver", rx, "--to", 3)[0] == 0
+    log_id = json.loads((root / "dcr.json").read_bytes())["log_id"]
+    path = root / version_key(4)
+    commit = json.loads(path.read_bytes())
+    ref = commit["segments"][0]
+    records = list(iter_segment((root / ref["key"]).read_bytes(), log_id, 4))
+    j = next(j for j, r in enumerate(records) if r.kind == "xor")
+    records[j] = replace(records[j], base_digest=records[j].base_digest ^ 1)
+    data = encode_segment(records, log_id, 4)
+    (root / ref["key"]).write_bytes(data)
+    del commit["checksum"]
+    commit["segments"][0].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    path.write_bytes(seal(commit))
+    before = snapshot_files(rx)
+    for verify in ("sample", "full"):
+        rc, _, err = dcr(capsys, "apply", root, "--receiver", rx, "--verify", verify)
+        assert rc == IntegrityError.exit_code, err
+        assert "do not lead from version 3's digest" in err
+        assert snapshot_files(rx) == before

@@ -711,6 +711,9 @@ class Receiver:
                 before = log.commit(step.parent).tensor_map() if readable else None
             journal_bytes, composition = self._precheck(commit, table, cache, progress, verify, recovering,
                                                         parent_layout, before, classify=verify != "none")
+            neither, self._neither = self._neither, None
+            if neither is not None and composition is None:
+                raise neither
             # The version's files (a checkpoint directory): fetched and checked before any write.
             file_plan = self.plan_files(log, commit)
             # A layout change is prepared here (allocations, space, an engine's new placement):
@@ -720,6 +723,8 @@ class Receiver:
                 0 if file_plan is None else file_plan.nbytes))
             if composition is not None:
                 self._check_composition(commit, before, *composition)
+            if neither is not None:
+                raise neither
             whole_check = step.kind == "snapshot"
             if step.kind == "squash":
                 whole_check = recovering or composition is None
@@ -829,6 +834,7 @@ class Receiver:
         records_seen = changed = 0
         whole = True
         redo_bytes = 0
+        self._neither: LineageError | None = None
         created = {n for n, t in table.items() if parent_layout.get(n) != (t.dtype, t.shape)}
         boxes: dict[str, list] = {n: [] for n in created}
         # Per tensor, the sum of its records' digest moves (target minus base).
@@ -874,8 +880,11 @@ class Receiver:
                     continue
                 if recovering and prog.done <= i < prog.started_end:
                     continue  # torn by the interrupted apply; the redo images finish it
-                raise LineageError(f"version {version}: tensor {rec.tensor!r} holds neither the "
-                                   "record's base nor its target: changed behind the journal's back")
+                # Raised once the log is shown consistent (the composition): a base digest
+                # that the log's own tables contradict is damage in the log, not the storage's.
+                self._neither = self._neither or LineageError(
+                    f"version {version}: tensor {rec.tensor!r} holds neither the record's base nor "
+                    "its target: changed behind the journal's back")
         journal_bytes = 2 * min(redo_bytes, BATCH_BYTES)
         if not whole:
             return journal_bytes, None

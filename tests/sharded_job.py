@@ -101,6 +101,12 @@ def schema(step: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     return s
 
 
+def relaid(step: int) -> bool:
+    """Whether the tensor table of ``step`` differs from the previous step's (the writer is
+    then told allow_layout_change=True)."""
+    return step > 0 and schema(step) != schema(step - 1)
+
+
 def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([SEED, *key])
 
@@ -421,7 +427,7 @@ def run(cfg: dict, rank: int, result: dict) -> None:
                 writer = ShardedWriter.create(log, shards, shapes, segment_bytes=seg)
                 commit = writer.log.commit(writer.version)
             else:
-                commit = writer.append(shards, shapes)
+                commit = writer.append(shards, shapes, allow_layout_change=relaid(step))
         except Exception as exc:
             if not failing:
                 raise

@@ -164,7 +164,7 @@ def dense_digests(tmp_path_factory) -> dict[int, int]:
     path = tmp_path_factory.mktemp("dense") / "log"
     writer = LogWriter.create(path, job.dense_state(0), cache_dir=False)
     for step in range(1, job.STEPS):
-        writer.append(job.dense_state(step))
+        writer.append(job.dense_state(step), allow_layout_change=job.relaid(step))
     log = DeltaLog.open(path)
     return {v: log.commit(v).state_digest for v in log.versions()}
 
@@ -180,7 +180,7 @@ def run_in_process(path: Path, steps: range, model: job.RankModel | None = None)
             writer = ShardedWriter.create(path, shards, shapes) if step == 0 else ShardedWriter.open(path)
             if step == 0:
                 continue
-        writer.append(shards, shapes)
+        writer.append(shards, shapes, allow_layout_change=job.relaid(step))
     return writer
 
 
@@ -204,6 +204,7 @@ def test_schedule_covers_every_case():
             models = [job.RankModel(world, tp, r) for r in range(world)]
             assert any(m.vocab_rows > m.vocab[1] - m.vocab[0] for m in models), "no padded vocab rows"
     assert job.RankModel(4, 4, 0).kv == job.RankModel(4, 4, 1).kv  # replicated kv head
+    assert [s for s in range(job.STEPS) if job.relaid(s)] == [3, 4, 5, 6]  # appended with the flag
 
 
 def test_in_process_schedule(tmp_path, dense_digests):

@@ -190,9 +190,15 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
            from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
            files: Optional[bool] = typer.Option(None, "--files/--no-files", help=FILES_HELP),
            cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
-           sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
+           sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP),
+           allow_layout_change: bool = typer.Option(
+               False, "--allow-layout-change",
+               help="accept a checkpoint whose tensor table differs from the latest version's "
+                    "(a tensor added, removed, renamed, reshaped or retyped); refused without it")) -> None:
     """Append the checkpoint's state as the next version, stored as a delta (and, in a log
     that carries files, the directory's files: the whole set, a file left out is dropped).
+    A checkpoint of another tensor table (another model) is refused unless
+    --allow-layout-change.
 
     The baseline (the latest version's state) comes from the local cache that init and append
     keep, checked against the commit's digests; without one the log is replayed.
@@ -214,7 +220,8 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
     version = writer.version + 1
     _left(lambda: _version_left(log, version, writer_id))
     with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
-        commit = writer.append(state, progress=advance, files=carried if dlog.has_files else None)
+        commit = writer.append(state, progress=advance, files=carried if dlog.has_files else None,
+                               allow_layout_change=allow_layout_change)
     _left(lambda: f"version {commit.version} committed")
     pct = 100.0 * commit.stats.changed_elements / max(commit.stats.total_elements, 1)
     out.print(f"version {commit.version}: {commit.stats.changed_elements} changed ({pct:.3f}%), "

@@ -402,6 +402,64 @@ def validate_layout(summaries: list[dict], previous: Mapping[str, tuple[str, tup
     return Layout(tensors, owner)
 
 
+# How many differences a refused layout change names (the rest are counted).
+LAYOUT_CHANGES_SHOWN = 3
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _quoted(name: str) -> str:
+    return repr(name if len(name) <= 80 else name[:77] + "...")
+
+
+def layout_changes(tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+                   previous: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """How a version's tensor table (name -> (dtype, shape)) differs from its parent's, one
+    phrase per tensor added, removed, reshaped or retyped (a rename is a removal and an
+    addition), in the names' byte order."""
+    out = []
+    for name in sorted(set(tensors) | set(previous), key=str.encode):
+        new, old = tensors.get(name), previous.get(name)
+        if new == old:
+            continue
+        q = _quoted(name)
+        if old is None:
+            out.append(f"added {q} ({new[0]} {_dims(new[1])})")
+        elif new is None:
+            out.append(f"removed {q}")
+        elif new[0] == old[0]:
+            out.append(f"reshaped {q} {_dims(old[1])} -> {_dims(new[1])}")
+        elif new[1] == old[1]:
+            out.append(f"retyped {q} {old[0]} -> {new[0]}")
+        else:
+            out.append(f"retyped and reshaped {q} {old[0]} {_dims(old[1])} -> {new[0]} {_dims(new[1])}")
+    return out
+
+
+def check_layout_change(version: int, tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+                        previous: Mapping[str, tuple[str, tuple[int, ...]]], allowed: Sequence[bool]) -> None:
+    """Refuse (UsageError) a version whose tensor table differs from its parent's unless every
+    rank said so (``allowed``: each rank's allow_layout_change). One bounded line naming the
+    first differences. Deterministic: every rank reaches the same verdict."""
+    if version == 0 or all(allowed):
+        return
+    changes = layout_changes(tensors, previous)
+    if not changes:
+        return
+    said = ", ".join(changes[:LAYOUT_CHANGES_SHOWN])
+    if len(changes) > LAYOUT_CHANGES_SHOWN:
+        said += f" (+{len(changes) - LAYOUT_CHANGES_SHOWN} more)"
+    ranks = ""
+    if any(allowed):
+        missing = [r for r, a in enumerate(allowed) if not a]
+        ranks = f" (not passed on rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing[:8]))}" \
+                f"{', ...' if len(missing) > 8 else ''})"
+    raise UsageError(f"version {version} would change the tensor table: {said}; pass "
+                     f"allow_layout_change=True{ranks} (dcr append --allow-layout-change) if this is intended")
+
+
 def check_cover(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
     """The boxes lie inside ``shape``, do not overlap, and cover all of it (vectorised)."""
     for b in boxes:
@@ -537,7 +595,7 @@ class ShardedWriter:
 
     def append(self, shards: Mapping[str, Sequence[Shard]], shapes: Mapping[str, Sequence[int]] | None = None,
                kind: str = "xor", progress: Callable[[int], None] | None = None,
-               files: Files | None = None) -> CommitRecord:
+               files: Files | None = None, *, allow_layout_change: bool = False) -> CommitRecord:
         """Commit this step as the next version (collective; every rank gets the same commit
         record). ``shapes`` gives the canonical shapes of new or reshaped tensors (and of
         tensors held by flat shards); ``kind`` is ``xor`` or ``overwrite`` for the box shards.
@@ -546,6 +604,10 @@ class ShardedWriter:
         mapping of file names to bytes or paths; None keeps the parent version's files. The
         coordinator (rank 0) writes the commit record, so only rank 0's ``files`` is used; the
         other ranks' argument is ignored. Files in a log without the feature: UsageError.
+
+        A version whose tensor table differs from the parent's (a tensor added, removed,
+        renamed, reshaped or retyped) is refused with UsageError on every rank, before anything
+        is written, unless every rank passes ``allow_layout_change=True``.
 
         A rank's exception, a conflict or a dead rank aborts the step on every rank: nothing is
         committed and the baselines stay as they were.
@@ -571,6 +633,7 @@ class ShardedWriter:
                 if p.kind == "xor":
                     p.kind = kind
             summary = _summary(pieces, shapes, list(shards))
+            summary["allow_layout_change"] = bool(allow_layout_change)
         except UsageError as exc:
             pieces, summary = [], {"error": str(exc)}
         except Exception as exc:
@@ -586,6 +649,9 @@ class ShardedWriter:
                 raise local_error
             raise AppendAborted(f"version {version} not committed: rank {failed[0][0]} failed: {failed[0][1]}")
         layout = validate_layout(summaries, prev_layout)  # UsageError everywhere
+        # The agreed table against the parent's, on every rank alike, before any baseline load.
+        check_layout_change(version, layout.tensors, prev_layout,
+                            [bool(s.get("allow_layout_change")) for s in summaries])
         if not self.log.digests.composable:
             _check_whole(layout)
         owned = layout.owned(g.rank)  # replicas of lower ranks' boxes are not written here

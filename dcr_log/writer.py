@@ -75,17 +75,23 @@ class LogWriter:
                                             signing_key=signing_key))
 
     def append(self, state: Mapping[str, Any], kind: str = "xor",
-               progress: Callable[[int], None] | None = None, files: Files | None = None) -> CommitRecord:
+               progress: Callable[[int], None] | None = None, files: Files | None = None, *,
+               allow_layout_change: bool = False) -> CommitRecord:
         """Commit ``state`` as the next version. ``kind`` is ``xor`` or ``overwrite``.
         ``files``: the version's whole file set (names to bytes or paths; a file left out is
         dropped), or None for the parent version's files (nothing uploaded). A log created
         without the feature ``files`` takes none (UsageError).
 
+        A state whose tensor table differs from the parent version's (a tensor added, removed,
+        renamed, reshaped or retyped) is refused with UsageError, before anything is written,
+        unless ``allow_layout_change=True``.
+
         Raises CommitConflict (and leaves the baseline as it was) if another writer already
         committed that version.
         """
         shards, shapes = _whole(state)
-        return self._writer.append(shards, shapes, kind=kind, progress=progress, files=files)
+        return self._writer.append(shards, shapes, kind=kind, progress=progress, files=files,
+                                   allow_layout_change=allow_layout_change)
 
 
 def create_log(location, state, **kwargs) -> LogWriter:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engines import EngineConfig, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
 
 VERSIONS = 8
+LAYOUT_CHANGES = (2, 3, 4, 5)  # the versions of canonical_at whose tensor table changes
 EXTRA = "model.extra_bias"          # a tensor the engine does not know
 NORM = "model.norm.weight"          # retyped bf16 -> f32 at step 3
 

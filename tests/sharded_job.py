@@ -101,6 +101,12 @@ def schema(step: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     return s
 
 
+def relaid(step: int) -> bool:
+    """Whether the tensor table of ``step`` differs from the previous step's (the writer is
+    then told allow_layout_change=True)."""
+    return step > 0 and schema(step) != schema(step - 1)
+
+
 def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([SEED, *key])
 
@@ -352,10 +358,70 @@ def bad_layout(case: str, model: RankModel, step: int) -> tuple[dict, dict]:
     return s, shapes
 
 
-def store_listing(root: str | Path) -> list[list]:
-    """Every file under a log directory: [relative path, size], sorted."""
+# Tensor table changes every rank makes alike (2 ranks, tp 2): refused without
+# allow_layout_change=True, accepted with it.
+NEW = "model.new.weight"
+RENAMED = L1 + "mlp.router.weight"
+TABLE_CHANGES = ["added", "removed", "renamed", "reshaped", "retyped"]
+
+
+def _new_words() -> np.ndarray:
+    return _initial_words(NEW, BF16, 4 * HIDDEN)
+
+
+def relayout_dense(case: str, state: dict[str, TensorBits]) -> dict[str, TensorBits]:
+    """The dense state ``state`` after the table change ``case`` (the reference)."""
+    s = dict(state)
+    if case == "added":
+        s[NEW] = TensorBits(BF16, (4, HIDDEN), _new_words())
+    elif case == "removed":
+        del s[ROUTER]
+    elif case == "renamed":
+        s[RENAMED] = s.pop(ROUTER)
+    elif case == "reshaped":
+        s[ROUTER] = TensorBits(BF16, (EXPERTS * 2, HIDDEN // 2), s[ROUTER].words)
+    elif case == "retyped":
+        s[SCALE] = TensorBits("I32", (), s[SCALE].words)
+    else:
+        raise ValueError(case)
+    return s
+
+
+def relayout(case: str, model: RankModel, step: int) -> tuple[dict, dict]:
+    """This rank's shards for ``step`` with the table change ``case`` (as relayout_dense)."""
+    import torch
+    from dcr_log.shard import Shard
+
+    s, shapes = model.shards(step)
+    r = model.rank
+    if case == "added":          # rows [2r, 2r + 2) of [4, HIDDEN] on each of the 2 ranks
+        rows = _new_words().reshape(4, HIDDEN)[2 * r:2 * r + 2].reshape(-1).copy()
+        s[NEW] = [Shard(TensorBits(BF16, (2, HIDDEN), rows), (2 * r, 0))]
+        shapes[NEW] = (4, HIDDEN)
+    elif case == "removed":
+        del s[ROUTER]
+    elif case == "renamed":
+        s[RENAMED] = s.pop(ROUTER)
+        shapes[RENAMED] = (EXPERTS, HIDDEN)
+    elif case == "reshaped":
+        s[ROUTER] = [Shard(model.local["router"].reshape(EXPERTS * 2, HIDDEN // 2))]
+        shapes[ROUTER] = (EXPERTS * 2, HIDDEN // 2)
+    elif case == "retyped":
+        s[SCALE] = [Shard(model.local["scale"].view(torch.int32))]
+    else:
+        raise ValueError(case)
+    return s, shapes
+
+
+def store_listing(root: str | Path, digests: bool = False) -> list[list]:
+    """Every file under a log directory: [relative path, size], sorted; with ``digests``,
+    [relative path, SHA-256 of its bytes]."""
+    import hashlib
+
     root = Path(root)
-    return sorted([str(p.relative_to(root)), p.stat().st_size] for p in root.rglob("*") if p.is_file())
+    return sorted([str(p.relative_to(root)),
+                   hashlib.sha256(p.read_bytes()).hexdigest() if digests else p.stat().st_size]
+                  for p in root.rglob("*") if p.is_file())
 
 
 # -- the worker -----------------------------------------------------------------------------
@@ -402,6 +468,32 @@ def run(cfg: dict, rank: int, result: dict) -> None:
         result["ok"] = True
         return
 
+    if cfg.get("table_changes"):
+        writer = ShardedWriter.open(log, segment_bytes=seg)
+        model.load(start)
+        result["attempts"] = {}
+        tries = [(case, case, False) for case in cfg["table_changes"]]
+        tries.append(("added, flag on rank 0 only", "added", rank == 0))
+        for key, case, allow in tries:
+            shards, shapes = relayout(case, model, start)
+            try:
+                writer.append(shards, shapes, allow_layout_change=allow)
+                result["attempts"][key] = {"ok": True}
+            except Exception as exc:
+                result["attempts"][key] = {"ok": False, **_error(exc)}
+        dist.barrier()
+        if rank == 0:  # the store after the refused appends
+            result["listing"] = store_listing(log, digests=True)
+        dist.barrier()
+        everything = {name: shape for name, (_, shape) in schema(start).items()}
+        for case in cfg["table_changes"]:  # each change accepted with the flag, then undone
+            shards, shapes = relayout(case, model, start)
+            result["commits"].append(_commit_info(writer.append(shards, shapes, allow_layout_change=True)))
+            shards, _ = model.shards(start)
+            result["commits"].append(_commit_info(writer.append(shards, everything, allow_layout_change=True)))
+        result["ok"] = True
+        return
+
     fail = cfg.get("fail")
     writer = None if start == 0 else ShardedWriter.open(log, segment_bytes=seg)
     for step in range(start, stop):
@@ -421,7 +513,7 @@ def run(cfg: dict, rank: int, result: dict) -> None:
                 writer = ShardedWriter.create(log, shards, shapes, segment_bytes=seg)
                 commit = writer.log.commit(writer.version)
             else:
-                commit = writer.append(shards, shapes)
+                commit = writer.append(shards, shapes, allow_layout_change=relaid(step))
         except Exception as exc:
             if not failing:
                 raise

@@ -49,8 +49,13 @@ def built(tmp_path_factory):
     for v, s in enumerate(states):
         save_safetensors(s, tmp / f"s{v}.safetensors")
     outputs = [run_cli("init", tmp / "log", "--from", tmp / "s0.safetensors")]
-    for v in (1, 2):
-        outputs.append(run_cli("append", tmp / "log", "--from", tmp / f"s{v}.safetensors"))
+    outputs.append(run_cli("append", tmp / "log", "--from", tmp / "s1.safetensors"))
+    # Version 2 drops, retypes and adds tensors: refused without the flag, the log unchanged.
+    before = snapshot_files(tmp / "log")
+    refused = run_cli("append", tmp / "log", "--from", tmp / "s2.safetensors")
+    assert refused[0] == 2 and "would change the tensor table" in refused[2], refused
+    assert snapshot_files(tmp / "log") == before
+    outputs.append(run_cli("append", tmp / "log", "--from", tmp / "s2.safetensors", "--allow-layout-change"))
     return tmp, states, outputs
 
 
@@ -247,7 +252,8 @@ def test_sharded_checkpoint_directories(tmp_path):
     rc, _, err = run_cli("init", tmp_path / "log", "--from", tmp_path / "ckpt0")
     assert rc == 0, err
     for v in (1, 2):
-        rc, out, err = run_cli("append", tmp_path / "log", "--from", tmp_path / f"ckpt{v}")
+        rc, out, err = run_cli("append", tmp_path / "log", "--from", tmp_path / f"ckpt{v}",
+                               *(["--allow-layout-change"] if v == 2 else []))
         assert rc == 0, err
     log = DeltaLog.open(tmp_path / "log")
     for v, s in enumerate(states):

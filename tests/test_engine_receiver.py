@@ -45,7 +45,7 @@ def snapshot(params: dict) -> dict[str, bytes]:
 def write_schedule(path: Path, cfg: EngineConfig, versions: int = job.VERSIONS) -> DeltaLog:
     w = LogWriter.create(path, job.canonical_at(cfg, 0))
     for v in range(1, versions):
-        w.append(job.canonical_at(cfg, v))
+        w.append(job.canonical_at(cfg, v), allow_layout_change=v in job.LAYOUT_CHANGES)
     return DeltaLog.open(path)
 
 
@@ -168,7 +168,7 @@ def test_xxh3_log_into_an_engine(tmp_path):
 def _one_step_log(tmp_path, change) -> DeltaLog:
     state = job.canonical_at(CFG, 0)
     w = LogWriter.create(tmp_path / "log", state)
-    w.append(change(dict(state)))
+    w.append(change(dict(state)), allow_layout_change=True)
     return DeltaLog.open(tmp_path / "log")
 
 
@@ -291,7 +291,7 @@ def test_torch_dict_receiver_follows_a_reshape_in_place(tmp_path):
     state0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
     w = LogWriter.create(tmp_path / "log", state0)
     state1 = {"weight": torch.arange(10, dtype=torch.float64).reshape(5, 2), "bias": state0["bias"] + 1}
-    w.append(state1)
+    w.append(state1, allow_layout_change=True)
     log = DeltaLog.open(tmp_path / "log")
     params = dict(model.named_parameters())
     with Receiver.open(params, tmp_path / "j", layout_changes="own") as rx:

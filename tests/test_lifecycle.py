@@ -154,11 +154,11 @@ def test_squash_creates_drops_and_retypes_tensors(tmp_path):
     root = tmp_path / "log"
     writer = LogWriter.create(root, s0, cache_dir=False)
     s1 = {**copy_state(s0), "extra": make_state(rng, {"x": ("U8", (17,))})["x"]}
-    writer.append(s1)
+    writer.append(s1, allow_layout_change=True)
     s2 = copy_state(s1)
     del s2["head"]
     s2["norm"] = make_state(rng, {"n": ("F64", (40,))})["n"]  # retyped
-    writer.append(s2)
+    writer.append(s2, allow_layout_change=True)
     s3 = {n: change_words(rng, b, 0.2) for n, b in s2.items()}
     writer.append(s3)
     log = DeltaLog.open(root)
@@ -492,7 +492,7 @@ def test_engine_receivers_catch_up_through_a_squash_and_a_snapshot(tmp_path):
     root = tmp_path / "log"
     w = LogWriter.create(root, job.canonical_at(cfg, 0), cache_dir=False)
     for v in range(1, 7):
-        w.append(job.canonical_at(cfg, v))
+        w.append(job.canonical_at(cfg, v), allow_layout_change=v in job.LAYOUT_CHANGES)
     log = DeltaLog.open(root)
     scratch = TestEngine(cfg)
 
@@ -627,7 +627,7 @@ def test_recovering_a_squash_from_an_expired_version_that_reshapes(tmp_path):
     s1 = copy_state(s0)
     s1["embed"] = type(s0["embed"])("BF16", (40, 96), s0["embed"].words.copy())  # reshaped
     states = [s0, s1]
-    writer.append(s1)
+    writer.append(s1, allow_layout_change=True)
     for _ in range(3):
         states.append({n: change_words(rng, b, 0.02) for n, b in states[-1].items()})
         writer.append(states[-1])

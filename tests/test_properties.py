@@ -28,7 +28,7 @@ from conftest import (
     make_bits,
     run_cli,
 )
-from dcr_log import DeltaLog, LogWriter, create_log, state_equal, to_bits
+from dcr_log import DeltaLog, LogWriter, UsageError, create_log, state_equal, to_bits
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.delta import EncodePolicy
 from dcr_log.state import TensorBits, to_torch
@@ -138,7 +138,13 @@ def test_every_version_materializes_bit_exactly(data):
             if data.draw(st.booleans(), label="reopen writer"):
                 writer = LogWriter.open(location, **kwargs)
             assert writer.version == version - 1
-            commit = writer.append({k: _as_input(v, form) for k, v in new.items()}, kind=kind)
+            # The drawn states add, drop, reshape and retype tensors: refused without the flag.
+            relaid = {k: (b.dtype, b.shape) for k, b in new.items()} != {k: (b.dtype, b.shape) for k, b in state.items()}
+            if relaid:
+                with pytest.raises(UsageError, match=f"version {version} would change the tensor table"):
+                    writer.append({k: _as_input(v, form) for k, v in new.items()}, kind=kind)
+            commit = writer.append({k: _as_input(v, form) for k, v in new.items()}, kind=kind,
+                                   allow_layout_change=relaid)
             assert commit.version == version and commit.parent == version - 1
             assert (commit.stats.changed_elements, commit.stats.total_elements) == _expected_stats(state, new)
             assert sum(s.records for s in commit.segments) == commit.stats.records
@@ -194,7 +200,7 @@ def test_all_encodings_and_kinds_are_exercised(tmp_path, features, delta_encodin
     states.append(copy_state(s))
     writer = create_log(tmp_path / "log", states[0], features=features)
     for i, state in enumerate(states[1:]):
-        writer.append(state, kind="overwrite" if i == 3 else "xor")
+        writer.append(state, kind="overwrite" if i == 3 else "xor", allow_layout_change=i == 2)
     log = DeltaLog.open(tmp_path / "log")
     used = {(r.kind, r.encoding) for v in log.versions() for r in log.records(v)}
     assert {("xor", delta_encoding), ("xor", "raw"), ("xor", "dense"), ("tensor", "raw"),
@@ -286,7 +292,8 @@ def test_cli_versions_replay_bit_exactly(data):
         rc, out, err = run_cli("init", tmp / "log", "--from", tmp / "s0.safetensors")
         assert rc == 0, err
         for v in (1, 2):
-            rc, out, err = run_cli("append", tmp / "log", "--from", tmp / f"s{v}.safetensors")
+            rc, out, err = run_cli("append", tmp / "log", "--from", tmp / f"s{v}.safetensors",
+                                   "--allow-layout-change")  # the drawn states may change the table
             assert rc == 0, err
             assert out.startswith(f"version {v}:")
         for v, s in enumerate(states):

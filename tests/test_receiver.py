@@ -59,7 +59,8 @@ def build_log(root: Path, seed: int = 0, versions: int = 5, rate: float = 0.08):
             del state["w.c"]
             state["w.b"] = TensorBits("F32", (20, 20), state["w.b"].words.copy())
             state["w.d"] = TensorBits("I8", (3, 5, 9), state["w.d"].words.copy())
-        writer.append(state, kind="overwrite" if v == OVERWRITE_VERSION else "xor")
+        writer.append(state, kind="overwrite" if v == OVERWRITE_VERSION else "xor",
+                      allow_layout_change=v == LAYOUT_VERSION)
         states.append(copy_state(state))
     return DeltaLog.open(root), states
 

@@ -131,7 +131,7 @@ class ReceiverMachine(RuleBasedStateMachine):
             same_width = [d for d in DTYPES if DTYPE_WIDTH[d] == DTYPE_WIDTH[state[victim].dtype]]
             dtype = same_width[rng.integers(len(same_width))] if rng.integers(2) else DTYPES[rng.integers(len(DTYPES))]
             state[victim] = make_bits(rng, dtype, state[victim].shape)
-        self.writer.append(state, kind=kind)
+        self.writer.append(state, kind=kind, allow_layout_change=change != "none")
         self.states.append(copy_state(state))
 
     def _target(self, kind: str, to: int | None) -> int | None:

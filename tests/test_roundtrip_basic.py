@@ -22,7 +22,7 @@ def test_versions_roundtrip(tmp_path):
             s["c"] = np.arange(10, dtype=np.int64)
             s["b"] = np.float64(2)
             del s["e"]
-        writer.append(s, kind="overwrite" if i == 1 else "xor")
+        writer.append(s, kind="overwrite" if i == 1 else "xor", allow_layout_change=i == 2)
         states.append(s)
     log = DeltaLog.open(tmp_path / "log")
     assert log.versions() == list(range(5))

@@ -164,7 +164,7 @@ def dense_digests(tmp_path_factory) -> dict[int, int]:
     path = tmp_path_factory.mktemp("dense") / "log"
     writer = LogWriter.create(path, job.dense_state(0), cache_dir=False)
     for step in range(1, job.STEPS):
-        writer.append(job.dense_state(step))
+        writer.append(job.dense_state(step), allow_layout_change=job.relaid(step))
     log = DeltaLog.open(path)
     return {v: log.commit(v).state_digest for v in log.versions()}
 
@@ -180,7 +180,7 @@ def run_in_process(path: Path, steps: range, model: job.RankModel | None = None)
             writer = ShardedWriter.create(path, shards, shapes) if step == 0 else ShardedWriter.open(path)
             if step == 0:
                 continue
-        writer.append(shards, shapes)
+        writer.append(shards, shapes, allow_layout_change=job.relaid(step))
     return writer
 
 
@@ -204,6 +204,7 @@ def test_schedule_covers_every_case():
             models = [job.RankModel(world, tp, r) for r in range(world)]
             assert any(m.vocab_rows > m.vocab[1] - m.vocab[0] for m in models), "no padded vocab rows"
     assert job.RankModel(4, 4, 0).kv == job.RankModel(4, 4, 1).kv  # replicated kv head
+    assert [s for s in range(job.STEPS) if job.relaid(s)] == [3, 4, 5, 6]  # appended with the flag
 
 
 def test_in_process_schedule(tmp_path, dense_digests):
@@ -327,6 +328,46 @@ def test_layout_errors_on_every_rank_before_any_write(tmp_path):
         assert expect[case] in got[0]["message"], (case, got[0]["message"])
     assert ranks.results[0]["listing"] == before
     check_log(path, range(2))
+
+
+def test_table_changes_refused_on_every_rank_unless_allowed(tmp_path):
+    """A tensor added, removed, renamed, reshaped or retyped alike on both ranks (a valid
+    layout): every rank raises the same UsageError before anything is written, also when only
+    one rank passes allow_layout_change=True; with the flag on every rank each change commits
+    and replays bit-exactly."""
+    path = tmp_path / "log"
+    run_in_process(path, range(2))  # versions 0 and 1 from one rank, resumed by two
+    before = job.store_listing(path, digests=True)
+    cases = job.TABLE_CHANGES
+    ranks = launch(tmp_path, 2, {"log": str(path), "tp": 2, "steps": [1, 2], "table_changes": cases})
+    ranks.assert_all_ok()
+    expect = {"added": f"added {job.NEW!r} (BF16 [4, {job.HIDDEN}])", "removed": f"removed {job.ROUTER!r}",
+              "renamed": f"removed {job.ROUTER!r}",
+              "reshaped": f"reshaped {job.ROUTER!r} [{job.EXPERTS}, {job.HIDDEN}] -> "
+                          f"[{job.EXPERTS * 2}, {job.HIDDEN // 2}]",
+              "retyped": f"retyped {job.SCALE!r} F32 -> I32",
+              "added, flag on rank 0 only": f"added {job.NEW!r}"}
+    for case, text in expect.items():
+        got = [r["attempts"][case] for r in ranks.results]
+        assert all(not a["ok"] and a["error_type"] == "UsageError" for a in got), (case, ranks.describe())
+        assert got[0]["message"] == got[1]["message"], case  # the same verdict everywhere
+        message = got[0]["message"]
+        assert message.startswith("version 2 would change the tensor table: "), message
+        assert text in message and "allow_layout_change=True" in message, (case, message)
+    assert f"added {job.RENAMED!r}" in ranks.results[0]["attempts"]["renamed"]["message"]
+    assert "not passed on rank 1" in ranks.results[0]["attempts"]["added, flag on rank 0 only"]["message"]
+    assert ranks.results[0]["listing"] == before, "a refused append wrote to the store"
+
+    # Accepted with the flag: version 2 + 2i is case i, 3 + 2i the schedule's step 1 again.
+    digests = [[c["state_digest"] for c in r["commits"]] for r in ranks.results]
+    assert digests[0] == digests[1], ranks.describe()
+    log = DeltaLog.open(path)
+    assert log.versions() == list(range(2 + 2 * len(cases)))
+    for i, case in enumerate(cases):
+        expected = job.relayout_dense(case, job.dense_state(1))
+        assert_same_bits(log.materialize(2 + 2 * i), expected)
+        assert_same_bits(log.materialize(3 + 2 * i), job.dense_state(1))
+    log.verify(deep=True)
 
 
 # -- 4. the Shard API in-process ------------------------------------------------------------

@@ -125,7 +125,8 @@ def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
             old = state["layers.00.weight"]
             state["layers.00.weight"] = TensorBits("BF16", (512, old.words.size // 512), old.words.copy())
         files.append(_files(rng, v, files[-1]))
-        writer.append(state, kind="overwrite" if v == 3 else "xor", files=files[-1])
+        writer.append(state, kind="overwrite" if v == 3 else "xor", files=files[-1],
+                      allow_layout_change=v == 2)  # version 2 adds, drops and reshapes
     log = DeltaLog.open(log_path)
     expected = [log.materialize(v) for v in log.versions()]
     pristine = {"single": root / "pristine-single", "sharded": root / "pristine-sharded"}

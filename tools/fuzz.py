@@ -122,8 +122,8 @@ def build_template(root: Path) -> Template:
     t = Template(root, _states())
     w = LogWriter.create(t.log, t.states[0], cache_dir=False,
                          policy=EncodePolicy(chunk_elements=256), segment_bytes=1500)
-    for st in t.states[1:]:
-        w.append(st)
+    for v, st in enumerate(t.states[1:], 1):
+        w.append(st, allow_layout_change=v == 2)  # version 2 drops, adds and reshapes tensors
     log = DeltaLog.open(t.log)
     for rx, shard in ((t.rx, None), (t.rx_sharded, 2000)):
         rx.mkdir()

@@ -50,7 +50,7 @@ from .format import FILES, FileEntry
 from .format.keys import VERSIONS_PREFIX, check_writer_id, parse_version_key
 from .format.limits import MAX_IDENTITY_BYTES
 from .log import DeltaLog
-from .state import TensorBits, TensorInfo, check_name, dtype_of, state_digest, to_bits
+from .state import TensorBits, TensorInfo, check_name, describe_layout_change, dtype_of, state_digest, to_bits
 from .store import AlreadyExists, Store
 
 # A segment file is closed and uploaded once it holds this many payload bytes.
@@ -403,41 +403,6 @@ def validate_layout(summaries: list[dict], previous: Mapping[str, tuple[str, tup
 
 
 # How many differences a refused layout change names (the rest are counted).
-LAYOUT_CHANGES_SHOWN = 3
-
-
-def _dims(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-def _quoted(name: str) -> str:
-    return repr(name if len(name) <= 80 else name[:77] + "...")
-
-
-def layout_changes(tensors: Mapping[str, tuple[str, tuple[int, ...]]],
-                   previous: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[str]:
-    """How a version's tensor table (name -> (dtype, shape)) differs from its parent's, one
-    phrase per tensor added, removed, reshaped or retyped (a rename is a removal and an
-    addition), in the names' byte order."""
-    out = []
-    for name in sorted(set(tensors) | set(previous), key=str.encode):
-        new, old = tensors.get(name), previous.get(name)
-        if new == old:
-            continue
-        q = _quoted(name)
-        if old is None:
-            out.append(f"added {q} ({new[0]} {_dims(new[1])})")
-        elif new is None:
-            out.append(f"removed {q}")
-        elif new[0] == old[0]:
-            out.append(f"reshaped {q} {_dims(old[1])} -> {_dims(new[1])}")
-        elif new[1] == old[1]:
-            out.append(f"retyped {q} {old[0]} -> {new[0]}")
-        else:
-            out.append(f"retyped and reshaped {q} {old[0]} {_dims(old[1])} -> {new[0]} {_dims(new[1])}")
-    return out
-
-
 def check_layout_change(version: int, tensors: Mapping[str, tuple[str, tuple[int, ...]]],
                         previous: Mapping[str, tuple[str, tuple[int, ...]]], allowed: Sequence[bool]) -> None:
     """Refuse (UsageError) a version whose tensor table differs from its parent's unless every
@@ -445,12 +410,9 @@ def check_layout_change(version: int, tensors: Mapping[str, tuple[str, tuple[int
     first differences. Deterministic: every rank reaches the same verdict."""
     if version == 0 or all(allowed):
         return
-    changes = layout_changes(tensors, previous)
-    if not changes:
+    said = describe_layout_change(previous, tensors)
+    if not said:
         return
-    said = ", ".join(changes[:LAYOUT_CHANGES_SHOWN])
-    if len(changes) > LAYOUT_CHANGES_SHOWN:
-        said += f" (+{len(changes) - LAYOUT_CHANGES_SHOWN} more)"
     ranks = ""
     if any(allowed):
         missing = [r for r, a in enumerate(allowed) if not a]

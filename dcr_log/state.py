@@ -205,25 +205,47 @@ def to_torch(bits: TensorBits, device: Any = None):
     return t if device is None else t.to(device)
 
 
-def describe_layout_change(old: Mapping[str, tuple[str, tuple[int, ...]]],
-                   new: Mapping[str, tuple[str, tuple[int, ...]]], limit: int = 3) -> str:
-    """The first ``limit`` differences between two tensor tables (name -> (dtype, shape)), in
-    one bounded line: "added 'x' (BF16 [4, 4]), removed 'y', reshaped 'z' [3] -> [4] (+61 more)"."""
-    def dims(shape) -> str:
-        return "[" + ", ".join(str(s) for s in shape) + "]"
+LAYOUT_CHANGES_SHOWN = 3
 
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _quoted(name: str) -> str:
+    return repr(name if len(name) <= 80 else name[:77] + "...")
+
+
+def layout_changes(tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+                   previous: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """How a tensor table (name -> (dtype, shape)) differs from a previous one, one phrase per
+    tensor added, removed, reshaped or retyped (a rename is a removal and an addition), in
+    the names' byte order."""
     out = []
-    for name in sorted(set(old) | set(new), key=str.encode):
-        a, b = old.get(name), new.get(name)
-        if a == b:
+    for name in sorted(set(tensors) | set(previous), key=str.encode):
+        new, old = tensors.get(name), previous.get(name)
+        if new == old:
             continue
-        if a is None:
-            out.append(f"added {name!r} ({b[0]} {dims(b[1])})")
-        elif b is None:
-            out.append(f"removed {name!r}")
-        elif a[0] != b[0]:
-            out.append(f"retyped {name!r} {a[0]} -> {b[0]}")
+        q = _quoted(name)
+        if old is None:
+            out.append(f"added {q} ({new[0]} {_dims(new[1])})")
+        elif new is None:
+            out.append(f"removed {q}")
+        elif new[0] == old[0]:
+            out.append(f"reshaped {q} {_dims(old[1])} -> {_dims(new[1])}")
+        elif new[1] == old[1]:
+            out.append(f"retyped {q} {old[0]} -> {new[0]}")
         else:
-            out.append(f"reshaped {name!r} {dims(a[1])} -> {dims(b[1])}")
-    more = f" (+{len(out) - limit} more)" if len(out) > limit else ""
-    return ", ".join(out[:limit]) + more
+            out.append(f"retyped and reshaped {q} {old[0]} {_dims(old[1])} -> {new[0]} {_dims(new[1])}")
+    return out
+
+
+def describe_layout_change(old: Mapping[str, tuple[str, tuple[int, ...]]],
+                           new: Mapping[str, tuple[str, tuple[int, ...]]]) -> str:
+    """The first LAYOUT_CHANGES_SHOWN differences from ``old`` to ``new`` in one bounded line
+    ("added 'x' (BF16 [4, 4]), removed 'y', reshaped 'z' [3] -> [4] (+61 more)"); "" if none."""
+    changes = layout_changes(new, old)
+    said = ", ".join(changes[:LAYOUT_CHANGES_SHOWN])
+    if len(changes) > LAYOUT_CHANGES_SHOWN:
+        said += f" (+{len(changes) - LAYOUT_CHANGES_SHOWN} more)"
+    return said

@@ -402,7 +402,6 @@ def validate_layout(summaries: list[dict], previous: Mapping[str, tuple[str, tup
     return Layout(tensors, owner)
 
 
-# How many differences a refused layout change names (the rest are counted).
 def check_layout_change(version: int, tensors: Mapping[str, tuple[str, tuple[int, ...]]],
                         previous: Mapping[str, tuple[str, tuple[int, ...]]], allowed: Sequence[bool]) -> None:
     """Refuse (UsageError) a version whose tensor table differs from its parent's unless every

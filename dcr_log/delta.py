@@ -372,10 +372,14 @@ def decode_record(record: Record, info: TensorInfo) -> ChangeSet:
     if record.tensor != info.name:
         raise IntegrityError(f"record for {record.tensor!r} checked against {info.name!r}")
     record.box.check_inside(info.shape)
-    return decode_changes(
-        record.kind, record.encoding, record.params, record.payload,
-        record.box.size, record.n_changed, word_dtype(info.dtype),
-    )
+    try:
+        return decode_changes(
+            record.kind, record.encoding, record.params, record.payload,
+            record.box.size, record.n_changed, word_dtype(info.dtype),
+        )
+    finally:
+        if record.done is not None:
+            record.done()
 
 
 def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -> np.ndarray | slice:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
+import mmap
 import os
+import threading
 from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
+import pyarrow as pa
 
 from .codec.ulp import ULP_ENCODING, UlpEncoding
 from .delta import apply_to_words, decode_record, empty_words, shared_pool
@@ -64,6 +68,99 @@ class _Skipped:
         return IntegrityError("signs another record" if self.trusted_key else "key not trusted")
 
 Progress = Callable[[int], None]
+
+# A reader holds a segment of at most this many bytes in memory (writers keep them near 64
+# MiB); a larger one is read from a local file through a memory map (SegmentFile): its sha256
+# is computed while it is read in chunks, and its records are read batch by batch.
+SEGMENT_MEMORY_BYTES = 256 << 20
+# Of a mapped segment, the pages of the payloads decoded last, up to about this many bytes,
+# stay mapped; older ones are given back (they count in resident memory while mapped).
+MAPPED_WINDOW_BYTES = 64 << 20
+_PAGE = mmap.PAGESIZE
+
+
+class SegmentFile:
+    """A segment checked against its commit record (size, sha256) that is held in a local
+    file, not in memory: the log's own file on a local directory, else an unnamed temporary
+    file it was streamed into. ``records`` read it through a read-only memory map."""
+
+    def __init__(self, file, size: int, sha256: str):
+        self._file = file
+        self.size = size
+        self.sha256 = sha256
+
+    @staticmethod
+    def open(path: os.PathLike) -> "SegmentFile":
+        """A local file (a receiver's spool), hashed in chunks: the caller checks the result."""
+        f = open(path, "rb")
+        try:
+            sha = hashlib.sha256()
+            chunk = bytearray(8 << 20)
+            size = 0
+            while n := f.readinto(chunk):
+                sha.update(memoryview(chunk)[:n])
+                size += n
+        except BaseException:
+            f.close()
+            raise
+        return SegmentFile(f, size, sha.hexdigest())
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        """The whole segment in memory (what a mirror copies)."""
+        return os.pread(self._file.fileno(), self.size, 0)
+
+    def map(self) -> "_Mapping":
+        return _Mapping(mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _Mapping:
+    """A read-only memory map of a segment file whose pages are given back (MADV_DONTNEED:
+    read again from the file if touched again) as reading moves on: a payload's once
+    MAPPED_WINDOW_BYTES of later payloads have been decoded, all of them when the segment's
+    records have been read."""
+
+    def __init__(self, mm: mmap.mmap):
+        self.mm = mm
+        self.address = pa.py_buffer(mm).address
+        self._recent: deque[tuple[int, int]] = deque()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def hook(self, payload) -> Callable[[], None] | None:
+        """What a record calls once its payload is decoded (Record.done)."""
+        length = len(payload)
+        if not length:
+            return None
+        start = pa.py_buffer(payload).address - self.address
+        return lambda: self._done(start, length)
+
+    def _done(self, start: int, length: int) -> None:
+        with self._lock:
+            self._recent.append((start, length))
+            self._held += length
+            while self._held > MAPPED_WINDOW_BYTES and len(self._recent) > 1:
+                s, n = self._recent.popleft()
+                self._held -= n
+                self._drop(s, n)
+
+    def _drop(self, start: int, length: int) -> None:
+        first = start - start % _PAGE
+        try:
+            self.mm.madvise(mmap.MADV_DONTNEED, first, min(start + length, len(self.mm)) - first)
+        except (ValueError, OSError):  # closed meanwhile: nothing left to give back
+            pass
+
+    def drop_all(self) -> None:
+        with self._lock:
+            self._recent.clear()
+            self._held = 0
+            self._drop(0, len(self.mm))
 
 
 @dataclass(frozen=True)
@@ -413,7 +510,8 @@ class DeltaLog:
         them, after the same size and sha256 checks. Returns the bytes fetched now."""
         fetched = 0
         for o in self.store.list(f"segments/{version}/"):
-            if o.key in self._prefetched or self._prefetched_bytes + o.size > budget:
+            if (o.key in self._prefetched or self._prefetched_bytes + o.size > budget
+                    or o.size > SEGMENT_MEMORY_BYTES):  # read from a file when it is listed
                 continue
             try:
                 data = bytes(self.store.get(o.key, size=o.size))
@@ -440,27 +538,44 @@ class DeltaLog:
             self._prefetched_bytes -= len(early)
             if len(early) == ref.size and hashlib.sha256(early).hexdigest() == ref.sha256:
                 return memoryview(early)
+        large = ref.size > SEGMENT_MEMORY_BYTES
         try:
-            data = self.store.get(ref.key, size=ref.size)
+            if large:
+                f, sha = self.store.get_file(ref.key, ref.size)
+                data = SegmentFile(f, ref.size, sha)
+            else:
+                data = self.store.get(ref.key, size=ref.size)
+                sha = hashlib.sha256(data).hexdigest()
         except NotFoundError:
             self._check_removed(ref, version)
             raise IntegrityError(f"segment {ref.key} is missing") from None
-        if hashlib.sha256(data).hexdigest() != ref.sha256:
+        if sha != ref.sha256:
+            if large:
+                data.close()
             raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
         return data
 
     def segment_records(self, version: int, ref: SegmentRef, data=None) -> Iterator[Record]:
-        """The records of one segment; ``data``, if given, are its bytes already read and
-        checked by read_segment. The record count is checked against the commit record."""
+        """The records of one segment; ``data``, if given, is what read_segment returned for
+        it (its bytes, or a SegmentFile), already checked. The record count is checked against
+        the commit record. The records of a SegmentFile lie in a memory map whose pages are
+        given back as their payloads are decoded, and all of them once the last is read."""
         data = self.read_segment(ref, version) if data is None else data
+        mapping = data.map() if isinstance(data, SegmentFile) else None
         count = 0
         ulp = self.ulp_encoding
-        for rec in iter_segment(data, self.log_id, version):
-            count += 1
-            if rec.encoding == UlpEncoding.name and not ulp:
-                raise IntegrityError(f"segment {ref.key}: a record uses the encoding 'ulp' in a "
-                                     f"log without the feature {ULP_ENCODING!r}")
-            yield rec
+        try:
+            for rec in iter_segment(data if mapping is None else mapping.mm, self.log_id, version):
+                count += 1
+                if rec.encoding == UlpEncoding.name and not ulp:
+                    raise IntegrityError(f"segment {ref.key}: a record uses the encoding 'ulp' in a "
+                                         f"log without the feature {ULP_ENCODING!r}")
+                if mapping is not None:
+                    rec = dataclasses.replace(rec, done=mapping.hook(rec.payload))
+                yield rec
+        finally:
+            if mapping is not None:
+                mapping.drop_all()
         if count != ref.records:
             raise IntegrityError(f"segment {ref.key}: {count} records, commit says {ref.records}")
 

@@ -17,7 +17,7 @@ from typing import Callable
 from .errors import IntegrityError, LineageError, NotFoundError
 from .format import IDENTITY_KEY, version_key
 from .format import limits
-from .format.lifecycle import MANIFEST, RETIRED, log_start_key, parse_log_start_key
+from .format.lifecycle import MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, RETIRED, log_start_key, parse_log_start_key
 from .format.signature import MAX_SIGNATURE_BYTES, SignatureRecord, parse_signature_key, signature_prefix
 from .log import DeltaLog
 from .store import AlreadyExists, Store
@@ -85,7 +85,7 @@ class Mirror:
         if _present(self.dst, cu.key, len(cu.to_bytes())):
             return
         self._segments(cu.version, cu.segments, report)
-        data = bytes(self.src.store.get(cu.key))
+        data = bytes(self.src.store.get(cu.key, max_size=MAX_MANIFEST_BYTES))
         if hashlib.sha256(data).hexdigest() != sha:
             raise IntegrityError(f"{self.src.store.url}/{cu.key} changed while it was copied")
         _publish(self.dst, cu.key, data, report)
@@ -143,7 +143,7 @@ class Mirror:
             if o.key.endswith("/" + RETIRED) and not _present(self.dst, o.key, o.size):
                 marker = self.src.marker(o.key)
                 if self.dst.head(f"snapshots/{marker.version}/{MANIFEST}") is not None:
-                    _publish(self.dst, o.key, bytes(self.src.store.get(o.key)), report)
+                    _publish(self.dst, o.key, bytes(self.src.store.get(o.key, max_size=MAX_MARKER_BYTES)), report)
         report.latest = latest
         report.start = start
         return report
@@ -157,7 +157,7 @@ class Mirror:
             if self.dst.head(version_key(s)) is None or self.dst.head(f"snapshots/{s}/{MANIFEST}") is None:
                 continue  # not yet: a marker above what the mirror holds would break its listing
             self.src.marker(log_start_key(s))  # checked
-            _publish(self.dst, o.key, bytes(self.src.store.get(o.key)), report)
+            _publish(self.dst, o.key, bytes(self.src.store.get(o.key, max_size=MAX_MARKER_BYTES)), report)
 
     def follow(self, interval: float = 1.0, stop: Callable[[], bool] | None = None,
                on_pass: Callable[[MirrorReport], None] | None = None) -> None:

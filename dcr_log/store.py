@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class WrongSize(IntegrityError):
 # segment, at most MAX_KEY_BYTES (spec/FORMAT.md, section 15). Anything else is refused
 # before the store sees it, so a bad key is a typed error and never a store's debug dump.
 MAX_KEY_BYTES = 1024
+# get_file reads and hashes an object in chunks of this many bytes.
+FILE_CHUNK_BYTES = 8 << 20
 _KEY = re.compile(r"[!-\[\]-~ ]+")
 
 
@@ -152,6 +155,48 @@ class Store:
             raise _failed(exc, "read", self.url, key) from None
         _check_size(key, len(data), size, max_size)
         return data
+
+    def get_file(self, key: str, size: int):
+        """An object too large to hold in memory, as an open binary file of exactly ``size``
+        bytes, and its sha256 (hex), computed while the bytes are read in chunks: a local
+        directory's own file is opened where it lies (and read once to hash it); another
+        store's object is streamed into an unnamed temporary file (TMPDIR), gone once closed.
+        The object's size is checked from its metadata before any byte of it is read."""
+        check_key(key)
+        sha = hashlib.sha256()
+        f = None
+        try:
+            if self.local_root is not None:
+                f = open(self.local_root / key, "rb")
+                _check_size(key, os.fstat(f.fileno()).st_size, size, None)
+                chunk = bytearray(FILE_CHUNK_BYTES)
+                got = 0
+                while n := f.readinto(chunk):
+                    sha.update(memoryview(chunk)[:n])
+                    got += n
+            else:
+                result = obstore.get(self._inner, key)
+                _check_size(key, int(result.meta["size"]), size, None)
+                f = tempfile.TemporaryFile(prefix="dcr-segment-")
+                got = 0
+                for piece in result.stream(min_chunk_size=FILE_CHUNK_BYTES):
+                    view = memoryview(piece)
+                    sha.update(view)
+                    f.write(view)
+                    got += view.nbytes
+                f.flush()
+            _check_size(key, got, size, None)
+        except BaseException as exc:
+            if f is not None:
+                f.close()
+            if isinstance(exc, (ObNotFound, FileNotFoundError)):
+                raise NotFoundError(f"{self.url}: no object {key}") from None
+            if isinstance(exc, (DcrError, KeyboardInterrupt, SystemExit)):
+                raise
+            if isinstance(exc, OSError) and self.local_root is None:  # the temporary file
+                raise os_error(exc, f"cannot spool {self.url}/{key}") from None
+            raise _failed(exc, "read", self.url, key) from None
+        return f, sha.hexdigest()
 
     def get_range(self, key: str, start: int, end: int) -> memoryview:
         check_key(key)

@@ -39,8 +39,11 @@ def _first_line(exc: Exception) -> str:
     return str(exc).split("\n", 1)[0][:200]
 
 
-def unseal(data: bytes, what: str) -> dict:
-    data = bytes(data)
+def unseal(data, what: str) -> dict:
+    """Parse and check sealed bytes (section 3). The caller bounds their size first
+    (limits.py): parsing takes up to ~28 times the text. The body's checksum is computed over
+    the bytes themselves, without the checksum member, not over a second serialization."""
+    data = data if isinstance(data, bytes) else bytes(data)
     obj = parse_json(data, what)
     if not isinstance(obj, dict) or "checksum" not in obj:
         raise IntegrityError(f"{what}: not a sealed JSON object")
@@ -48,9 +51,36 @@ def unseal(data: bytes, what: str) -> dict:
         canonical = canonical_bytes(obj)
     except (RecursionError, ValueError):
         raise IntegrityError(f"{what}: bytes are not in canonical form") from None
-    if canonical != data:
+    same = canonical == data
+    del canonical
+    if not same:
         raise IntegrityError(f"{what}: bytes are not in canonical form")
-    body = {k: v for k, v in obj.items() if k != "checksum"}
-    if not isinstance(obj["checksum"], str) or hashlib.sha256(canonical_bytes(body)).hexdigest() != obj["checksum"]:
+    checksum = obj.pop("checksum")
+    if not isinstance(checksum, str) or _body_sha256(data, obj, checksum) != checksum:
         raise IntegrityError(f"{what}: checksum mismatch")
-    return body
+    return obj
+
+
+def _body_sha256(data: bytes, body: dict, checksum: str) -> str:
+    """SHA-256 of the canonical form of ``body``, given ``data``, the canonical form of
+    ``body`` plus the member ``checksum``: ``data`` without that member's bytes (members are
+    sorted, so it follows the canonical form of the members sorting before it)."""
+    member = b'"checksum":' + canonical_bytes(checksum)
+    before = {k: v for k, v in body.items() if k < "checksum"}
+    # Where the member starts, and its separator: the "," after it when it comes first,
+    # the "," before it otherwise.
+    if before:
+        start = len(canonical_bytes(before)) - 1
+        member = b"," + member
+        end = start + len(member)
+    else:
+        start = 1
+        end = start + len(member)
+        if data[end:end + 1] == b",":
+            end += 1
+    view = memoryview(data)
+    if view[start:start + len(member)] != member:  # cannot happen for canonical bytes
+        raise IntegrityError("sealed JSON: checksum member not where its order puts it")
+    sha = hashlib.sha256(view[:start])
+    sha.update(view[end:])
+    return sha.hexdigest()

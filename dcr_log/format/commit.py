@@ -217,7 +217,11 @@ class CommitRecord:
         }
         if self.files is not None:
             body["files"] = [f.to_json() for f in sorted(self.files, key=lambda f: f.name.encode())]
-        return seal(body)
+        data = seal(body)
+        if len(data) > L.MAX_COMMIT_BYTES:  # writers MUST NOT write what readers refuse
+            raise UsageError(f"commit record {self.version}: {len(data)} bytes, more than the limit of "
+                             f"{L.MAX_COMMIT_BYTES} (too many tensors or segments for one version)")
+        return data
 
     @staticmethod
     def from_bytes(data: bytes, expect_version: int | None = None) -> "CommitRecord":

@@ -111,7 +111,7 @@ class CatchUp:
             raise UsageError("a squash has a start and its state digest; a snapshot neither")
         if self.start is not None and not self.start < self.version:
             raise UsageError(f"a squash goes forward: {self.start} to {self.version}")
-        return seal({
+        data = seal({
             "format_version": self.format_version,
             "log_id": self.log_id,
             "kind": self.kind,
@@ -125,6 +125,9 @@ class CatchUp:
             "created_at": self.created_at,
             "writer_id": self.writer_id,
         })
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise UsageError(f"{self.key}: {len(data)} bytes, more than the limit of {MAX_MANIFEST_BYTES}")
+        return data
 
     @staticmethod
     def from_bytes(data: bytes, key: str) -> "CatchUp":

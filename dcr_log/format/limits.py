@@ -7,7 +7,14 @@ from __future__ import annotations
 from ..errors import IntegrityError
 
 MAX_IDENTITY_BYTES = 1 << 16          # dcr.json
-MAX_COMMIT_BYTES = 1 << 30            # one commit record
+# One commit record (and one snapshot or squash manifest): a stated ceiling, not a product of
+# the counts below (2^22 tensors of 4096-byte names would need 100 GiB). A tensor object takes
+# 100 to 200 bytes for names of 40 to 120 characters and a segment object about 200, so 64 MiB
+# holds some 300 000 tensors and the 16 384 segments of a TiB of 64 MiB segments. Python's json
+# takes about 7 times the text of a real record to parse and at most about 28 times for any
+# text (empty objects or lists: ~90 bytes each for 3 bytes), so a record read whole and parsed
+# costs at most ~1.8 GiB, ~0.5 GiB for a real one at the limit (tools/bench_memory.py).
+MAX_COMMIT_BYTES = 1 << 26
 MAX_SEGMENT_BYTES = 1 << 34           # one segment file (writers keep them near 64 MiB)
 MAX_SEGMENTS = 1 << 20                # segments of one version
 MAX_SEGMENT_RECORDS = 1 << 32         # records of one segment (`records`)

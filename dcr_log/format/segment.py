@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +46,9 @@ class Record:
     base_digest: int
     target_digest: int
     payload: bytes | memoryview
+    # Called once the payload has been decoded (delta.decode_record), for a payload that lies in
+    # a memory-mapped segment file: its pages may then be given back (log.SegmentFile).
+    done: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -182,7 +185,7 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
         cols = {name: batch.column(name) for name in SEGMENT_SCHEMA.names}
         offsets = cols["box_offset"].to_pylist()
         shapes = cols["box_shape"].to_pylist()
-        payload = cols["payload"]
+        payload = _payload_slices(cols["payload"])
         for j in range(batch.num_rows):
             if len(offsets[j]) != len(shapes[j]):
                 raise IntegrityError(f"segment of version {version}: box rank mismatch")
@@ -197,5 +200,27 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
                 n_changed=cols["n_changed"][j].as_py(),
                 base_digest=cols["base_digest"][j].as_py(),
                 target_digest=cols["target_digest"][j].as_py(),
-                payload=memoryview(payload[j].as_buffer()),
+                payload=payload(j),
             )
+
+
+def _payload_slices(column: pa.Array) -> Callable[[int], memoryview]:
+    """Row ``j``'s payload as a view of the column's data buffer (validated): zero-copy, so a
+    segment read from a memory map stays there (a scalar's ``as_buffer`` copies the bytes).
+    A payload that does not start on an 8-byte boundary (one of several in a batch: the large
+    ones have batches of their own, whose buffers Arrow aligns) is copied, as the codecs'
+    word and position views want aligned buffers."""
+    _, offsets_buf, data_buf = column.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int64)[column.offset:column.offset + len(column) + 1]
+    data = memoryview(data_buf) if data_buf is not None else memoryview(b"")
+    base = data_buf.address if data_buf is not None else 0
+
+    def row(j: int) -> memoryview:
+        start, end = int(offsets[j]), int(offsets[j + 1])
+        view = data[start:end]
+        if (base + start) % 8:
+            copy = np.frombuffer(view, dtype=np.uint8).copy()
+            copy.flags.writeable = False
+            view = memoryview(copy)
+        return view
+    return row

@@ -33,7 +33,7 @@ from ..coords import DTYPE_WIDTH, numel, tiles, word_dtype
 from ..delta import DEFAULT_WORKERS, decode_record, flat_positions, map_ordered, record_bases, record_targets
 from ..errors import IntegrityError, LayoutError, LineageError, NotFoundError, StoreError, UsageError
 from ..format import CommitRecord, Record
-from ..log import DeltaLog, Step
+from ..log import DeltaLog, SegmentFile, Step
 from ..signing import as_trust
 from ..digest import MASK64, XXH3, DigestScheme, zeros_outside
 from ..state import TensorInfo, describe_layout_change, digest_hex, state_digest
@@ -119,7 +119,9 @@ class SegmentCache:
     DeltaLog.read_segment): up to ``PREFETCH_SEGMENTS`` ahead of the one being read, on
     threads, so that fetching overlaps checking, decoding and applying. Segments are kept in
     memory within a byte budget and, beyond it, in a local spool directory (``spool``) rather
-    than fetched again; a spooled segment's sha256 is checked again when it is read back."""
+    than fetched again; a spooled segment's sha256 is checked again when it is read back, and
+    it is read through a memory map (log.SegmentFile), as is a segment too large for the
+    reader to hold in memory at all (which read_segment gives as a local file)."""
 
     def __init__(self, log: DeltaLog, commit: CommitRecord, budget: int | None = None,
                  spool: Path | None = None):
@@ -129,6 +131,7 @@ class SegmentCache:
         self.spool = spool
         self._data: dict[int, memoryview] = {}
         self._spooled: dict[int, Path] = {}
+        self._files: dict[int, SegmentFile] = {}
         self._used = 0
         self._decoded: dict[tuple[int, int], Any] = {}
         self._decoded_used = 0
@@ -137,7 +140,7 @@ class SegmentCache:
         self._pool = None
         self._lock = threading.Lock()
 
-    def _fetch(self, index: int) -> memoryview:
+    def _fetch(self, index: int) -> "memoryview | SegmentFile":
         return self.log.read_segment(self.commit.segments[index], self.commit.version)
 
     def _ahead(self, index: int) -> None:
@@ -149,24 +152,34 @@ class SegmentCache:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(PREFETCH_SEGMENTS, thread_name_prefix="dcr-fetch")
         for j in range(index + 1, min(len(refs), index + 1 + PREFETCH_SEGMENTS)):
-            if j not in self._pending and j not in self._data and j not in self._spooled:
+            if j not in self._pending and j not in self._data and j not in self._spooled and j not in self._files:
                 self._pending[j] = self._pool.submit(self._fetch, j)
 
-    def data(self, index: int) -> memoryview:
+    def data(self, index: int) -> "memoryview | SegmentFile":
+        """The segment's bytes in memory, or a local file holding them (SegmentFile)."""
         data = self._data.get(index)
+        if data is None:
+            data = self._files.get(index)
         if data is not None:
             return data
         path = self._spooled.get(index)
         if path is not None:
             ref = self.commit.segments[index]
-            data = memoryview(path.read_bytes())
-            if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+            try:
+                data = SegmentFile.open(path)
+            except OSError:
+                data = None
+            if data is None or data.size != ref.size or data.sha256 != ref.sha256:
+                if data is not None:
+                    data.close()
                 raise IntegrityError(f"spooled segment {ref.key} at {path} changed on local disk")
             return data
         future = self._pending.pop(index, None)
         self._ahead(index)
         data = future.result() if future is not None else self._fetch(index)
-        if self._used + len(data) <= self.budget:
+        if isinstance(data, SegmentFile):  # already a local file, not in memory
+            self._files[index] = data
+        elif self._used + len(data) <= self.budget:
             self._data[index] = data
             self._used += len(data)
         elif self.spool is not None:
@@ -190,6 +203,9 @@ class SegmentCache:
         for path in self._spooled.values():
             path.unlink(missing_ok=True)
         self._spooled.clear()
+        for f in self._files.values():
+            f.close()  # a mapping still held keeps its own descriptor
+        self._files.clear()
         if self.spool is not None and self.spool.is_dir():
             try:
                 self.spool.rmdir()

@@ -325,7 +325,7 @@ def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
            no_snapshot: bool = typer.Option(False, "--no-snapshot", help="expire only up to an existing snapshot; never write one"),
            dry_run: bool = typer.Option(False, "--dry-run", help="say what would be written and deleted; change nothing"),
            as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
-    """Expire versions before the newest snapshot at or below latest-N+1 (written if needed),
+    """Expire versions before latest-N+1 (its snapshot written if missing; with --no-snapshot, the newest snapshot at or below it),
     safely with concurrent writers, readers and receivers (FORMAT.md section 25); delete what
     expired markers and retired snapshots make unneeded, and orphan segments, once older than
     the grace period."""

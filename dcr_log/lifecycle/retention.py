@@ -21,6 +21,7 @@ from ..format.lifecycle import (
     SNAPSHOTS_PREFIX,
     SQUASHES_PREFIX,
     Marker,
+    log_start_key,
     parse_log_start_key,
     parse_snapshot_key,
     parse_squash_key,
@@ -79,8 +80,10 @@ def gc(log: DeltaLog, keep_last: int, *, keep_snapshots: int = 2, grace: float =
        snapshot: bool = True, now: float | None = None, dry_run: bool = False) -> GcReport:
     """Keep the last ``keep_last`` versions replayable and expire the ones before them.
 
-    1. The new start is the newest snapshot at or below ``latest - keep_last + 1`` (written
-       there first when there is none and ``snapshot``); a log-start marker names it.
+    1. The new start is ``latest - keep_last + 1``, its snapshot written first when missing
+       (without ``snapshot``: the newest snapshot at or below it); a log-start marker names it.
+       The start so depends only on the log, never on an earlier gc's choice: the same gc run
+       again does nothing more, and ``dry_run`` reports exactly what the run would do.
     2. Snapshots above the start other than the ``keep_snapshots`` newest get a retire marker.
     3. Deleted, each only once the marker that makes it unneeded is ``grace`` seconds old:
        versions (commit records, segments, signatures), snapshots and squashes below the
@@ -101,41 +104,52 @@ def gc(log: DeltaLog, keep_last: int, *, keep_snapshots: int = 2, grace: float =
     report = GcReport(start=start, expired_start=0)
     wanted = latest - keep_last + 1
     # 1. The new start.
+    # Log-start markers a dry run would write (aged from ``now``, as a real run's are).
+    added: list[tuple[int, str]] = []
+    snapshots = log.snapshots()
     if wanted > start:
-        below = [w for w in log.snapshots() if start < w <= wanted]
-        if below:
-            new_start = max(below)
-        elif snapshot and not dry_run:
-            write_snapshot(log, wanted)
-            report.snapshot_written = new_start = wanted
+        below = [w for w in snapshots if start < w <= wanted]
+        if wanted in snapshots or not snapshot:
+            new_start = max(below, default=start)
         else:
-            new_start = start
-        if new_start > start and not dry_run:
-            _, sha = log.catchup(f"{SNAPSHOTS_PREFIX}{new_start}/{MANIFEST}")
-            marker = Marker(log.log_id, "log-start", new_start, sha, utc_now())
-            try:
-                log.store.put_new(marker.key, marker.to_bytes())
-            except AlreadyExists:
-                pass  # another gc chose the same start
-        report.start = log.start() if not dry_run else new_start
+            if not dry_run:
+                write_snapshot(log, wanted)
+            report.snapshot_written = new_start = wanted
+        if new_start > start:
+            if dry_run:
+                key = log_start_key(new_start)
+                if log.store.head(key) is None:
+                    added.append((new_start, key))
+            else:
+                _, sha = log.catchup(f"{SNAPSHOTS_PREFIX}{new_start}/{MANIFEST}")
+                marker = Marker(log.log_id, "log-start", new_start, sha, utc_now())
+                try:
+                    log.store.put_new(marker.key, marker.to_bytes())
+                except AlreadyExists:
+                    pass  # another gc chose the same start
+        report.start = log.start() if not dry_run else max(new_start, start)
     start = report.start
     # 2. Retire snapshots beyond the newest keep_snapshots (never the start's).
-    usable = log.snapshots()
-    keep = set(sorted(usable)[-keep_snapshots:]) | {start}
-    for w in sorted(usable):
+    usable = sorted(w for w in set(log.snapshots()) | {report.snapshot_written or start} if w >= start)
+    keep = set(usable[-keep_snapshots:]) | {start}
+    retiring: dict[int, int] = {}  # a dry run's retire markers: version -> their size
+    for w in usable:
         if w in keep:
             continue
         report.retired.append(w)
+        marker = Marker(log.log_id, "retired", w, log.catchup(f"{SNAPSHOTS_PREFIX}{w}/{MANIFEST}")[1], utc_now())
+        retiring[w] = len(marker.to_bytes())
         if not dry_run:
-            marker = Marker(log.log_id, "retired", w, log.catchup(f"{SNAPSHOTS_PREFIX}{w}/{MANIFEST}")[1], utc_now())
             try:
                 log.store.put_new(marker.key, marker.to_bytes())
             except AlreadyExists:
                 pass
-    # 3. Deletions, each past its marker's grace period.
+    # 3. Deletions, each past its marker's grace period (aged from now: after this run's
+    # writes, so that with no grace what it marked goes at once).
     now = time.time() if now is None else now
     doomed: list[ObjectInfo] = []
     markers = [(v, o) for o in log.store.list(LOG_START_PREFIX) if (v := parse_log_start_key(o.key)) is not None]
+    markers += [(v, ObjectInfo(key, 0, now)) for v, key in added]
     ripe = [v for v, o in markers if _age_ok(o, now, grace)]
     expired = max(ripe, default=0)
     report.expired_start = expired
@@ -157,6 +171,8 @@ def gc(log: DeltaLog, keep_last: int, *, keep_snapshots: int = 2, grace: float =
         if end is None:
             continue  # not a key of this format: left alone
         retired = keys.get(prefix + RETIRED)
+        if retired is None and dry_run and end in retiring:  # as this run would write it
+            retired = keys[prefix + RETIRED] = ObjectInfo(prefix + RETIRED, retiring[end], now)
         gone = end < expired or (retired is not None and end not in named and end != start
                                  and _age_ok(retired, now, grace))
         if gone:
@@ -191,7 +207,7 @@ def gc(log: DeltaLog, keep_last: int, *, keep_snapshots: int = 2, grace: float =
     for v, objs in sorted(segs.items()):
         if v < expired:
             doomed += objs
-        elif v <= committed and v >= log.known_start():
+        elif v <= committed and v >= start:
             # Orphans of a committed version: the losers of its commit, never to be referenced.
             _orphans(objs, {ref.key for ref in log.commit(v).segments}, now, grace, doomed, report)
     if expired > 0:

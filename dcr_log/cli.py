@@ -323,7 +323,7 @@ def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
            keep_snapshots: int = typer.Option(2, "--keep-snapshots", help="snapshots kept (the newest M, and the log start's)"),
            grace: str = typer.Option("1h", "--grace", help="how long a marker stands before what it expires is deleted (90s, 15m, 1h, 7d)"),
            no_snapshot: bool = typer.Option(False, "--no-snapshot", help="expire only up to an existing snapshot; never write one"),
-           dry_run: bool = typer.Option(False, "--dry-run", help="say what would be written and deleted; change nothing"),
+           dry_run: bool = typer.Option(False, "--dry-run", help="say exactly what the same gc would write and delete now; change nothing"),
            as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
     """Expire versions before latest-N+1 (its snapshot written if missing; with --no-snapshot, the newest snapshot at or below it),
     safely with concurrent writers, readers and receivers (FORMAT.md section 25); delete what
@@ -339,11 +339,17 @@ def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
     if as_json:
         out.print(json.dumps(report.to_json()), markup=False)
         return
-    wrote = f"wrote snapshot {report.snapshot_written}; " if report.snapshot_written is not None else ""
-    retired = f"retired snapshots {report.retired}; " if report.retired else ""
-    verb = "would delete" if dry_run else "deleted"
-    out.print(f"{'dry run: ' if dry_run else ''}{wrote}log starts at version {report.start}; {retired}"
-              f"{verb} {report.deleted_objects} objects ({report.deleted_bytes} bytes: "
+    if dry_run:
+        write, start, retire, delete = "would write", "would start", "would retire", "would delete"
+    else:
+        write, start, retire, delete = "wrote", "starts", "retired", "deleted"
+    wrote = f"{write} snapshot {report.snapshot_written}; " if report.snapshot_written is not None else ""
+    moved = f"log {start} at version {report.start}" if report.log_start_written is not None \
+        else f"log starts at version {report.start}"
+    retired = f"{retire} snapshots {report.retired}; " if report.retired else ""
+    nothing = "nothing to do; " if report.nothing_to_do else ""
+    out.print(f"{'dry run: ' if dry_run else ''}{nothing}{wrote}{moved}; {retired}"
+              f"{delete} {report.deleted_objects} objects ({report.deleted_bytes} bytes: "
               f"{report.deleted_versions} versions below {report.expired_start}, {report.orphans} orphans); "
               f"{report.waiting} waiting for the grace period", markup=False)
 

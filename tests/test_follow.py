@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import threading
@@ -108,16 +109,24 @@ def test_cli_follow_applies_new_versions_and_stops_on_a_signal(tmp_path, sig, co
     assert run_cli("init", root, "--from", tmp_path / "ck0.safetensors")[0] == 0
     rx = tmp_path / "rx"
     proc = start_cli("apply", root, "--receiver", rx, "--follow", "--interval", "0.05")
-    try:
-        for i in range(1, 4):
-            time.sleep(0.3)
-            assert run_cli("append", root, "--from", tmp_path / f"ck{i}.safetensors")[0] == 0
-        deadline = time.monotonic() + 60
+
+    def wait_for(version: int) -> None:
+        """Until the receiver's journal says it holds ``version`` (not a time: under load
+        the follower may start late, and must materialize version 0 first)."""
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             rc, out, _ = run_cli("status", "--receiver", rx, "--json")
-            if rc == 0 and '"version": 3' in out:
-                break
+            if rc == 0 and json.loads(out)["version"] == version:
+                return
+            assert proc.poll() is None, proc.communicate()
             time.sleep(0.1)
+        raise AssertionError(f"the follower did not reach version {version}")
+
+    try:
+        for i in range(1, 4):
+            wait_for(i - 1)
+            assert run_cli("append", root, "--from", tmp_path / f"ck{i}.safetensors")[0] == 0
+        wait_for(3)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:

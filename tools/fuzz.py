@@ -22,9 +22,9 @@ materialize, and ``open_directory(...).apply(verify=...)`` at a random level. Ta
 
 Every outcome is classified: ``typed`` (a dcr_log.errors.DcrError), ``accepted`` (no error),
 ``untyped`` (any other exception: a bug), ``hang`` (over the per-case time limit: a bug),
-``changed`` (an apply that raised, yet changed bytes of the receiver directory or its journal:
-a bug; except ``typed-journal``: a journal damaged so that LMDB refuses the apply's first write
-transaction, which changes only LMDB's lock file), ``late`` (the exception RECEIVER.md section 6 allows below verify full: a re-sealed
+``changed`` (an apply that raised, yet changed bytes of the receiver directory or its journal,
+LMDB's lock file included: a bug; the journal's checksum and page checks refuse a damaged
+journal before its first write), ``late`` (the exception RECEIVER.md section 6 allows below verify full: a re-sealed
 record that passes every check but its digests, found when its batch is written), and ``wrong`` (an apply or replay that succeeded
 on raw byte damage but produced other bits than the true version: a bug). Exit status 1 if any
 bug was found. Deterministic for a given seed.
@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 
 from dcr_log import DeltaLog  # noqa: E402
 from dcr_log.delta import EncodePolicy  # noqa: E402
-from dcr_log.errors import DcrError, StoreError  # noqa: E402
+from dcr_log.errors import DcrError  # noqa: E402
 from dcr_log.format import version_key  # noqa: E402
 from dcr_log.format.canonical import seal  # noqa: E402
 from dcr_log.receiver import open_directory, write_checkpoint  # noqa: E402
@@ -351,12 +351,7 @@ def run_case(rng: random.Random, t: Template, work: Path, case: int, report: Rep
             if step == "apply" and after != before:
                 changed = sorted(k for k in set(after) | set(before) if after.get(k) != before.get(k))
                 detail = f"{step} verify={verify}: {type(exc).__name__}: {exc}; changed {changed[:5]}"
-                if changed == [".dcr/lock.mdb"] and isinstance(exc, StoreError):
-                    # A damaged journal that LMDB rejects at the apply's first write
-                    # transaction (it has no page checksums to find it earlier): only LMDB's
-                    # lock file, which every write opens, differs; no data was written.
-                    report.outcomes["typed-journal"] += 1
-                elif verify != "full" and target == "segment-resealed" and _record_level(exc):
+                if verify != "full" and target == "segment-resealed" and _record_level(exc):
                     # RECEIVER.md section 6: below full, a record whose re-sealed payload passes
                     # every check but its digests (a forger's or a buggy writer's) may be found
                     # only when its batch is written; the version stays in flight.

@@ -725,9 +725,9 @@ class Receiver:
                 before: dict[str, TensorInfo] | None = {}
             else:
                 before = log.commit(step.parent).tensor_map() if readable else None
-            journal_bytes, composition = self._precheck(commit, table, cache, progress, verify, recovering,
-                                                        parent_layout, before, classify=verify != "none")
-            neither, self._neither = self._neither, None
+            journal_bytes, composition, neither = self._precheck(
+                commit, table, cache, progress, verify, recovering, parent_layout, before,
+                classify=verify != "none")
             if neither is not None and composition is None:
                 raise neither
             # The version's files (a checkpoint directory): fetched and checked before any write.
@@ -834,7 +834,7 @@ class Receiver:
     def _precheck(self, commit: CommitRecord, table: dict[str, TensorInfo], cache: SegmentCache,
                   progress: dict[int, SegmentProgress], verify: str, recovering: bool,
                   parent_layout: Layout, before: dict[str, TensorInfo] | None,
-                  classify: bool) -> tuple[int, tuple | None]:
+                  classify: bool) -> tuple[int, tuple | None, LineageError | None]:
         """Everything checked before the first write: each segment not yet done is read and
         parsed, each of its records (from ``done`` on) checked against the tensor table (known
         tensor, box inside, only ``tensor`` records for created tensors) and decoded; when the
@@ -844,13 +844,14 @@ class Receiver:
         precondition and target (one sum across the group per segment). Returns about how
         many journal bytes the redo images of the largest batch will take, and what
         _check_composition needs (None where it cannot be checked: xxh3 digests, verify none,
-        recovering, a start retention expired)."""
+        recovering, a start retention expired), and the first "holds neither" LineageError,
+        raised by the caller once the composition shows the log consistent."""
         version = commit.version
         storage = self.storage
         records_seen = changed = 0
         whole = True
         redo_bytes = 0
-        self._neither: LineageError | None = None
+        neither: LineageError | None = None
         created = {n for n, t in table.items() if parent_layout.get(n) != (t.dtype, t.shape)}
         boxes: dict[str, list] = {n: [] for n in created}
         # Per tensor, the sum of its records' digest moves (target minus base).
@@ -898,12 +899,12 @@ class Receiver:
                     continue  # torn by the interrupted apply; the redo images finish it
                 # Raised once the log is shown consistent (the composition): a base digest
                 # that the log's own tables contradict is damage in the log, not the storage's.
-                self._neither = self._neither or LineageError(
+                neither = neither or LineageError(
                     f"version {version}: tensor {rec.tensor!r} holds neither the record's base nor "
                     "its target: changed behind the journal's back")
         journal_bytes = 2 * min(redo_bytes, BATCH_BYTES)
         if not whole:
-            return journal_bytes, None
+            return journal_bytes, None, neither
         if records_seen != commit.stats.records or changed != commit.stats.changed_elements:
             raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
         if commit.kind != "version":  # (a version's uncovered elements are zero: section 13)
@@ -916,8 +917,8 @@ class Receiver:
         # composition is all that binds it to its version before the writes).
         if (recovering or before is None or not self.digests.composable
                 or not (classify or commit.kind == "squash")):
-            return journal_bytes, None
-        return journal_bytes, (created, boxes, moves)
+            return journal_bytes, None, neither
+        return journal_bytes, (created, boxes, moves), neither
 
     def _check_composition(self, commit: CommitRecord, before: dict[str, TensorInfo],
                            created: set[str], boxes: dict[str, list], moves: dict[str, int]) -> None:

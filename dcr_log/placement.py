@@ -23,6 +23,7 @@ loads its weights). Pure computation plus the loader calls; no store I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -37,7 +38,9 @@ from .coords import DTYPE_WIDTH, numel, word_dtype
 from .digest import GOLDEN, mix64_into
 from .errors import LayoutError, PlacementError, UsageError  # noqa: F401 (re-exported)
 
-PLACEMENT_FORMAT = "dcr-placement/1"
+PLACEMENT_FORMAT = "dcr-placement/1"       # run pieces only (written when it suffices)
+PLACEMENT_FORMAT_BLOCKS = "dcr-placement/2"  # run pieces and blocks (Piece.dims)
+PLACEMENT_FORMATS = (PLACEMENT_FORMAT, PLACEMENT_FORMAT_BLOCKS)
 
 Loader = Callable[[Iterable[tuple[str, Any]]], Any]
 TableLayout = dict[str, tuple[str, tuple[int, ...]]]
@@ -47,8 +50,18 @@ TableLayout = dict[str, tuple[str, tuple[int, ...]]]
 
 @dataclass(frozen=True)
 class Piece:
-    """``count`` runs of ``length`` elements of one canonical tensor copied bit for bit into
-    ``param``: run i is canonical [c0 + i*cstride, +length) -> param [p0 + i*pstride, +length)."""
+    """Elements of one canonical tensor copied bit for bit into ``param``.
+
+    A *run piece* (``dims`` empty): ``count`` runs of ``length`` elements, run i is canonical
+    [c0 + i*cstride, +length) -> param [p0 + i*pstride, +length) (a row slice, a column slice
+    of every row, a stacked expert, ...).
+
+    A *block* (``dims`` given; ``cstride``, ``pstride``, ``length`` and ``count`` are 0): the
+    multi-dimensional affine map of a permuted or blocked layout. ``dims`` lists (size,
+    canonical stride, parameter stride) by decreasing canonical stride, each stride larger
+    than the span of the dimensions after it, so that a canonical offset has one digit per
+    dimension: element (d_1 .. d_k) is canonical c0 + sum d_j cstride_j and parameter
+    p0 + sum d_j pstride_j (a parameter stride may be negative)."""
 
     param: str
     c0: int
@@ -57,14 +70,31 @@ class Piece:
     pstride: int
     length: int
     count: int
+    dims: tuple[tuple[int, int, int], ...] = ()
+
+    @staticmethod
+    def block(param: str, c0: int, p0: int, dims) -> "Piece":
+        return Piece(param, int(c0), 0, int(p0), 0, 0, 0,
+                     tuple((int(n), int(cs), int(ps)) for n, cs, ps in dims))
 
     @property
     def size(self) -> int:
+        if self.dims:
+            return math.prod(n for n, _, _ in self.dims)
         return self.length * self.count
 
     def map(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For canonical flat indices: which lie in the piece, and their parameter indices."""
         rel = flat - self.c0
+        if self.dims:
+            inside = rel >= 0
+            pos = np.full(rel.shape, self.p0, dtype=np.int64)
+            for n, cs, ps in self.dims:
+                d = np.floor_divide(rel, cs)
+                inside &= (d >= 0) & (d < n)
+                rel = rel - d * cs
+                pos += d * ps
+            return inside & (rel == 0), pos
         if self.count == 1:
             inside = (rel >= 0) & (rel < self.length)
             return inside, rel + self.p0
@@ -74,19 +104,78 @@ class Piece:
         return inside, self.p0 + run * self.pstride + col
 
     def runs(self) -> tuple[np.ndarray, np.ndarray]:
-        """Canonical starts and parameter starts of the runs."""
+        """Canonical starts and parameter starts of the runs (a run piece)."""
         i = np.arange(self.count, dtype=np.int64)
         return self.c0 + i * self.cstride, self.p0 + i * self.pstride
 
+    def elements(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every (canonical, parameter) index pair of the piece, in canonical order."""
+        if not self.dims:
+            c, p = self.runs()
+            off = np.arange(self.length, dtype=np.int64)
+            return (c[:, None] + off).reshape(-1), (p[:, None] + off).reshape(-1)
+        c = np.array([self.c0], dtype=np.int64)
+        p = np.array([self.p0], dtype=np.int64)
+        for n, cs, ps in self.dims:
+            d = np.arange(n, dtype=np.int64)
+            c = (c[:, None] + d * cs).reshape(-1)
+            p = (p[:, None] + d * ps).reshape(-1)
+        return c, p
+
+    def intervals(self) -> tuple[np.ndarray, np.ndarray]:
+        """The canonical elements of the piece as sorted disjoint [start, end) intervals."""
+        if not self.dims:
+            starts, _ = self.runs()
+            return starts, starts + self.length
+        if _dense(self.dims):
+            return np.array([self.c0], np.int64), np.array([self.c0 + self.size], np.int64)
+        c, _ = self.elements()
+        brk = np.flatnonzero(np.diff(c) != 1) + 1
+        starts = np.concatenate([c[:1], c[brk]])
+        ends = np.concatenate([c[brk - 1] + 1, c[-1:] + 1])
+        return starts, ends
+
+    def with_param(self, param: str) -> "Piece":
+        return dataclasses.replace(self, param=param)
+
     def to_json(self) -> list:
+        if self.dims:
+            return [self.param, self.c0, self.p0, [list(d) for d in self.dims]]
         return [self.param, self.c0, self.cstride, self.p0, self.pstride, self.length, self.count]
 
     @staticmethod
     def from_json(obj) -> "Piece":
-        if (not isinstance(obj, list) or len(obj) != 7 or not isinstance(obj[0], str)
-                or not all(type(v) is int and v >= 0 for v in obj[1:])):
-            raise PlacementError(f"placement: malformed piece {str(obj)[:80]}")
-        return Piece(*obj)
+        if isinstance(obj, list) and len(obj) == 4 and isinstance(obj[0], str):
+            dims = obj[3]
+            if (type(obj[1]) is int and type(obj[2]) is int and obj[1] >= 0 and obj[2] >= 0
+                    and isinstance(dims, list) and dims
+                    and all(isinstance(d, list) and len(d) == 3 and all(type(v) is int for v in d)
+                            for d in dims)):
+                return Piece.block(obj[0], obj[1], obj[2], dims)
+        elif (isinstance(obj, list) and len(obj) == 7 and isinstance(obj[0], str)
+                and all(type(v) is int and v >= 0 for v in obj[1:])):
+            return Piece(*obj)
+        raise PlacementError(f"placement: malformed piece {str(obj)[:80]}")
+
+
+def _dense(dims) -> bool:
+    """Whether a block's canonical elements are one contiguous range (a permutation of it)."""
+    span = 1
+    for n, cs, _ in reversed(dims):
+        if cs != span:
+            return False
+        span *= n
+    return True
+
+
+def _block_ok(dims, csize: int, c0: int) -> bool:
+    """Canonical strides decreasing, each larger than the span of the dimensions after it."""
+    span = 0
+    for n, cs, _ in reversed(dims):
+        if n < 1 or cs < 1 or cs <= span:
+            return False
+        span += (n - 1) * cs
+    return c0 + span < csize
 
 
 def _pieces_from_runs(param: str, c: np.ndarray, p: np.ndarray, n: np.ndarray) -> list[Piece]:
@@ -158,7 +247,8 @@ class Placement:
 
     def to_json(self) -> dict:
         return {
-            "format": PLACEMENT_FORMAT,
+            "format": PLACEMENT_FORMAT_BLOCKS if any(p.dims for ps in self.pieces.values() for p in ps)
+            else PLACEMENT_FORMAT,
             "table": [[n, d, list(s)] for n, (d, s) in sorted(self.table.items())],
             "params": [[n, d, list(s)] for n, (d, s) in sorted(self.params.items())],
             "pieces": {t: [p.to_json() for p in ps] for t, ps in sorted(self.pieces.items())},
@@ -175,8 +265,12 @@ class Placement:
 
     @staticmethod
     def from_json(obj: Any) -> "Placement":
-        if not isinstance(obj, dict) or obj.get("format") != PLACEMENT_FORMAT:
-            raise PlacementError(f"not a placement (expected format {PLACEMENT_FORMAT!r})")
+        if not isinstance(obj, dict) or obj.get("format") not in PLACEMENT_FORMATS:
+            raise PlacementError(f"not a placement (expected format {' or '.join(map(repr, PLACEMENT_FORMATS))})")
+        if obj["format"] == PLACEMENT_FORMAT and any(
+                isinstance(p, list) and len(p) == 4 for ps in (obj.get("pieces") or {}).values()
+                if isinstance(ps, list) for p in ps):
+            raise PlacementError(f"placement: blocks in a {PLACEMENT_FORMAT} placement")
         try:
             table = {n: (d, tuple(s)) for n, d, s in obj["table"]}
             params = {n: (d, tuple(s)) for n, d, s in obj["params"]}
@@ -213,6 +307,14 @@ class Placement:
                 pd, pshape = self.params[p.param]
                 if DTYPE_WIDTH[pd] != DTYPE_WIDTH[self.table[t][0]]:
                     raise PlacementError(f"placement: {t!r} -> {p.param!r} changes the word width")
+                if p.dims:
+                    if not _block_ok(p.dims, tn, p.c0):
+                        raise PlacementError(f"placement: malformed block of {t!r} (or outside it)")
+                    lo = p.p0 + sum((n - 1) * ps for n, _, ps in p.dims if ps < 0)
+                    hi = p.p0 + sum((n - 1) * ps for n, _, ps in p.dims if ps > 0)
+                    if lo < 0 or hi >= numel(pshape):
+                        raise PlacementError(f"placement: block of {t!r} lies outside {p.param!r}")
+                    continue
                 last = p.count - 1
                 if p.length == 0 or p.count == 0 or (p.count > 1 and (p.cstride < p.length or p.pstride < p.length)):
                     raise PlacementError(f"placement: degenerate piece of {t!r}")
@@ -236,8 +338,7 @@ class Placement:
         for prefix, part in parts.items():
             out.params.update({prefix + n: v for n, v in part.params.items()})
             for t, ps in part.pieces.items():
-                out.pieces.setdefault(t, []).extend(
-                    Piece(prefix + p.param, p.c0, p.cstride, p.p0, p.pstride, p.length, p.count) for p in ps)
+                out.pieces.setdefault(t, []).extend(p.with_param(prefix + p.param) for p in ps)
             out.residual.update({prefix + n: list(s) for n, s in part.residual.items()})
         return out
 
@@ -283,7 +384,8 @@ class _ParamWords:
     def __init__(self, name: str, value: Any, dtype: str | None):
         self.name = name
         self.value = value
-        self.torch = type(value).__module__.startswith("torch")
+        from .state import is_torch_tensor
+        self.torch = is_torch_tensor(value)
         if self.torch:
             from .state import _TORCH_TO_DTYPE
             self.dtype = _TORCH_TO_DTYPE.get(str(value.dtype))
@@ -511,8 +613,15 @@ def _discover(load_weights, layout, words_of, param_layout, seed, device) -> Pla
         run_k = k[starts]
         for kk in np.unique(run_k):
             sel = run_k == kk
-            pieces.setdefault(names[kk], []).extend(
-                _pieces_from_runs(n, f[starts[sel]], idx[starts[sel]], lengths[sel]))
+            found = _pieces_from_runs(n, f[starts[sel]], idx[starts[sel]], lengths[sel])
+            if len(found) > _BLOCKS_FROM:
+                # A permuted or blocked layout: its runs are short and many; a few blocks
+                # describe it (apply maps a record through every piece of its tensor).
+                mine = k == kk
+                blocks = _blocks(n, idx[mine], f[mine], limit=len(found) // 4)
+                if blocks is not None:
+                    found = blocks
+            pieces.setdefault(names[kk], []).extend(found)
     residual = _residual_sources(feed, names, layout, sizes, residual_params, touched) if residual_params else {}
     if not pieces and not residual:
         raise PlacementError("the loader placed no element of the table in these parameters "
@@ -522,6 +631,51 @@ def _discover(load_weights, layout, words_of, param_layout, seed, device) -> Pla
     placement = Placement(layout, dict(sorted(param_layout.items())), pieces, residual)
     placement.validate()
     return placement
+
+
+_BLOCKS_FROM = 8        # run pieces of one tensor in one parameter before blocks are tried
+
+
+def _blocks(param: str, p: np.ndarray, c: np.ndarray, limit: int) -> list[Piece] | None:
+    """Cover (parameter index, canonical index) pairs, in parameter order, with blocks: from
+    the first pair, each level takes every S-th pair (S: the size of the levels found so far)
+    and extends while the step holds; the block is checked against the pairs it claims, and
+    the next block starts after it. None when more than ``limit`` blocks are needed."""
+    out: list[Piece] = []
+    i, total = 0, p.size
+    while i < total:
+        if len(out) >= limit:
+            return None
+        P, C = p[i:], c[i:]
+        dims: list[tuple[int, int, int]] = []   # innermost first
+        size = 1
+        while size < P.size:
+            sp, sc = P[::size], C[::size]
+            if sp.size < 2:
+                break
+            dp, dc = int(sp[1] - sp[0]), int(sc[1] - sc[0])
+            if dc <= 0:
+                break
+            ok = (np.diff(sp) == dp) & (np.diff(sc) == dc)
+            bad = np.flatnonzero(~ok)
+            run = int(bad[0]) + 1 if bad.size else sp.size
+            if run < 2:
+                break
+            trial = [(run, dc, dp)] + dims[::-1]   # outermost first, for the check
+            cand = Piece.block(param, C[0], P[0], sorted(trial, key=lambda d: -d[1]))
+            if not _block_ok(cand.dims, 1 << 62, 0):
+                break
+            ce, pe = cand.elements()
+            n = run * size
+            order = np.argsort(pe, kind="stable")
+            if ce.size != n or not (np.array_equal(pe[order], P[:n]) and np.array_equal(ce[order], C[:n])):
+                break
+            dims.append((run, dc, dp))
+            size = n
+        block = Piece.block(param, C[0], P[0], sorted(dims[::-1], key=lambda d: -d[1]) or [(1, 1, 1)])
+        out.append(block)
+        i += size
+    return out
 
 
 def _residual_sources(feed, names, layout, sizes, residual_params, touched) -> dict[str, list[str]]:
@@ -546,11 +700,13 @@ def _residual_sources(feed, names, layout, sizes, residual_params, touched) -> d
         if np.any(c > len(names)):
             raise PlacementError(f"parameter {n!r}: built from several tensors per element; "
                                  "the probes cannot tell which")
-        out[n] = sorted(names[i - 1] for i in c.tolist())
+        srcs = sorted(names[i - 1] for i in c.tolist())
+        if srcs:  # (written with values no tensor changes, an engine constant: not residual)
+            out[n] = srcs
     # Changing every other tensor must leave the residual parameters alone.
     sources = {s for srcs in out.values() for s in srcs}
     got = feed(lambda k: constant(k, 1 if names[k] in sources else 2))
-    for n in residual_params:
+    for n in out:
         if not np.array_equal(got[n], ref[n]):
             raise PlacementError(f"parameter {n!r} depends on tensors the probes could not "
                                  "single out (values combined across tensors)")

@@ -6,6 +6,8 @@ accepted wherever a state goes in; torch is imported only when a torch tensor is
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -86,8 +88,14 @@ class TensorBits:
 State = Mapping[str, TensorBits]
 
 
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage")
+def is_torch_tensor(x: Any) -> bool:
+    """Whether ``x`` is a torch.Tensor, subclasses included (nn.Parameter, an engine's own
+    parameter classes), without importing torch when the caller never did."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+_is_torch = is_torch_tensor
 
 
 def to_bits(x: Any) -> TensorBits:

@@ -145,9 +145,7 @@ class PlacedStorage(Storage):
         targets: dict[str, list[_Target]] = {}
         for t, pieces in placement.pieces.items():
             for p in pieces:
-                starts, _ = p.runs()
-                targets.setdefault(t, []).append(
-                    _Target(self.engine, p.param, p, _merge(starts, starts + p.length)))
+                targets.setdefault(t, []).append(_Target(self.engine, p.param, p, _merge(*p.intervals())))
         for s in sorted(sources):
             n = numel(placement.table[s][1])
             if n:
@@ -283,7 +281,10 @@ class PlacedStorage(Storage):
             if prim is None or prim[0].size == 0:
                 continue
             p = tg.piece
-            if _equal(prim, tg.runs):
+            if _equal(prim, tg.runs) and p.dims:
+                c, pos = p.elements()
+                total += sum_at(c, tg.storage.gather(tg.storage.locate(tg.param, pos)))
+            elif _equal(prim, tg.runs):
                 words = tg.storage.tensor_words(tg.param)
                 if p.count == 1:
                     total += sum_range(p.c0, words[p.p0:p.p0 + p.length])

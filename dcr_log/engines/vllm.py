@@ -82,8 +82,7 @@ keep_weights_in_place()
 
 def engine_tensors(model: Any) -> dict[str, Any]:
     """Every parameter and buffer of a vLLM model, one name per tensor object (a tied weight
-    appears once). Parameters that a post-load step emptied are refused: their values live in
-    an engine-private handle that no in-place refit can reach."""
+    appears once)."""
     out: dict[str, Any] = {}
     seen: set[int] = set()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -94,7 +93,7 @@ def engine_tensors(model: Any) -> dict[str, Any]:
     return out
 
 
-def _emptied(model: Any, table: Any) -> list[str]:
+def _emptied(model: Any) -> list[str]:
     """Parameters left empty by vLLM's post-load processing (packed into a kernel handle)."""
     return [n for n, p in model.named_parameters() if p.numel() == 0 and p.ndim == 1]
 
@@ -164,19 +163,12 @@ def _redo_expert_prepack(model: Any) -> None:
                 module.register_parameter(name, old)
 
 
-def _tp_group() -> Any:
-    """vLLM's tensor-parallel group as a gloo group (None for one worker)."""
+def _tp() -> tuple[Any, int, int]:
+    """vLLM's tensor-parallel group as a gloo group (None for one worker), this worker's rank
+    in it and its size."""
     from vllm.distributed import parallel_state
     tp = parallel_state.get_tp_group()
-    if tp.world_size == 1:
-        return None
-    return tp.cpu_group
-
-
-def _tp_rank() -> tuple[int, int]:
-    from vllm.distributed import parallel_state
-    tp = parallel_state.get_tp_group()
-    return tp.rank_in_group, tp.world_size
+    return (tp.cpu_group if tp.world_size > 1 else None), tp.rank_in_group, tp.world_size
 
 
 # -- the worker side -------------------------------------------------------------------------
@@ -199,17 +191,14 @@ class _WorkerState:
     def __init__(self, worker: Any, log_location: str, journal_path: str, version: int | None,
                  placement_path: str | None, verify: str, trust: Any):
         from .. import DeltaLog
-        from ..receiver import Receiver
+        from ..receiver import Receiver, open_storage
 
-        self.worker = worker
         model = worker.model_runner.get_model()
-        self.model = model
         self.log = DeltaLog.open(log_location, trust=trust)
-        rank, size = _tp_rank()
-        self.rank = rank
+        group, rank, size = _tp()
         suffix = f"tp{rank}-of-{size}" if size > 1 else ""
         journal = Path(journal_path) / suffix if suffix else Path(journal_path)
-        emptied = _emptied(model, None)
+        emptied = _emptied(model)
         if emptied:
             raise PlacementError(
                 f"vLLM left {len(emptied)} parameters empty after loading ({emptied[0]!r}, ...): "
@@ -219,6 +208,7 @@ class _WorkerState:
         self.loader = pipeline_loader(worker)
         tensors = engine_tensors(model)
         self.tensors = tensors
+        self.tensor_layout = open_storage(tensors).layout()  # to know a saved placement is for them
         self.placement_file = Path(placement_path) if placement_path else \
             journal.parent / f"{journal.name}.placement.json"
         self.discovered, self.discovery_seconds = False, 0.0
@@ -227,7 +217,7 @@ class _WorkerState:
         for v in candidates:
             placement = self._placement_for(self.log.commit(v))
             rx = Receiver.open(tensors, journal_path=journal, placement=placement, loader=self.loader,
-                               group=_tp_group(), rediscover=self._rediscover, trust=trust)
+                               group=group, rediscover=self._rediscover, trust=trust)
             try:
                 rx.bind(self.log, v, verify=verify)
             except LineageError:
@@ -253,7 +243,7 @@ class _WorkerState:
         """Versions the engine may hold, most likely first: the journal's (a receiver reopened in
         the same engine, or an engine restarted from the version the journal last committed),
         the version it had in flight, then the log's latest."""
-        from ..receiver.journal import Journal
+        from ..receiver import Journal
         found: list[int] = []
         if journal.exists():
             peek = Journal.open(journal)
@@ -275,7 +265,7 @@ class _WorkerState:
         if path.exists():
             try:
                 placement = Placement.load(path)
-                placement.check(table=commit, params=_layout_of(self.tensors))
+                placement.check(table=commit, params=self.tensor_layout)
                 return placement
             except PlacementError:
                 pass
@@ -294,11 +284,6 @@ class _WorkerState:
         return discover(self.loader, table, self.tensors)
 
 
-def _layout_of(tensors: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    from ..state import _TORCH_TO_DTYPE
-    return {n: (_TORCH_TO_DTYPE.get(str(t.dtype), str(t.dtype)), tuple(t.shape)) for n, t in tensors.items()}
-
-
 class WorkerExtension:
     """Methods vLLM adds to each of its workers (``worker_extension_cls``), called on every
     tensor-parallel worker at once with ``collective_rpc``. ``self`` is the vLLM worker."""
@@ -306,10 +291,7 @@ class WorkerExtension:
     def dcr_open(self, log: str, journal_path: str, version: int | None = None,
                  placement_path: str | None = None, verify: str = "full", trust: Any = None) -> dict:
         """Open (discovering or loading the placement) and bind at the version the engine holds."""
-        old = getattr(self, "_dcr_state", None)
-        if old is not None:
-            old.rx.close()
-            self._dcr_state = None
+        self.dcr_close()
         st = _WorkerState(self, str(log), str(journal_path), version, placement_path, verify, trust)
         self._dcr_state = st
         return asdict(st.report)

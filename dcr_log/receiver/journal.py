@@ -262,21 +262,12 @@ def verify_entries(txn) -> bool:
     checksum against its entries and the transaction that wrote it, then the structure of
     every entry. Returns False for a journal without a checksum (format 1, or empty), which
     gets one at its next write. Raises IntegrityError naming what is wrong."""
-    total = 0
-    stored = None
-    strange = None
-    fmt = None
-    for key, value in txn.cursor():
-        key = bytes(key)
-        if key == K_CHECKSUM:
-            stored = bytes(value)
-            continue
-        if key == K_FORMAT:
-            fmt = bytes(value)
-        elif key not in _KEYS and strange is None and _KEY_PATTERN.fullmatch(key) is None:
-            strange = key
-        total += entry_hash(key, value)
-    total &= _MASK
+    total = _entries_sum(txn)
+    stored, fmt = txn.get(K_CHECKSUM), txn.get(K_FORMAT)
+    stored = None if stored is None else bytes(stored)
+    fmt = None if fmt is None else bytes(fmt)
+    strange = next((key for key in map(bytes, txn.cursor().iternext(keys=True, values=False))
+                    if key not in _KEYS and key != K_CHECKSUM and _KEY_PATTERN.fullmatch(key) is None), None)
     if stored is not None:
         parsed = _parse_checksum(stored)
         if parsed is None:

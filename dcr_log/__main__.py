@@ -1,3 +1,3 @@
-from ._entry import entry
+from dcr_log._entry import entry
 
 entry()

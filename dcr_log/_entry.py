@@ -63,7 +63,7 @@ def entry() -> None:
     _State.active = True
     for sig in SIGNALS:
         signal.signal(sig, exit_on_signal)
-    from . import cli  # the heavy imports; a signal meanwhile exits in exit_on_signal
+    from dcr_log import cli  # the heavy imports; a signal meanwhile exits in exit_on_signal
 
     _State.hook = cli.signal_outcome
     try:

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import xxhash
 
-from . import buffers
-from .coords import DTYPE_WIDTH, Box, box_view, numel, word_dtype
-from .digest import MASK64
+from dcr_log import buffers
+from dcr_log.coords import DTYPE_WIDTH, Box, box_view, numel, word_dtype
+from dcr_log.digest import MASK64
 
 if TYPE_CHECKING:
-    from .log import DeltaLog
+    from dcr_log.log import DeltaLog
 
 PieceKey = tuple  # (name, offset tuple, shape tuple)
 CACHE_FORMAT = "dcr-baseline/1"
@@ -168,7 +168,7 @@ class Baseline:
 def _scatter(arrays: dict, scatters: Mapping) -> None:
     """The committed changes into the baseline's pieces, pieces on the shared pool's threads
     (the C scatter releases the GIL)."""
-    from .delta import DEFAULT_WORKERS, map_ordered, scatter_words
+    from dcr_log.delta import DEFAULT_WORKERS, map_ordered, scatter_words
 
     def scatter(item) -> None:
         key, parts = item
@@ -290,8 +290,8 @@ def roll_forward(log: "DeltaLog", base: Baseline, version: int, needed: list, sh
     caller). The words are copied first (the cache file keeps its own version), and nothing
     is checked here: the caller compares the pieces' digests with the commit's.
     """
-    from .coords import box_to_tensor_flat, boxes_intersect, flat_inside, tensor_flat_to_box
-    from .delta import decode_record, record_targets
+    from dcr_log.coords import box_to_tensor_flat, boxes_intersect, flat_inside, tensor_flat_to_box
+    from dcr_log.delta import decode_record, record_targets
 
     start = log.commit(base.version).tensor_map()
     keep = [p for p in needed if p.key in base.arrays and start.get(p.name) is not None

@@ -16,9 +16,9 @@ from typing import Callable, Mapping
 import numpy as np
 import safetensors
 
-from .coords import DTYPE_WIDTH, numel, word_dtype
-from .errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
-from .state import TensorBits
+from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
+from dcr_log.errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
+from dcr_log.state import TensorBits
 
 INDEX_NAME = "model.safetensors.index.json"
 _SPEC_DTYPE = {

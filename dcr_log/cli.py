@@ -18,12 +18,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from . import _entry
-from .checkpoint import load_checkpoint, save_safetensors
-from .errors import DcrError, IntegrityError, Interrupted, NotFoundError, StoreError, UsageError, os_error
-from .files import collect_files
-from .log import DeltaLog
-from .writer import LogWriter, default_writer_id
+from dcr_log import _entry
+from dcr_log.checkpoint import load_checkpoint, save_safetensors
+from dcr_log.errors import DcrError, IntegrityError, Interrupted, NotFoundError, StoreError, UsageError, os_error
+from dcr_log.files import collect_files
+from dcr_log.log import DeltaLog
+from dcr_log.writer import LogWriter, default_writer_id
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="dcr-log: bit-exact delta logs for refitting model weights.")
@@ -88,13 +88,13 @@ TRUST_HELP = ("accept only versions signed by a key of this file (public keys, o
 
 
 def _signing_key(path: Optional[Path]):
-    from .signing import SigningKey
+    from dcr_log.signing import SigningKey
 
     return None if path is None else SigningKey.load(path)
 
 
 def _open_log(log: str, trust: Optional[list[Path]]) -> DeltaLog:
-    from .signing import TrustPolicy
+    from dcr_log.signing import TrustPolicy
 
     return DeltaLog.open(log, trust=TrustPolicy.load(trust) if trust else None)
 
@@ -102,7 +102,7 @@ def _open_log(log: str, trust: Optional[list[Path]]) -> DeltaLog:
 @app.command()
 def keygen(key: Path = typer.Argument(..., help="private key file to create (and KEY.pub)")) -> None:
     """Create an ed25519 signing key: KEY (private, mode 0600) and KEY.pub (its public key)."""
-    from .signing import SigningKey, public_text
+    from dcr_log.signing import SigningKey, public_text
 
     k = SigningKey.generate()
     _left(lambda: _keygen_left(key))
@@ -250,7 +250,7 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
             trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """One line per version: version, parent, bytes, changed elements and %, and in a log that
     carries files their count and bytes (--json: each file's name, size and sha256)."""
-    from .lifecycle.stats import catchup_rows
+    from dcr_log.lifecycle.stats import catchup_rows
 
     dlog = _open_log(log, trust)
     rows = _log_rows(dlog)
@@ -292,7 +292,7 @@ def snapshot(log: str = typer.Argument(..., help="log directory or URL"),
              version: Optional[int] = typer.Option(None, "--version", help="version (default latest)")) -> None:
     """Write the full state of a version under snapshots/V/ (checked against the commit's
     digests): new receivers and readers start from it."""
-    from .lifecycle import write_snapshot
+    from dcr_log.lifecycle import write_snapshot
 
     dlog = DeltaLog.open(log)
     v = dlog.latest_version() if version is None else version
@@ -307,7 +307,7 @@ def squash(log: str = typer.Argument(..., help="log directory or URL"),
            end: int = typer.Argument(..., help="to this version")) -> None:
     """Write one delta from version START to END, stored beside the versions: a receiver at
     START catches up through it when that reads fewer bytes than the chain."""
-    from .lifecycle import write_squash
+    from dcr_log.lifecycle import write_squash
 
     dlog = DeltaLog.open(log)
     _left(lambda: f"squash {start}-{end} not written")
@@ -329,7 +329,7 @@ def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
     safely with concurrent writers, readers and receivers (FORMAT.md section 25); delete what
     expired markers and retired snapshots make unneeded, and orphan segments, once older than
     the grace period."""
-    from .lifecycle import gc, parse_duration
+    from dcr_log.lifecycle import gc, parse_duration
 
     dlog = DeltaLog.open(log)
     seconds = parse_duration(grace)
@@ -364,8 +364,8 @@ def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory o
     record after all it names: the mirror is a valid log with the same log id (FORMAT.md
     section 26). Run again (or --follow) to bring it up to date; SIGINT or SIGTERM stops
     --follow between passes."""
-    from .mirror import Mirror
-    from .store import Store
+    from dcr_log.mirror import Mirror
+    from dcr_log.store import Store
 
     if not interval > 0:
         raise UsageError("--interval must be positive")
@@ -406,7 +406,7 @@ def stats(log: str = typer.Argument(..., help="log directory or URL"),
           trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Per version: changed %, bytes, ratio to dense, records by kind and encoding, seconds
     since the parent; then snapshots and squashes."""
-    from .lifecycle.stats import catchup_rows, plot, version_stats
+    from dcr_log.lifecycle.stats import catchup_rows, plot, version_stats
 
     if plot_path is not None and not plot_path.parent.is_dir():
         raise UsageError(f"no directory {plot_path.parent} for --plot")
@@ -517,7 +517,7 @@ def replay(log: str = typer.Argument(..., help="log directory or URL"),
 @app.command()
 def demo(dir: Optional[Path] = typer.Option(None, "--dir", help="where to write the log (default: a temporary directory)")) -> None:
     """Build a small bf16 model, log ~10 training steps, replay and check every version."""
-    from .demo import run_demo
+    from dcr_log.demo import run_demo
 
     _left(lambda: "demo not finished" + (f" (its log under {dir} may be incomplete)" if dir else ""))
     run_demo(dir, out)
@@ -541,7 +541,7 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
     Without a journal (DIR/.dcr), a checkpoint in DIR is bound to the version with its state digest; an empty or missing DIR gets the version written out whole.
     With --follow it keeps running; SIGINT or SIGTERM stops it between versions (exit 130 or 143).
     """
-    from .receiver import VERIFY_LEVELS, open_directory
+    from dcr_log.receiver import VERIFY_LEVELS, open_directory
 
     if verify not in VERIFY_LEVELS:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_LEVELS)}")
@@ -580,7 +580,7 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
 def status_cmd(receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory"),
                as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
     """A receiver's log, current version and digest, and the version in flight if any."""
-    from .receiver import JOURNAL_DIR, Journal
+    from dcr_log.receiver import JOURNAL_DIR, Journal
 
     st = Journal.peek(receiver / JOURNAL_DIR)
     row = {"receiver": str(receiver), **st.to_json()}
@@ -594,7 +594,7 @@ def status_cmd(receiver: Path = typer.Option(..., "--receiver", help="checkpoint
 
 def _receiver_left(receiver: Path) -> str:
     """What an interrupted ``dcr apply`` left, from the journal (closed by then)."""
-    from .receiver import JOURNAL_DIR, Journal
+    from dcr_log.receiver import JOURNAL_DIR, Journal
 
     try:
         st = Journal.peek(receiver / JOURNAL_DIR)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import IntegrityError, UsageError
+from dcr_log.errors import IntegrityError, UsageError
 
 # safetensors dtype name -> width of one element in bytes.
 DTYPE_WIDTH: dict[str, int] = {

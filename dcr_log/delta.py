@@ -15,20 +15,20 @@ from typing import Iterator
 
 import numpy as np
 
-from . import buffers
-from .codec import ChangeSet, decode_changes
-from .codec.dense import DEFAULT_LEVEL as DENSE_LEVEL
-from .codec.dense import DenseEncoding
-from .codec.raw import RawEncoding
-from .codec.sparse import DEFAULT_LEVEL as SPARSE_LEVEL
-from .codec.sparse import SparseEncoding
-from .codec.ulp import DEFAULT_LEVEL as ULP_LEVEL
-from .codec.ulp import UlpEncoding, step_from
-from .coords import Box, box_to_tensor_flat, box_view, numel, row_blocks, word_dtype
-from .errors import IntegrityError
-from .format import Record
-from .digest import MASK64, XXH3, DigestScheme
-from .state import TensorBits, TensorInfo
+from dcr_log import buffers
+from dcr_log.codec import ChangeSet, decode_changes
+from dcr_log.codec.dense import DEFAULT_LEVEL as DENSE_LEVEL
+from dcr_log.codec.dense import DenseEncoding
+from dcr_log.codec.raw import RawEncoding
+from dcr_log.codec.sparse import DEFAULT_LEVEL as SPARSE_LEVEL
+from dcr_log.codec.sparse import SparseEncoding
+from dcr_log.codec.ulp import DEFAULT_LEVEL as ULP_LEVEL
+from dcr_log.codec.ulp import UlpEncoding, step_from
+from dcr_log.coords import Box, box_to_tensor_flat, box_view, numel, row_blocks, word_dtype
+from dcr_log.errors import IntegrityError
+from dcr_log.format import Record
+from dcr_log.digest import MASK64, XXH3, DigestScheme
+from dcr_log.state import TensorBits, TensorInfo
 
 # A record covers at most this many elements, so that encode and apply stream in chunks and
 # the chunks of a large tensor are encoded in parallel. 4 Mi elements (8 MiB of bf16) keep the
@@ -141,7 +141,7 @@ def _lane_changes(b64: np.ndarray, n64: np.ndarray, word: np.dtype, offset: int,
 
 
 try:
-    from . import _changes as _native_changes
+    from dcr_log import _changes as _native_changes
 except ImportError:  # built without a compiler: the numpy path below
     _native_changes = None
 
@@ -426,7 +426,7 @@ def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: n
     if kind != "xor":
         return values
     if not isinstance(current, np.ndarray):  # torch words on their device
-        from . import torch_ops
+        from dcr_log import torch_ops
 
         return torch_ops.step_from(current, values) if changes.relative else current ^ values
     if changes.relative:
@@ -437,7 +437,7 @@ def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: n
 def record_bases(kind: str, changes: ChangeSet, target: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Inverse of record_targets for ``xor`` records: the base words, from the target's."""
     if not isinstance(target, np.ndarray):
-        from . import torch_ops
+        from dcr_log import torch_ops
 
         return torch_ops.step_from(target, values, backwards=True) if changes.relative else target ^ values
     if changes.relative:
@@ -470,7 +470,7 @@ def empty_words(info: TensorInfo) -> np.ndarray:
     try:
         return buffers.zeros(numel(info.shape), word_dtype(info.dtype))
     except (MemoryError, ValueError, OSError):
-        from .errors import StoreError
+        from dcr_log.errors import StoreError
 
         raise StoreError(f"cannot allocate tensor {info.name!r} ({numel(info.shape)} words): "
                          "out of memory") from None

@@ -19,12 +19,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .errors import IntegrityError, UsageError
-from .format import IDENTITY_KEY
-from .log import DeltaLog
-from .state import TensorBits
-from .synthetic import SyntheticTrainer, specs_for_params
-from .writer import LogWriter
+from dcr_log.errors import IntegrityError, UsageError
+from dcr_log.format import IDENTITY_KEY
+from dcr_log.log import DeltaLog
+from dcr_log.state import TensorBits
+from dcr_log.synthetic import SyntheticTrainer, specs_for_params
+from dcr_log.writer import LogWriter
 
 DEFAULT_PARAMS = 64_000_000
 DEFAULT_VERSIONS = 10

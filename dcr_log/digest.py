@@ -26,10 +26,10 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
-from .coords import Box, numel
+from dcr_log.coords import Box, numel
 
 try:
-    from . import _digest as _native
+    from dcr_log import _digest as _native
 except ImportError:  # not built (no compiler): numpy below
     _native = None
 if os.environ.get("DCR_NO_NATIVE"):

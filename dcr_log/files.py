@@ -10,10 +10,10 @@ import stat
 from pathlib import Path
 from typing import Mapping, Union
 
-from .errors import UsageError, os_error
-from .format import FileEntry, file_name_problem
-from .format import limits as L
-from .format.files import check_writer_files, is_weights_name
+from dcr_log.errors import UsageError, os_error
+from dcr_log.format import FileEntry, file_name_problem
+from dcr_log.format import limits as L
+from dcr_log.format.files import check_writer_files, is_weights_name
 
 FileSource = Union[bytes, bytearray, memoryview, str, os.PathLike]
 Files = Mapping[str, FileSource]

@@ -16,46 +16,19 @@ from typing import Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from .codec.ulp import ULP_ENCODING, UlpEncoding
-from .delta import apply_to_words, decode_record, empty_words, shared_pool
-from .errors import CommitConflict, CommitStateUnknown, ExpiredError, IntegrityError, NotFoundError, UsageError
-from .format import (
-    FILES,
-    IDENTITY_KEY,
-    CommitRecord,
-    CommitStats,
-    FileEntry,
-    LogIdentity,
-    Record,
-    SegmentRef,
-    iter_segment,
-    parse_version_key,
-    version_key,
-)
-from .format import limits
-from .format.keys import VERSIONS_PREFIX
-from .format.lifecycle import (
-    LOG_START_PREFIX,
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    MAX_MARKER_BYTES,
-    SNAPSHOTS_PREFIX,
-    SQUASHES_PREFIX,
-    CatchUp,
-    Marker,
-    log_start_key,
-    parse_log_start_key,
-    parse_snapshot_key,
-    parse_squash_key,
-    snapshot_prefix,
-    squash_prefix,
-)
-from .coords import numel
-from .digest import MASK64, DigestScheme, scheme_for
-from .state import TensorBits, state_digest
-from .format.signature import MAX_SIGNATURE_BYTES, MAX_SIGNATURES, SignatureRecord, parse_signature_key, signature_prefix
-from .signing import as_signing_key, as_trust
-from .store import AlreadyExists, Store
+from dcr_log.codec.ulp import ULP_ENCODING, UlpEncoding
+from dcr_log.delta import apply_to_words, decode_record, empty_words, shared_pool
+from dcr_log.errors import CommitConflict, CommitStateUnknown, ExpiredError, IntegrityError, NotFoundError, UsageError
+from dcr_log.format import FILES, IDENTITY_KEY, CommitRecord, CommitStats, FileEntry, LogIdentity, Record, SegmentRef, iter_segment, parse_version_key, version_key
+from dcr_log.format import limits
+from dcr_log.format.keys import VERSIONS_PREFIX
+from dcr_log.format.lifecycle import LOG_START_PREFIX, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, SNAPSHOTS_PREFIX, SQUASHES_PREFIX, CatchUp, Marker, log_start_key, parse_log_start_key, parse_snapshot_key, parse_squash_key, snapshot_prefix, squash_prefix
+from dcr_log.coords import numel
+from dcr_log.digest import MASK64, DigestScheme, scheme_for
+from dcr_log.state import TensorBits, state_digest
+from dcr_log.format.signature import MAX_SIGNATURE_BYTES, MAX_SIGNATURES, SignatureRecord, parse_signature_key, signature_prefix
+from dcr_log.signing import as_signing_key, as_trust
+from dcr_log.store import AlreadyExists, Store
 
 
 class _Skipped:

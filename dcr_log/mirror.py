@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import IntegrityError, LineageError, NotFoundError
-from .format import IDENTITY_KEY, version_key
-from .format import limits
-from .format.lifecycle import MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, RETIRED, log_start_key, parse_log_start_key
-from .format.signature import MAX_SIGNATURE_BYTES, SignatureRecord, parse_signature_key, signature_prefix
-from .log import DeltaLog
-from .store import AlreadyExists, Store
+from dcr_log.errors import IntegrityError, LineageError, NotFoundError
+from dcr_log.format import IDENTITY_KEY, version_key
+from dcr_log.format import limits
+from dcr_log.format.lifecycle import MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, RETIRED, log_start_key, parse_log_start_key
+from dcr_log.format.signature import MAX_SIGNATURE_BYTES, SignatureRecord, parse_signature_key, signature_prefix
+from dcr_log.log import DeltaLog
+from dcr_log.store import AlreadyExists, Store
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Mirror:
             raise LineageError(f"{self.dst.url} holds another log than {self.src.store.url}")
 
     def _dst_versions(self) -> set[int]:
-        from .format import parse_version_key
+        from dcr_log.format import parse_version_key
         return {v for o in self.dst.list("versions/") if (v := parse_version_key(o.key)) is not None}
 
     def _segments(self, version: int, refs, report: MirrorReport) -> None:

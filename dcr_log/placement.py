@@ -34,9 +34,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from .coords import DTYPE_WIDTH, numel, word_dtype
-from .digest import GOLDEN, mix64_into
-from .errors import LayoutError, PlacementError, UsageError  # noqa: F401 (re-exported)
+from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
+from dcr_log.digest import GOLDEN, mix64_into
+from dcr_log.errors import LayoutError, PlacementError, UsageError  # noqa: F401 (re-exported)
 
 PLACEMENT_FORMAT = "dcr-placement/1"       # run pieces only (written when it suffices)
 PLACEMENT_FORMAT_BLOCKS = "dcr-placement/2"  # run pieces and blocks (Piece.dims)
@@ -384,15 +384,15 @@ class _ParamWords:
     def __init__(self, name: str, value: Any, dtype: str | None):
         self.name = name
         self.value = value
-        from .state import is_torch_tensor
+        from dcr_log.state import is_torch_tensor
         self.torch = is_torch_tensor(value)
         if self.torch:
-            from .state import _TORCH_TO_DTYPE
+            from dcr_log.state import _TORCH_TO_DTYPE
             self.dtype = _TORCH_TO_DTYPE.get(str(value.dtype))
             self.shape = tuple(int(s) for s in value.shape)
             self.key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.numel())
         else:
-            from .state import _NUMPY_TO_DTYPE
+            from dcr_log.state import _NUMPY_TO_DTYPE
             arr = value
             if not isinstance(arr, np.ndarray):
                 raise PlacementError(f"parameter {name!r}: expected a torch tensor or numpy array")
@@ -479,11 +479,11 @@ def _constant_word(dtype: str, which: int) -> int:
 def _probe_tensor(words: np.ndarray, dtype: str, shape: tuple[int, ...], torch_probes: bool, device=None):
     if torch_probes:
         import torch
-        from .state import _DTYPE_TO_TORCH
+        from dcr_log.state import _DTYPE_TO_TORCH
         t = torch.from_numpy(words.view(np.uint8)).view(getattr(torch, _DTYPE_TO_TORCH[dtype]))
         t = t.reshape(shape)
         return t if device is None else t.to(device)
-    from .state import _NUMPY_TO_DTYPE
+    from dcr_log.state import _NUMPY_TO_DTYPE
     native = {v: k for k, v in _NUMPY_TO_DTYPE.items()}.get(dtype)
     if native in (None, "bfloat16", "float8_e4m3fn", "float8_e5m2"):
         return words.reshape(shape)

@@ -28,30 +28,22 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-from . import buffers
-from .baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline, piece_key
-from .coords import DTYPE_WIDTH, Box, flat_range_boxes, numel, word_dtype
-from .delta import Differ, EncodePolicy, map_ordered
-from .codec.ulp import ULP_ENCODING
-from .digest import MASK64, SUM_DIGESTS
-from .signing import as_signing_key
-from .errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, StoreError, UsageError
-from .format import (
-    IDENTITY_KEY,
-    CommitRecord,
-    CommitStats,
-    LogIdentity,
-    SegmentBuilder,
-    SegmentRef,
-    segment_key,
-)
-from .files import Files, resolve_files
-from .format import FILES, FileEntry
-from .format.keys import VERSIONS_PREFIX, check_writer_id, parse_version_key
-from .format.limits import MAX_IDENTITY_BYTES
-from .log import DeltaLog
-from .state import TensorBits, TensorInfo, check_name, describe_layout_change, dtype_of, state_digest, to_bits
-from .store import AlreadyExists, Store
+from dcr_log import buffers
+from dcr_log.baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline, piece_key
+from dcr_log.coords import DTYPE_WIDTH, Box, flat_range_boxes, numel, word_dtype
+from dcr_log.delta import Differ, EncodePolicy, map_ordered
+from dcr_log.codec.ulp import ULP_ENCODING
+from dcr_log.digest import MASK64, SUM_DIGESTS
+from dcr_log.signing import as_signing_key
+from dcr_log.errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, StoreError, UsageError
+from dcr_log.format import IDENTITY_KEY, CommitRecord, CommitStats, LogIdentity, SegmentBuilder, SegmentRef, segment_key
+from dcr_log.files import Files, resolve_files
+from dcr_log.format import FILES, FileEntry
+from dcr_log.format.keys import VERSIONS_PREFIX, check_writer_id, parse_version_key
+from dcr_log.format.limits import MAX_IDENTITY_BYTES
+from dcr_log.log import DeltaLog
+from dcr_log.state import TensorBits, TensorInfo, check_name, describe_layout_change, dtype_of, state_digest, to_bits
+from dcr_log.store import AlreadyExists, Store
 
 # A segment file is closed and uploaded once it holds this many payload bytes.
 DEFAULT_SEGMENT_BYTES = 64 << 20

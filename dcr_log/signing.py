@@ -24,8 +24,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .errors import TrustError, UsageError, os_error
-from .format.signature import SignatureRecord
+from dcr_log.errors import TrustError, UsageError, os_error
+from dcr_log.format.signature import SignatureRecord
 
 _PUBLIC = re.compile(r"ed25519:([0-9a-f]{64})")
 

@@ -14,9 +14,9 @@ from typing import Any, Mapping
 import numpy as np
 import xxhash
 
-from .coords import DTYPE_WIDTH, check_dtype, numel, word_dtype
-from .digest import XXH3, DigestScheme, xxh3_words
-from .errors import UsageError
+from dcr_log.coords import DTYPE_WIDTH, check_dtype, numel, word_dtype
+from dcr_log.digest import XXH3, DigestScheme, xxh3_words
+from dcr_log.errors import UsageError
 
 _NUMPY_TO_DTYPE = {
     "float64": "F64",

@@ -23,7 +23,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError as ObNotFound, PreconditionError
 from obstore.store import LocalStore, MemoryStore, from_url
 
-from .errors import DcrError, IntegrityError, NotFoundError, StoreError, UsageError, os_error
+from dcr_log.errors import DcrError, IntegrityError, NotFoundError, StoreError, UsageError, os_error
 
 
 class AlreadyExists(DcrError):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import UsageError
-from .state import TensorBits
+from dcr_log.errors import UsageError
+from dcr_log.state import TensorBits
 
 # Every NaN becomes this word, as torch's CPU float32 -> bfloat16 tensor conversion does.
 BF16_NAN = 0xFFFF

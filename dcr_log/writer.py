@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping, Sequence
 
-from .delta import EncodePolicy
-from .files import Files
-from .format import CommitRecord
-from .log import DeltaLog
-from .shard import DEFAULT_FEATURES, DEFAULT_SEGMENT_BYTES, LocalGroup, Shard, ShardedWriter, default_writer_id, utc_now
-from .state import to_state
-from .store import Store
+from dcr_log.delta import EncodePolicy
+from dcr_log.files import Files
+from dcr_log.format import CommitRecord
+from dcr_log.log import DeltaLog
+from dcr_log.shard import DEFAULT_FEATURES, DEFAULT_SEGMENT_BYTES, LocalGroup, Shard, ShardedWriter, default_writer_id, utc_now
+from dcr_log.state import to_state
+from dcr_log.store import Store
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "LogWriter", "create_log", "default_writer_id", "utc_now"]
 

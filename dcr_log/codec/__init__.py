@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ..errors import IntegrityError
-from .base import KINDS, ChangeSet, Encoding
-from .dense import DenseEncoding
-from .raw import RawEncoding
-from .sparse import SparseEncoding
-from .ulp import UlpEncoding
+from dcr_log.errors import IntegrityError
+from dcr_log.codec.base import KINDS, ChangeSet, Encoding
+from dcr_log.codec.dense import DenseEncoding
+from dcr_log.codec.raw import RawEncoding
+from dcr_log.codec.sparse import SparseEncoding
+from dcr_log.codec.ulp import UlpEncoding
 
 ENCODINGS: dict[str, type[Encoding]] = {
     RawEncoding.name: RawEncoding,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from ..errors import IntegrityError
+from dcr_log.errors import IntegrityError
 
 KINDS = ("xor", "overwrite", "tensor")
 

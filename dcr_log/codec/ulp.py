@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import IntegrityError
-from .base import ChangeSet, Encoding, check_params, positions_from_gaps
+from dcr_log.errors import IntegrityError
+from dcr_log.codec.base import ChangeSet, Encoding, check_params, positions_from_gaps
 
 # The log feature that allows this encoding (spec/FORMAT.md section 14).
 ULP_ENCODING = "ulp-encoding"
@@ -87,7 +87,7 @@ def ulp_distance(base: np.ndarray, new: np.ndarray) -> np.ndarray:
 
 
 try:
-    from .. import _changes as _native
+    from dcr_log import _changes as _native
 except ImportError:  # built without a compiler: numpy below
     _native = None
 

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..errors import LineageError, PlacementError, UsageError
+from dcr_log.errors import LineageError, PlacementError, UsageError
 
 EXTENSION = "dcr_log.engines.vllm.WorkerExtension"
 # What to pass to vllm.LLM (or the server's engine arguments) for a receiving engine.
@@ -190,8 +190,8 @@ class OpenReport:
 class _WorkerState:
     def __init__(self, worker: Any, log_location: str, journal_path: str, version: int | None,
                  placement_path: str | None, verify: str, trust: Any):
-        from .. import DeltaLog
-        from ..receiver import Receiver, open_storage
+        from dcr_log import DeltaLog
+        from dcr_log.receiver import Receiver, open_storage
 
         model = worker.model_runner.get_model()
         self.log = DeltaLog.open(log_location, trust=trust)
@@ -243,7 +243,7 @@ class _WorkerState:
         """Versions the engine may hold, most likely first: the journal's (a receiver reopened in
         the same engine, or an engine restarted from the version the journal last committed),
         the version it had in flight, then the log's latest."""
-        from ..receiver import Journal
+        from dcr_log.receiver import Journal
         found: list[int] = []
         if journal.exists():
             peek = Journal.open(journal)
@@ -260,7 +260,7 @@ class _WorkerState:
         (through the engine's reload pipeline; the engine's words are given back) and saved."""
         import time
 
-        from ..placement import Placement, discover
+        from dcr_log.placement import Placement, discover
         path = self.placement_file
         if path.exists():
             try:
@@ -280,7 +280,7 @@ class _WorkerState:
         return placement
 
     def _rediscover(self, table: Any):
-        from ..placement import discover
+        from dcr_log.placement import discover
         return discover(self.loader, table, self.tensors)
 
 

@@ -1,16 +1,9 @@
 """The on-store format: commit records, log identity and segment files. Pure: no I/O."""
 
-from .commit import (
-    FORMAT_VERSION,
-    KNOWN_FEATURES,
-    CommitRecord,
-    CommitStats,
-    LogIdentity,
-    SegmentRef,
-)
-from .files import FILES, FILES_PREFIX, FileEntry, check_file_name, file_key, file_name_problem
-from .keys import IDENTITY_KEY, parse_version_key, segment_key, version_key
-from .segment import SEGMENT_SCHEMA, Record, SegmentBuilder, encode_segment, iter_segment
+from dcr_log.format.commit import FORMAT_VERSION, KNOWN_FEATURES, CommitRecord, CommitStats, LogIdentity, SegmentRef
+from dcr_log.format.files import FILES, FILES_PREFIX, FileEntry, check_file_name, file_key, file_name_problem
+from dcr_log.format.keys import IDENTITY_KEY, parse_version_key, segment_key, version_key
+from dcr_log.format.segment import SEGMENT_SCHEMA, Record, SegmentBuilder, encode_segment, iter_segment
 
 __all__ = [
     "FORMAT_VERSION", "KNOWN_FEATURES", "CommitRecord", "CommitStats", "LogIdentity", "SegmentRef",

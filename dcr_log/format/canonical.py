@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ..errors import IntegrityError
+from dcr_log.errors import IntegrityError
 
 
 def canonical_bytes(obj: dict) -> bytes:

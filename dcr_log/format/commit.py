@@ -6,15 +6,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..coords import DTYPE_WIDTH, numel
-from ..codec.ulp import ULP_ENCODING
-from ..digest import SUM_DIGESTS
-from ..errors import IntegrityError, UsageError
-from ..state import TensorInfo, digest_hex
-from .canonical import seal, unseal
-from . import limits as L
-from .files import FILES, FileEntry, parse_files
-from .keys import check_segment_key
+from dcr_log.coords import DTYPE_WIDTH, numel
+from dcr_log.codec.ulp import ULP_ENCODING
+from dcr_log.digest import SUM_DIGESTS
+from dcr_log.errors import IntegrityError, UsageError
+from dcr_log.state import TensorInfo, digest_hex
+from dcr_log.format.canonical import seal, unseal
+from dcr_log.format import limits as L
+from dcr_log.format.files import FILES, FileEntry, parse_files
+from dcr_log.format.keys import check_segment_key
 
 FORMAT_VERSION = 1
 # Features this implementation reads and writes. A reader MUST refuse a log or commit that

@@ -12,8 +12,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from ..errors import IntegrityError, UsageError
-from . import limits as L
+from dcr_log.errors import IntegrityError, UsageError
+from dcr_log.format import limits as L
 
 FILES = "files"
 FILES_PREFIX = "files/"

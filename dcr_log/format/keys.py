@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import IntegrityError, UsageError
+from dcr_log.errors import IntegrityError, UsageError
 
 IDENTITY_KEY = "dcr.json"
 VERSIONS_PREFIX = "versions/"

@@ -14,12 +14,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import IntegrityError, UsageError
-from ..state import digest_hex
-from . import limits as L
-from .canonical import seal, unseal
-from .commit import (FORMAT_VERSION, CommitStats, SegmentRef, _expect, _int, _keys, _str, _text, check_format_version,
-                     parse_segments, parse_stats)
+from dcr_log.errors import IntegrityError, UsageError
+from dcr_log.state import digest_hex
+from dcr_log.format import limits as L
+from dcr_log.format.canonical import seal, unseal
+from dcr_log.format.commit import FORMAT_VERSION, CommitStats, SegmentRef, _expect, _int, _keys, _str, _text, check_format_version, parse_segments, parse_stats
 
 SNAPSHOTS_PREFIX = "snapshots/"
 SQUASHES_PREFIX = "squashes/"

@@ -4,7 +4,7 @@ anything is allocated or read on its account. Pure: no I/O."""
 
 from __future__ import annotations
 
-from ..errors import IntegrityError
+from dcr_log.errors import IntegrityError
 
 MAX_IDENTITY_BYTES = 1 << 16          # dcr.json
 # One commit record (and one snapshot or squash manifest): a stated ceiling, not a product of

@@ -8,11 +8,11 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from ..coords import Box
-from ..codec import KINDS
-from ..errors import IntegrityError
-from . import limits as L
-from .canonical import canonical_bytes, parse_json
+from dcr_log.coords import Box
+from dcr_log.codec import KINDS
+from dcr_log.errors import IntegrityError
+from dcr_log.format import limits as L
+from dcr_log.format.canonical import canonical_bytes, parse_json
 
 SEGMENT_SCHEMA = pa.schema([
     pa.field("tensor", pa.utf8(), nullable=False),

@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import IntegrityError
-from .canonical import seal, unseal
+from dcr_log.errors import IntegrityError
+from dcr_log.format.canonical import seal, unseal
 
 SIGNATURES_PREFIX = "signatures/"
 ALGORITHM = "ed25519"

@@ -6,15 +6,15 @@ from __future__ import annotations
 import uuid
 from typing import Callable, Iterable
 
-from ..delta import Differ, EncodePolicy
-from ..errors import IntegrityError, NotFoundError, UsageError
-from ..format import CommitStats, Record, SegmentBuilder
-from ..format.keys import check_writer_id
-from ..format.lifecycle import CatchUp
-from ..log import DeltaLog
-from ..shard import DEFAULT_SEGMENT_BYTES, _Uploader, default_writer_id, utc_now
-from ..state import TensorBits
-from ..store import AlreadyExists
+from dcr_log.delta import Differ, EncodePolicy
+from dcr_log.errors import IntegrityError, NotFoundError, UsageError
+from dcr_log.format import CommitStats, Record, SegmentBuilder
+from dcr_log.format.keys import check_writer_id
+from dcr_log.format.lifecycle import CatchUp
+from dcr_log.log import DeltaLog
+from dcr_log.shard import DEFAULT_SEGMENT_BYTES, _Uploader, default_writer_id, utc_now
+from dcr_log.state import TensorBits
+from dcr_log.store import AlreadyExists
 
 
 def _write_segments(log: DeltaLog, version: int, prefix: str, records: Iterable[Record], writer_id: str,

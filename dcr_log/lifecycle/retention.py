@@ -12,24 +12,13 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from ..errors import UsageError
-from ..format.keys import SEGMENTS_PREFIX, VERSIONS_PREFIX, parse_version_key
-from ..format.lifecycle import (
-    LOG_START_PREFIX,
-    MANIFEST,
-    RETIRED,
-    SNAPSHOTS_PREFIX,
-    SQUASHES_PREFIX,
-    Marker,
-    log_start_key,
-    parse_log_start_key,
-    parse_snapshot_key,
-    parse_squash_key,
-)
-from ..log import DeltaLog
-from ..shard import utc_now
-from ..store import AlreadyExists, ObjectInfo
-from .catchup import write_snapshot
+from dcr_log.errors import UsageError
+from dcr_log.format.keys import SEGMENTS_PREFIX, VERSIONS_PREFIX, parse_version_key
+from dcr_log.format.lifecycle import LOG_START_PREFIX, MANIFEST, RETIRED, SNAPSHOTS_PREFIX, SQUASHES_PREFIX, Marker, log_start_key, parse_log_start_key, parse_snapshot_key, parse_squash_key
+from dcr_log.log import DeltaLog
+from dcr_log.shard import utc_now
+from dcr_log.store import AlreadyExists, ObjectInfo
+from dcr_log.lifecycle.catchup import write_snapshot
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)?")
 _UNIT = {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600, "d": 86400}

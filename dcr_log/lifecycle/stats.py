@@ -7,9 +7,9 @@ from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
-from ..coords import DTYPE_WIDTH, numel
-from ..errors import UsageError
-from ..log import DeltaLog
+from dcr_log.coords import DTYPE_WIDTH, numel
+from dcr_log.errors import UsageError
+from dcr_log.log import DeltaLog
 
 
 def _when(text: str) -> float | None:

@@ -29,18 +29,18 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from ..coords import DTYPE_WIDTH, numel, tiles, word_dtype
-from ..delta import DEFAULT_WORKERS, decode_record, flat_positions, map_ordered, record_bases, record_targets
-from ..errors import IntegrityError, LayoutError, LineageError, NotFoundError, StoreError, UsageError
-from ..format import CommitRecord, Record
-from ..log import DeltaLog, SegmentFile, Step
-from ..signing import as_trust
-from ..digest import MASK64, XXH3, DigestScheme, zeros_outside
-from ..state import TensorInfo, describe_layout_change, digest_hex, state_digest
-from .files import FilePlan, plan_files, write_files
-from .journal import Journal, JournalState, SegmentProgress
-from .placed import PlacedStorage
-from .storage import FaultHook, Layout, Storage, TorchStorage, open_storage, storage_state_digest
+from dcr_log.coords import DTYPE_WIDTH, numel, tiles, word_dtype
+from dcr_log.delta import DEFAULT_WORKERS, decode_record, flat_positions, map_ordered, record_bases, record_targets
+from dcr_log.errors import IntegrityError, LayoutError, LineageError, NotFoundError, StoreError, UsageError
+from dcr_log.format import CommitRecord, Record
+from dcr_log.log import DeltaLog, SegmentFile, Step
+from dcr_log.signing import as_trust
+from dcr_log.digest import MASK64, XXH3, DigestScheme, zeros_outside
+from dcr_log.state import TensorInfo, describe_layout_change, digest_hex, state_digest
+from dcr_log.receiver.files import FilePlan, plan_files, write_files
+from dcr_log.receiver.journal import Journal, JournalState, SegmentProgress
+from dcr_log.receiver.placed import PlacedStorage
+from dcr_log.receiver.storage import FaultHook, Layout, Storage, TorchStorage, open_storage, storage_state_digest
 
 VERIFY_LEVELS = ("none", "sample", "full")
 # verify=sample checks one record in SAMPLE_DIVISOR (and the first of each version), and the
@@ -303,7 +303,7 @@ class Receiver:
 
     def __init__(self, storage: Storage, journal: Journal, fault: FaultHook | None = None,
                  trust: Any = None):
-        from ..shard import LocalGroup
+        from dcr_log.shard import LocalGroup
 
         self.storage = storage
         self.journal = journal
@@ -362,7 +362,7 @@ class Receiver:
         journal = Journal.open(journal_path)  # the receiver lock comes before the storage
         try:
             if dtypes is not None:
-                from .storage import NumpyStorage
+                from dcr_log.receiver.storage import NumpyStorage
                 base = NumpyStorage(storage, dtypes)
             else:
                 base = open_storage(storage, device=device)
@@ -371,7 +371,7 @@ class Receiver:
                 if isinstance(base, TorchStorage) and placement is None and base.device.type != "cpu":
                     base.device_words = True  # (an engine layout reads its parameters on the host)
             if placement is not None:
-                from ..placement import Placement
+                from dcr_log.placement import Placement
                 if isinstance(placement, (str, os.PathLike)):
                     placement = Placement.load(placement)
                 if shadow is None and base.durable:
@@ -1211,8 +1211,8 @@ def _open_shadow(shadow: Any) -> Storage:
     if isinstance(shadow, Storage):
         return shadow
     if isinstance(shadow, (str, os.PathLike)):
-        from .storage import CheckpointStorage, has_checkpoint
-        from ..checkpoint import save_safetensors
+        from dcr_log.receiver.storage import CheckpointStorage, has_checkpoint
+        from dcr_log.checkpoint import save_safetensors
         path = Path(shadow)
         if not has_checkpoint(path):
             path.mkdir(parents=True, exist_ok=True)

@@ -9,15 +9,14 @@ import re
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..checkpoint import INDEX_NAME, save_safetensors
-from ..errors import LineageError, NotFoundError, UsageError
-from ..log import DeltaLog
-from ..state import TensorBits
-from .apply import JOURNAL_DIR, Receiver
-from .files import FilePlan, plan_files, write_files
-from .journal import Journal, JournalState
-from .storage import (CheckpointStorage, FaultHook, check_regular, check_space, fsync_dir,
-                      has_checkpoint, storage_state_digest, write_file_atomic)
+from dcr_log.checkpoint import INDEX_NAME, save_safetensors
+from dcr_log.errors import LineageError, NotFoundError, UsageError
+from dcr_log.log import DeltaLog
+from dcr_log.state import TensorBits
+from dcr_log.receiver.apply import JOURNAL_DIR, Receiver
+from dcr_log.receiver.files import FilePlan, plan_files, write_files
+from dcr_log.receiver.journal import Journal, JournalState
+from dcr_log.receiver.storage import CheckpointStorage, FaultHook, check_regular, check_space, fsync_dir, has_checkpoint, storage_state_digest, write_file_atomic
 
 MODEL_NAME = "model.safetensors"
 # A materialized checkpoint is split into shards only above this many bytes (Hugging Face's
@@ -78,7 +77,7 @@ def _remove_ours(directory: Path, keep: set[str] = frozenset()) -> None:
 
 def _state_bytes(log: DeltaLog, version: int) -> int:
     """The bytes writing ``version`` out takes: its tensors and its files."""
-    from ..coords import DTYPE_WIDTH, numel
+    from dcr_log.coords import DTYPE_WIDTH, numel
 
     commit = log.commit(version)
     return (sum(numel(t.shape) * DTYPE_WIDTH[t.dtype] for t in commit.tensors)
@@ -181,7 +180,7 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            from ..errors import os_error
+            from dcr_log.errors import os_error
 
             raise os_error(exc, f"cannot create {directory}") from None
         if journal is None:

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..errors import UsageError, os_error
-from ..format import CommitRecord, FileEntry
-from ..log import DeltaLog
-from .storage import check_regular, fsync_dir, write_file_atomic
+from dcr_log.errors import UsageError, os_error
+from dcr_log.format import CommitRecord, FileEntry
+from dcr_log.log import DeltaLog
+from dcr_log.receiver.storage import check_regular, fsync_dir, write_file_atomic
 
 # The bytes of a version's files kept in memory between the plan and the writes, beyond
 # which they are fetched (and checked) again when written.

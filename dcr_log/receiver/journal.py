@@ -31,9 +31,9 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import lmdb
 import xxhash
 
-from ..errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
-from ..format import file_name_problem
-from ..state import digest_hex
+from dcr_log.errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
+from dcr_log.format import file_name_problem
+from dcr_log.state import digest_hex
 
 JOURNAL_FORMAT = b"dcr-receiver-journal/2"
 # Written before the journal had a checksum: still read, and upgraded at its next write.
@@ -309,7 +309,7 @@ class Journal:
 
     @staticmethod
     def exists(path: str | os.PathLike) -> bool:
-        from .storage import check_regular
+        from dcr_log.receiver.storage import check_regular
 
         path = Path(path)
         if not check_regular(path, "directory"):
@@ -725,7 +725,7 @@ def _verify(txn, path: Path) -> bool:
 def _lmdb_error(exc: Exception, path: Path, op: str) -> StoreError:
     """LMDB's errors as one readable line with their cause (a full disk shows as ENOSPC or,
     at commit, as EIO: the free space says which)."""
-    from .storage import free_bytes
+    from dcr_log.receiver.storage import free_bytes
 
     text = str(exc).split("\n", 1)[0]
     errno_ = getattr(exc, "errno", None)

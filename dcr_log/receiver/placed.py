@@ -20,12 +20,12 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..coords import DTYPE_WIDTH, numel, word_dtype
-from ..digest import MASK64, XXH3, DigestScheme, sum_at, sum_range, sum_runs
-from ..errors import UsageError
-from ..placement import LayoutError, Loader, Piece, Placement, PlacementError, table_layout
-from ..state import TensorBits
-from .storage import Layout, NumpyStorage, Storage, Where
+from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
+from dcr_log.digest import MASK64, XXH3, DigestScheme, sum_at, sum_range, sum_runs
+from dcr_log.errors import UsageError
+from dcr_log.placement import LayoutError, Loader, Piece, Placement, PlacementError, table_layout
+from dcr_log.state import TensorBits
+from dcr_log.receiver.storage import Layout, NumpyStorage, Storage, Where
 
 Rediscover = Callable[[Layout], Placement]
 
@@ -102,7 +102,7 @@ class PlacedStorage(Storage):
                  shadow: Storage | None = None, loader: Loader | None = None,
                  loader_params: Mapping[str, Any] | None = None, rediscover: Rediscover | None = None,
                  to_loader: Callable[[TensorBits], Any] | None = None):
-        from ..shard import LocalGroup, as_group
+        from dcr_log.shard import LocalGroup, as_group
 
         self.engine = engine
         # No group: this process alone (without importing torch.distributed).
@@ -402,7 +402,7 @@ class PlacedStorage(Storage):
         self.loader(feed())
         if self.loader_params is not None:
             # The loader wrote another engine's parameters (a scratch instance): copy them.
-            from ..state import to_bits
+            from dcr_log.state import to_bits
             for p in sorted(todo):
                 n = numel(self.placement.params[p][1])
                 if n:
@@ -427,7 +427,7 @@ def _intersect(a, b):
 
 
 def _torch_tensor(bits: TensorBits):
-    from ..state import to_torch
+    from dcr_log.state import to_torch
     return to_torch(bits)
 
 

@@ -27,13 +27,13 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 import numpy as np
 
-from ..checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
-from .. import buffers
-from ..coords import DTYPE_WIDTH, numel, word_dtype
-from ..delta import gather_words, scatter_words
-from ..errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
-from ..digest import XXH3, DigestScheme
-from ..state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits, TensorInfo, is_torch_tensor, state_digest
+from dcr_log.checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
+from dcr_log import buffers
+from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
+from dcr_log.delta import gather_words, scatter_words
+from dcr_log.errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
+from dcr_log.digest import XXH3, DigestScheme
+from dcr_log.state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits, TensorInfo, is_torch_tensor, state_digest
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape)
 Where = np.ndarray | slice
@@ -357,7 +357,7 @@ class TorchStorage(Storage):
         if isinstance(words, np.ndarray):
             return digests.at(owned, words)
         if digests.composable:  # sum digests: computed where the words are
-            from .. import torch_ops
+            from dcr_log import torch_ops
 
             if isinstance(place.device_where, slice):
                 return torch_ops.sum_digest(words, start=place.device_where.start or 0)
@@ -368,7 +368,7 @@ class TorchStorage(Storage):
     def tensor_digest(self, name: str, digests: DigestScheme = XXH3) -> int:
         flat = self._flat[name]
         if self.device_words and digests.composable:
-            from .. import torch_ops
+            from dcr_log import torch_ops
 
             return torch_ops.sum_digest(flat)  # no copy of the tensor to the host
         return super().tensor_digest(name, digests)
@@ -395,7 +395,7 @@ class TorchStorage(Storage):
 
     def _zeros(self, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
         torch = self._torch
-        from ..state import _DTYPE_TO_TORCH
+        from dcr_log.state import _DTYPE_TO_TORCH
 
         try:
             return torch.zeros(shape, dtype=getattr(torch, _DTYPE_TO_TORCH[dtype]), device=self.device)

@@ -13,15 +13,15 @@ _LAZY = {
     "CommitConflict": "errors", "CommitStateUnknown": "errors", "DcrError": "errors",
     "IntegrityError": "errors", "LineageError": "errors", "NotFoundError": "errors", "UsageError": "errors",
     "StoreError": "errors", "TrustError": "errors", "ExpiredError": "errors", "LayoutError": "errors",
-    "PlacementError": "errors", "AppendAborted": "errors",
+    "PlacementError": "errors", "AppendAborted": "errors", "CollectiveFailed": "errors",
     "DeltaLog": "log", "as_numpy": "log", "state_equal": "log",
     "TensorBits": "state", "to_bits": "state", "to_state": "state",
-    "LogWriter": "writer", "create_log": "writer",
+    "LogWriter": "write.writer", "create_log": "write.writer",
 }
 
 __all__ = [
     "CommitConflict", "CommitStateUnknown", "DcrError", "IntegrityError", "LineageError", "NotFoundError", "UsageError",
-    "StoreError", "TrustError", "ExpiredError", "LayoutError", "PlacementError", "AppendAborted",
+    "StoreError", "TrustError", "ExpiredError", "LayoutError", "PlacementError", "AppendAborted", "CollectiveFailed",
     "DeltaLog", "LogWriter", "TensorBits", "as_numpy", "create_log", "state_equal", "to_bits",
     "to_state",
 ]

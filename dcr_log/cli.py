@@ -21,9 +21,9 @@ from rich.text import Text
 from dcr_log import _entry
 from dcr_log.checkpoint import load_checkpoint, save_safetensors
 from dcr_log.errors import DcrError, IntegrityError, Interrupted, NotFoundError, StoreError, UsageError, os_error
-from dcr_log.files import collect_files
-from dcr_log.log import DeltaLog
-from dcr_log.writer import LogWriter, default_writer_id
+from dcr_log.write.files import collect_files
+from dcr_log.log.deltalog import DeltaLog
+from dcr_log.write.writer import LogWriter, default_writer_id
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="dcr-log: bit-exact delta logs for refitting model weights.")
@@ -364,7 +364,7 @@ def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory o
     record after all it names: the mirror is a valid log with the same log id (FORMAT.md
     section 26). Run again (or --follow) to bring it up to date; SIGINT or SIGTERM stops
     --follow between passes."""
-    from dcr_log.mirror import Mirror
+    from dcr_log.lifecycle.mirror import Mirror
     from dcr_log.store import Store
 
     if not interval > 0:

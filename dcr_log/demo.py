@@ -21,10 +21,10 @@ from rich.table import Table
 
 from dcr_log.errors import IntegrityError, UsageError
 from dcr_log.format import IDENTITY_KEY
-from dcr_log.log import DeltaLog
+from dcr_log.log.deltalog import DeltaLog
 from dcr_log.state import TensorBits
 from dcr_log.synthetic import SyntheticTrainer, specs_for_params
-from dcr_log.writer import LogWriter
+from dcr_log.write.writer import LogWriter
 
 DEFAULT_PARAMS = 64_000_000
 DEFAULT_VERSIONS = 10

@@ -19,21 +19,15 @@ over reused buffers in pieces that stay in cache (numpy's uint64 arithmetic wrap
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Iterable
 
 import numpy as np
 import xxhash
 
+from dcr_log import native
 from dcr_log.coords import Box, numel
 
-try:
-    from dcr_log import _digest as _native
-except ImportError:  # not built (no compiler): numpy below
-    _native = None
-if os.environ.get("DCR_NO_NATIVE"):
-    _native = None
 
 SUM_DIGESTS = "sum-digests"
 MASK64 = (1 << 64) - 1
@@ -100,8 +94,8 @@ def _unsigned(words: np.ndarray) -> np.ndarray:
 def sum_range(start: int, words: np.ndarray) -> int:
     """Sum of e(start + j, words[j]): a contiguous run of flat indices."""
     words = _unsigned(np.ascontiguousarray(words).reshape(-1))
-    if _native is not None:
-        return _native.sum_range(words, words.itemsize, start)
+    if native.digest is not None:
+        return native.digest.sum_range(words, words.itemsize, start)
     buf = _BUF
     total = 0
     n = words.size
@@ -122,8 +116,8 @@ def sum_at(flat: np.ndarray, words: np.ndarray) -> int:
     words = _unsigned(np.asarray(words).reshape(-1))
     if flat.size != words.size:
         raise ValueError(f"{flat.size} indices for {words.size} words")
-    if _native is not None:
-        return _native.sum_at(np.ascontiguousarray(flat), np.ascontiguousarray(words), words.itemsize)
+    if native.digest is not None:
+        return native.digest.sum_at(np.ascontiguousarray(flat), np.ascontiguousarray(words), words.itemsize)
     buf = _BUF
     total = 0
     for lo in range(0, flat.size, PIECE):
@@ -175,8 +169,8 @@ def sum_runs(starts: np.ndarray, run: int, words: np.ndarray) -> int:
         return sum(sum_runs(starts[r:r + rows], run, np.ascontiguousarray(words[r:r + rows]))
                    for r in range(0, starts.size, rows)) & MASK64
     words = np.ascontiguousarray(words).reshape(-1)
-    if _native is not None and starts.size:
-        return _native.sum_runs(np.ascontiguousarray(starts), run, _unsigned(words), words.itemsize)
+    if native.digest is not None and starts.size:
+        return native.digest.sum_runs(np.ascontiguousarray(starts), run, _unsigned(words), words.itemsize)
     if starts.size == 1:
         return sum_range(int(starts[0]), words)
     if run >= PIECE // 4 or starts.size == 0:

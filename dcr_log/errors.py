@@ -107,3 +107,7 @@ class TrustError(DcrError):
     only by unknown keys, or with a forged signature (spec/FORMAT.md, section 21)."""
 
     exit_code = 7
+
+
+class CollectiveFailed(AppendAborted):
+    """A collective operation failed: a rank died, timed out or left the group."""

@@ -55,6 +55,10 @@ _TORCH_TO_DTYPE = {
 }
 
 
+# A table's layout: per tensor name, its (safetensors dtype, shape).
+TableLayout = dict[str, tuple[str, tuple[int, ...]]]
+
+
 @dataclass(frozen=True)
 class TensorBits:
     """A tensor's bits: safetensors dtype, shape and a flat array of little-endian words."""

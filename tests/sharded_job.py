@@ -241,7 +241,7 @@ class RankModel:
     def shards(self, step: int) -> tuple[dict, dict]:
         """This rank's ``{name: [Shard]}`` for ``step`` and the ``shapes=`` the append needs:
         every shape at step 0, afterwards only those of new or reshaped tensors."""
-        from dcr_log.shard import Shard
+        from dcr_log.write.pieces import Shard
 
         b = self.local
         (q0, q1), (k0, k1), (i0, i1) = self.q, self.kv, self.inter
@@ -309,7 +309,7 @@ class HangOnRead(np.ndarray):
 
 def sabotage(shards: dict, how: str, model: RankModel, step: int) -> None:
     import torch
-    from dcr_log.shard import Shard
+    from dcr_log.write.pieces import Shard
 
     rank = model.rank
     if how == "raise-tensor":    # a parameter left on the meta device: to_bits cannot copy it
@@ -336,7 +336,7 @@ def sabotage(shards: dict, how: str, model: RankModel, step: int) -> None:
 def bad_layout(case: str, model: RankModel, step: int) -> tuple[dict, dict]:
     """This rank's shards for ``step`` with one layout error (2 ranks, tp 2)."""
     import torch
-    from dcr_log.shard import Shard
+    from dcr_log.write.pieces import Shard
     from dcr_log.state import to_torch
 
     s, shapes = model.shards(step)
@@ -390,7 +390,7 @@ def relayout_dense(case: str, state: dict[str, TensorBits]) -> dict[str, TensorB
 def relayout(case: str, model: RankModel, step: int) -> tuple[dict, dict]:
     """This rank's shards for ``step`` with the table change ``case`` (as relayout_dense)."""
     import torch
-    from dcr_log.shard import Shard
+    from dcr_log.write.pieces import Shard
 
     s, shapes = model.shards(step)
     r = model.rank
@@ -438,7 +438,7 @@ def _commit_info(commit) -> dict:
 def run(cfg: dict, rank: int, result: dict) -> None:
     import torch.distributed as dist
 
-    from dcr_log.shard import ShardedWriter
+    from dcr_log.write.sharded import ShardedWriter
 
     world, log = cfg["world"], cfg["log"]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,

@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli, start_cli
 from dcr_log import CommitConflict, DeltaLog, LogWriter, create_log
 from dcr_log.checkpoint import save_safetensors
-from dcr_log.delta import EncodePolicy
+from dcr_log.write.differ import EncodePolicy
 from dcr_log.store import Store
 
 SPEC = {"w": ("BF16", (64, 32)), "b": ("F32", (32,)), "k": ("I64", ())}

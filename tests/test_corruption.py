@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_one_line, change_words, copy_state, make_state, run_cli, snapshot_files
 from dcr_log import CommitConflict, DeltaLog, IntegrityError, LogWriter, create_log
-from dcr_log.delta import EncodePolicy
+from dcr_log.write.differ import EncodePolicy
 from dcr_log.format import CommitRecord, SegmentRef, version_key
 from dcr_log.state import TensorInfo, state_digest
 from dcr_log.store import Store

@@ -21,7 +21,7 @@ from dcr_log.format import version_key
 from dcr_log.format.canonical import seal
 from dcr_log.format.segment import encode_segment, iter_segment
 from dcr_log.receiver import Receiver, open_directory
-from dcr_log.receiver.apply import _sampled
+from dcr_log.receiver.receiver import _sampled
 from test_hardening import dcr, log_dir, reseal_commit
 from test_receiver import LAYOUT_VERSION, build_log
 
@@ -164,7 +164,7 @@ def test_a_live_model_is_never_half_changed_by_a_table_change(tmp_path):
     torch = pytest.importorskip("torch")
     from dcr_log.errors import LayoutError
     from dcr_log.state import to_bits
-    from dcr_log.writer import LogWriter
+    from dcr_log.write import LogWriter
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
     first = {n: to_bits(p.detach()) for n, p in model.named_parameters()}

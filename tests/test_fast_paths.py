@@ -12,13 +12,15 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcr_log import DeltaLog, IntegrityError, create_log, delta
+from dcr_log import DeltaLog, IntegrityError, create_log, native
+from dcr_log.write import differ
 from dcr_log.codec import ChangeSet, decode_changes, get_encoding
 from dcr_log.codec.base import PLANE_BLOCK_MIN, from_planes, to_planes, zstd_compress_planes, zstd_decompress_exact
 from dcr_log.coords import Box
-from dcr_log.delta import Differ, EncodePolicy, apply_to_words, find_changes
+from dcr_log.write.differ import Differ, EncodePolicy, find_changes
+from dcr_log.log.records import apply_to_words
 from dcr_log.format import CommitRecord, CommitStats, Record, SegmentBuilder, SegmentRef, segment_key
-from dcr_log.log import PARALLEL_MIN_ELEMENTS
+from dcr_log.log.replay import PARALLEL_MIN_ELEMENTS
 from dcr_log.state import TensorBits, TensorInfo, state_digest, words_digest
 
 WORDS = (np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"))
@@ -64,13 +66,13 @@ def test_find_changes_equals_flatnonzero(find, word, n, base_skew, new_skew, rat
     flip = rng.random(n) < rate
     new[flip] ^= rng.integers(1, np.iinfo(word).max, int(flip.sum()), dtype=word, endpoint=True)
     expected = np.flatnonzero(base != new)
-    for piece in (delta.FIND_PIECE_WORDS, 64):  # one piece, and many pieces per box
+    for piece in (differ.FIND_PIECE_WORDS, 64):  # one piece, and many pieces per box
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(delta, "FIND_PIECE_WORDS", piece)
+            mp.setattr(differ, "FIND_PIECE_WORDS", piece)
             if find == "native":
-                mp.setattr(delta, "find_changes_numpy", None)  # the C pass or nothing
+                mp.setattr(differ, "find_changes_numpy", None)  # the C pass or nothing
             positions, base_vals, new_vals = (find_changes if find == "native" else
-                                              delta.find_changes_numpy)(base, new)
+                                              differ.find_changes_numpy)(base, new)
         assert positions.dtype == np.int64 and np.array_equal(positions, expected)
         assert base_vals.dtype == word and np.array_equal(base_vals, base[expected])
         assert new_vals.dtype == word and np.array_equal(new_vals, new[expected])
@@ -78,7 +80,7 @@ def test_find_changes_equals_flatnonzero(find, word, n, base_skew, new_skew, rat
 
 def test_the_change_pass_is_built():
     """make test builds the C extension; without it appends fall back to numpy, 1.3x slower."""
-    assert delta._native_changes is not None
+    assert native.changes is not None
 
 
 @pytest.mark.parametrize("planes", [1, 2, 6])
@@ -234,22 +236,22 @@ def test_a_record_with_a_wrong_target_writes_nothing():
 
 def test_sparse_nonzero_scan_at_every_density():
     rng = np.random.default_rng(8)
-    scratch = delta._Scratch()  # shared: the dense-mask hint carries over between calls
+    scratch = differ._Scratch()  # shared: the dense-mask hint carries over between calls
     for density in [0.0, 0.001, 0.01, 0.05, 0.3, 0.9, 1.0, 0.01, 0.001] * 2:
         for n in (8, 1000, 1024, 4096, 100_000, 100_001):
             mask = rng.random(n) < density
-            assert np.array_equal(delta._flatnonzero_sparse(mask, scratch), np.flatnonzero(mask))
+            assert np.array_equal(differ._flatnonzero_sparse(mask, scratch), np.flatnonzero(mask))
 
 
 def test_threads_work_again_in_a_forked_child():
     import multiprocessing
 
-    from dcr_log import log as log_module
+    from dcr_log import parallel
 
     rng = np.random.default_rng(9)
     base, new = _pair(rng, 40, 1 << 16, 0.02)
     parent = [r.payload for r in Differ().diff("w", base, new)]  # starts the parent's diff pool
-    assert log_module.shared_pool(log_module.REPLAY_WORKERS).submit(int, 3).result() == 3
+    assert parallel.shared_pool(parallel.DEFAULT_WORKERS).submit(int, 3).result() == 3
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as child:
         result = child.apply_async(_child_diffs, (base, new))
@@ -257,9 +259,9 @@ def test_threads_work_again_in_a_forked_child():
 
 
 def _child_diffs(base, new) -> list[bytes]:
-    from dcr_log import log as log_module
+    from dcr_log import parallel
 
-    assert log_module.shared_pool(log_module.REPLAY_WORKERS).submit(int, 4).result() == 4
+    assert parallel.shared_pool(parallel.DEFAULT_WORKERS).submit(int, 4).result() == 4
     return [bytes(r.payload) for r in Differ().diff("w", base, new)]
 
 
@@ -268,9 +270,9 @@ def test_native_gather_scatter_and_ulp_step_equal_numpy(word):
     """The C gather, scatter (dcr_log._changes) and ulp step against plain numpy, on random
     words, sorted and unsorted positions, empty ones, and positions outside the words."""
     from dcr_log.codec.ulp import step_from, step_from_numpy
-    from dcr_log.delta import gather_words, scatter_words
+    from dcr_log.log.records import gather_words, scatter_words
 
-    assert delta._native_changes is not None
+    assert native.changes is not None
     rng = np.random.default_rng(word.itemsize)
     words = rng.integers(0, np.iinfo(word).max, 5000, dtype=word, endpoint=True)
     for where in (np.sort(rng.choice(5000, 300, replace=False)), rng.choice(5000, 50, replace=False),
@@ -298,7 +300,7 @@ def test_receivers_write_in_parallel_only_disjoint_records():
     """A batch's writes go to the pool only when no two records' flat spans meet in a tensor."""
     from types import SimpleNamespace
 
-    from dcr_log.receiver.apply import _disjoint
+    from dcr_log.receiver.receiver import _disjoint
 
     def work(tensor, where):
         return SimpleNamespace(record=SimpleNamespace(tensor=tensor), where=where)
@@ -315,7 +317,7 @@ def test_receivers_write_in_parallel_only_disjoint_records():
 def test_tensor_records_compose_to_the_digest_only_when_they_cover_exactly():
     """A created tensor's digest is the sum of its row-block tensor records' target digests
     only when those cover every element once; anything else is hashed again."""
-    from dcr_log.log import _covers_exactly
+    from dcr_log.log.replay import _covers_exactly
 
     assert _covers_exactly([(5, 5, 0), (0, 5, 0)], 10)
     assert _covers_exactly([], 0)

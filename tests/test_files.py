@@ -254,7 +254,7 @@ import json, sys
 import numpy as np
 import torch.distributed as dist
 from dcr_log import TensorBits
-from dcr_log.shard import Shard, ShardedWriter
+from dcr_log.write import Shard, ShardedWriter
 rank, port, log = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 words = np.arange(8, dtype=np.uint32) + rank

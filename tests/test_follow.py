@@ -16,7 +16,7 @@ from conftest import assert_file_holds, assert_same_bits, change_words, copy_sta
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 SPEC = {"w": ("BF16", (128, 64)), "b": ("F32", (64,))}
 

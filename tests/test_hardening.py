@@ -27,7 +27,7 @@ from dcr_log.format import version_key
 from dcr_log.format.canonical import seal
 from dcr_log.receiver import Journal, Receiver
 from dcr_log.receiver import journal as journal_mod
-from dcr_log.receiver import storage as storage_mod
+from dcr_log.receiver import fs as storage_mod
 from dcr_log.state import TensorInfo, state_digest
 from dcr_log.store import Store
 
@@ -284,7 +284,7 @@ def _kill_self(sig):
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupted_append_says_what_is_left(tmp_path, capsys, monkeypatch, sig, code):
     from dcr_log.checkpoint import save_safetensors
-    from dcr_log.writer import LogWriter
+    from dcr_log.write import LogWriter
 
     log, states = build_log(tmp_path / "log", versions=2)
     ckpt = tmp_path / "next.safetensors"

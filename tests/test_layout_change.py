@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
 from dcr_log import DeltaLog, LogWriter, UsageError
 from dcr_log.checkpoint import save_safetensors
-from dcr_log.shard import check_layout_change
+from dcr_log.write.layout import check_layout_change
 from dcr_log.state import LAYOUT_CHANGES_SHOWN, layout_changes
 from dcr_log.state import TensorBits
 

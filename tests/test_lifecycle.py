@@ -18,9 +18,9 @@ from dcr_log.format.lifecycle import Marker, log_start_key
 from dcr_log.lifecycle import gc, parse_duration, write_snapshot, write_squash
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver, open_directory
-from dcr_log.shard import utc_now
+from dcr_log.write.sharded import utc_now
 from dcr_log.synthetic import SyntheticTrainer, lr_for_rate, specs_for_params
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 SPEC = {"embed": ("BF16", (96, 40)), "norm": ("F32", (40,)), "head": ("F16", (33, 7)), "step": ("I64", ())}
 
@@ -486,7 +486,7 @@ def test_engine_receivers_catch_up_through_a_squash_and_a_snapshot(tmp_path):
     import torch  # noqa: F401  (the engines are torch modules)
     import engine_job as job
     from engines import EngineConfig, TestEngine, engine_params, fresh_engine
-    from dcr_log.placement import discover
+    from dcr_log.engines.placement import discover
 
     cfg = EngineConfig()
     root = tmp_path / "log"
@@ -541,7 +541,7 @@ def test_under_a_trust_policy_catch_up_steps_are_checked_in_full(tmp_path):
     import dataclasses
     import hashlib
     from dcr_log.codec.raw import RawEncoding
-    from dcr_log.delta import decode_record
+    from dcr_log.log.records import decode_record
     from dcr_log.format import SegmentRef, encode_segment
 
     records = list(log.records(log.catchup_step(real)))

@@ -17,10 +17,10 @@ from conftest import cli_env, change_words, copy_state, make_state, run_cli, sna
 from dcr_log.errors import IntegrityError, LineageError
 from dcr_log.lifecycle import gc, write_snapshot, write_squash
 from dcr_log.log import DeltaLog
-from dcr_log.mirror import Mirror, mirror
+from dcr_log.lifecycle.mirror import Mirror, mirror
 from dcr_log.receiver import Receiver
 from dcr_log.store import Store
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 SPEC = {"w": ("BF16", (192, 64)), "b": ("F32", (64,)), "s": ("I64", ())}
 

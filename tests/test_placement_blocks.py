@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dcr_log import LogWriter  # noqa: E402
-from dcr_log.placement import Piece, Placement, discover  # noqa: E402
+from dcr_log.engines.placement import PlacementPiece, Placement, discover  # noqa: E402
 from dcr_log.receiver import Receiver  # noqa: E402
 from dcr_log.state import is_torch_tensor  # noqa: E402
 
@@ -95,7 +95,7 @@ def test_blocked_layout_found_as_blocks_and_applied_bit_exact(tmp_path):
 
 
 def test_block_map_matches_its_elements():
-    p = Piece.block("x", 3, 5, [(4, 100, -1), (6, 10, 4), (3, 1, 24)])
+    p = PlacementPiece.block("x", 3, 5, [(4, 100, -1), (6, 10, 4), (3, 1, 24)])
     c, q = p.elements()
     probe = np.arange(0, 500)
     inside, pos = p.map(probe)

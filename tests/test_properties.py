@@ -30,9 +30,9 @@ from conftest import (
 )
 from dcr_log import DeltaLog, LogWriter, UsageError, create_log, state_equal, to_bits
 from dcr_log.checkpoint import save_safetensors
-from dcr_log.delta import EncodePolicy
+from dcr_log.write.differ import EncodePolicy
 from dcr_log.state import TensorBits, to_torch
-from dcr_log.writer import DEFAULT_SEGMENT_BYTES
+from dcr_log.write.writer import DEFAULT_SEGMENT_BYTES
 
 NAMES = ("a", "b.weight", "model.layers.0.mlp.up_proj.weight", "Z", "é", "名前", "x.y:z")
 TORCH_DTYPE = {

@@ -14,7 +14,7 @@ import torch
 from conftest import assert_same_bits, change_words, copy_state, make_state
 from dcr_log import DeltaLog, LineageError, TensorBits, UsageError, to_state
 from dcr_log.checkpoint import load_checkpoint
-from dcr_log.delta import EncodePolicy
+from dcr_log.write.differ import EncodePolicy
 from dcr_log.errors import IntegrityError
 from dcr_log.receiver import (
     CheckpointStorage,
@@ -24,9 +24,9 @@ from dcr_log.receiver import (
     TorchStorage,
     write_checkpoint,
 )
-from dcr_log.receiver.apply import SAMPLE_DIVISOR, sample_tensors
+from dcr_log.receiver.receiver import SAMPLE_DIVISOR, sample_tensors
 from dcr_log.state import TensorInfo, state_digest, to_torch
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 
 class SimulatedCrash(BaseException):
@@ -497,7 +497,7 @@ def test_journal_is_exclusive(tmp_path, logged):
 
 def test_torn_range_survives_other_batch_boundaries(tmp_path, logged, monkeypatch):
     """A batch torn by one crash, resumed with smaller batches and crashed again, finishes."""
-    from dcr_log.receiver import apply as apply_module
+    from dcr_log.receiver import receiver as apply_module
 
     log, states = logged
     directory = ckpt_receiver(tmp_path, log, states[0])

@@ -14,10 +14,10 @@ from conftest import assert_file_holds, assert_one_line, assert_same_bits, chang
 from dcr_log import DeltaLog
 from dcr_log.checkpoint import INDEX_NAME, checkpoint_files, load_checkpoint, read_header
 from dcr_log.cli import main
-from dcr_log.delta import EncodePolicy
+from dcr_log.write.differ import EncodePolicy
 from dcr_log.receiver import Journal, write_checkpoint
 from dcr_log.receiver import directory as receiver_directory
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 from test_receiver import LAYOUT_VERSION, build_log
 

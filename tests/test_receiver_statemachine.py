@@ -20,10 +20,10 @@ from conftest import change_words, copy_state, make_bits
 from dcr_log import DeltaLog, LineageError, TensorBits
 from dcr_log.checkpoint import load_checkpoint
 from dcr_log.coords import DTYPE_WIDTH
-from dcr_log.delta import EncodePolicy
+from dcr_log.write.differ import EncodePolicy
 from dcr_log.receiver import Receiver, write_checkpoint
 from dcr_log.state import to_state, to_torch
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 
 class SimulatedCrash(BaseException):

@@ -23,7 +23,8 @@ import sharded_job as job
 from conftest import assert_file_holds, assert_same_bits, free_port, run_cli
 from dcr_log import DeltaLog, LogWriter, TensorBits, UsageError
 from dcr_log.coords import numel
-from dcr_log.shard import Shard, ShardedWriter
+from dcr_log.write.pieces import Shard
+from dcr_log.write.sharded import ShardedWriter
 
 JOB = Path(__file__).with_name("sharded_job.py")
 PG_TIMEOUT = 15      # seconds: the process group's timeout bounds a wait on a dead rank

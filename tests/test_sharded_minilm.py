@@ -92,7 +92,7 @@ def outputs(model: BertModel, state: dict[str, torch.Tensor]) -> dict[str, torch
 
 def tp_shards(state: dict[str, torch.Tensor], rank: int, world: int):
     """This rank's shards of the canonical bf16 state (views, nothing copied)."""
-    from dcr_log.shard import Shard
+    from dcr_log.write.pieces import Shard
 
     shards: dict[str, list] = {}
     for name, t in state.items():
@@ -122,7 +122,7 @@ def rank_main(rank: int, world: int, port: int, log_dir: str, out_dir: str) -> N
     import torch.distributed as dist
     import xxhash
 
-    from dcr_log.shard import ShardedWriter
+    from dcr_log.write.sharded import ShardedWriter
 
     torch.set_num_threads(1)  # bit-reproducible on every rank
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ from conftest import assert_file_holds, change_words, cli_env, make_state
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.cli import main
 from dcr_log.log import DeltaLog
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 SPEC = {"w": ("BF16", (512, 256)), "b": ("F32", (256,))}
 CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}

@@ -21,7 +21,7 @@ from dcr_log.format.signature import SignatureRecord, parse_signature_key
 from dcr_log.receiver import Receiver
 from dcr_log.signing import SigningKey, TrustPolicy, public_text
 from dcr_log.state import TensorBits
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 KEY_A = SigningKey.from_seed(bytes(range(32)))
 KEY_B = SigningKey.from_seed(bytes(range(32, 64)))

@@ -3,14 +3,17 @@ checked and applied, each fetched once, spooled to local disk beyond the memory 
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from conftest import counting_store, change_words, copy_state, make_state
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver
-from dcr_log.receiver import apply as apply_module
-from dcr_log.writer import LogWriter
+from dcr_log.receiver import segments as apply_module
+from dcr_log.write import LogWriter
 
 
 @pytest.mark.parametrize("budget", [1 << 30, 4096])  # all in memory; most spooled
@@ -31,20 +34,20 @@ def test_each_segment_is_fetched_once_and_the_spool_is_removed(tmp_path, monkeyp
     assert all(len(log.commit(v).segments) >= 8 for v in (1, 2))
     spools = tmp_path / "tmp"
     spools.mkdir()
-    monkeypatch.setattr(apply_module.tempfile, "gettempdir", lambda: str(spools))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(spools))
     monkeypatch.setattr(apply_module, "SEGMENT_CACHE_BYTES", budget)
     arrays = {n: b.words.reshape(b.shape).copy() for n, b in states[0].items()}
     rx = Receiver.open(arrays, tmp_path / "j", dtypes={n: b.dtype for n, b in states[0].items()})
     rx.bind(log, 0)
     store.gets.clear()
     spooled = []
-    real_write = apply_module.Path.write_bytes
+    real_write = Path.write_bytes
 
     def spy(self, data):
         spooled.append(self)
         return real_write(self, data)
 
-    monkeypatch.setattr(apply_module.Path, "write_bytes", spy)
+    monkeypatch.setattr(Path, "write_bytes", spy)
     assert rx.apply(log, verify=verify) == [1, 2]
     for name, bits in states[2].items():
         assert arrays[name].tobytes() == bits.words.tobytes()
@@ -99,8 +102,8 @@ def test_a_segment_above_the_memory_budget_is_streamed_not_held(tmp_path, monkey
     verify, replay and the receiver never hold it whole."""
     import uuid
 
-    from dcr_log import log as log_module
-    from dcr_log.delta import EncodePolicy
+    from dcr_log.log import segments as log_module
+    from dcr_log.write.differ import EncodePolicy
     from dcr_log.state import TensorBits
     from dcr_log.store import Store
 
@@ -143,7 +146,7 @@ def test_a_segment_above_the_memory_budget_is_streamed_not_held(tmp_path, monkey
     monkeypatch.setattr(apply_module, "SEGMENT_CACHE_BYTES", 1 << 20)
     spools = tmp_path / "tmp"
     spools.mkdir()
-    monkeypatch.setattr(apply_module.tempfile, "gettempdir", lambda: str(spools))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(spools))
     rx = Receiver.open(arrays, tmp_path / "j", dtypes={"w": "BF16"})
     rx.bind(log, 0)
     assert rx.apply(log, verify="full") == [1]

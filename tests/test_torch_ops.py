@@ -21,8 +21,8 @@ from conftest import SPECIAL_WORDS, random_words
 from dcr_log import torch_ops as T
 from dcr_log.codec import ChangeSet
 from dcr_log.codec import ulp
-from dcr_log import delta
-from dcr_log.delta import record_targets
+from dcr_log.write import differ
+from dcr_log.log.records import record_targets
 from dcr_log.state import to_bits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def test_find_changes_equals_numpy(dtype, shape, rate, seed, chunk):
     pos, bv, nv = T.find_changes(tb, tn, **args)
     assert pos.dtype == torch.int64 and bv.dtype == nv.dtype == T.SIGNED_WORDS[width(dtype)]
     expect = np.flatnonzero(base != new)
-    for impl in (delta.find_changes, getattr(delta, "find_changes_numpy", delta.find_changes)):
+    for impl in (differ.find_changes, getattr(differ, "find_changes_numpy", differ.find_changes)):
         p, b, v = impl(base, new)
         assert np.array_equal(pos.numpy(), p) and p.dtype == np.int64
         assert np.array_equal(as_u(bv), b) and np.array_equal(as_u(nv), v)
@@ -340,7 +340,7 @@ def test_apply_changes_relative_record_roundtrip_from_the_codec():
     rng = np.random.default_rng(7)
     base = random_words(rng, "BF16", 5000, special_rate=0.05)
     new = changed_copy(rng, base, 0.05, "BF16")
-    p, b, v = delta.find_changes(base, new)
+    p, b, v = differ.find_changes(base, new)
     enc = ulp.UlpEncoding()
     params, payload = enc.encode("xor", ChangeSet(base.size, p, np.bitwise_xor(b, v)), base=b, new=v)
     changes = enc.decode("xor", params, payload, base.size, p.size, np.dtype("<u2"))
@@ -438,8 +438,8 @@ def test_to_device_changes_refuses_bad_input():
 # --- the module is imported only on use -----------------------------------------------------
 
 def test_dcr_log_does_not_import_torch_ops():
-    code = ("import sys, dcr_log, dcr_log.delta, dcr_log.receiver, dcr_log.cli, dcr_log.log, "
-            "dcr_log.writer\n"
+    code = ("import sys, dcr_log, dcr_log.write.differ, dcr_log.receiver, dcr_log.cli, dcr_log.log, "
+            "dcr_log.write\n"
             "assert 'dcr_log.torch_ops' not in sys.modules, 'imported at import time'\n"
             "import dcr_log.torch_ops\nprint('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

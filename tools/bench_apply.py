@@ -29,7 +29,7 @@ from dcr_log import DeltaLog, TensorBits
 from dcr_log.receiver import Receiver, write_checkpoint
 from dcr_log.state import to_torch
 from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, rate_of, specs_for_params
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 
 def copy_state(state: dict[str, TensorBits]) -> dict[str, TensorBits]:

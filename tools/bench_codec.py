@@ -34,7 +34,8 @@ from dcr_log import buffers
 from dcr_log.codec.base import ChangeSet
 from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.codec.ulp import UlpEncoding, step_from, step_from_numpy, ulp_distance
-from dcr_log.delta import _Scratch, find_changes, find_changes_numpy, gather_words, scatter_words
+from dcr_log.write.differ import _Scratch, find_changes, find_changes_numpy
+from dcr_log.log.records import gather_words, scatter_words
 from dcr_log.synthetic import adam_step_pair, lr_for_rate
 
 

@@ -37,7 +37,7 @@ from dcr_log.log import DeltaLog  # noqa: E402
 from dcr_log.receiver import open_directory  # noqa: E402
 from dcr_log.store import Store  # noqa: E402
 from dcr_log.synthetic import SyntheticTrainer, lr_for_rate, specs_for_params  # noqa: E402
-from dcr_log.writer import LogWriter  # noqa: E402
+from dcr_log.write import LogWriter  # noqa: E402
 
 
 class CountingStore(Store):

@@ -104,7 +104,7 @@ def main() -> int:
     from dcr_log.log import DeltaLog
     from dcr_log.receiver import open_directory, write_checkpoint
     from dcr_log.synthetic import SyntheticTrainer, lr_for_rate, specs_for_params
-    from dcr_log.writer import LogWriter
+    from dcr_log.write import LogWriter
 
     rates = [float(r) for r in args.rates.split(",")]
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-link-"))

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from dcr_log.format import limits  # noqa: E402
 from dcr_log.format.canonical import seal  # noqa: E402
 from dcr_log.state import TensorBits  # noqa: E402
-from dcr_log.writer import LogWriter  # noqa: E402
+from dcr_log.write import LogWriter  # noqa: E402
 
 
 def _run(args: list[str], label: str) -> None:

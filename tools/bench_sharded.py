@@ -98,7 +98,8 @@ def rank_main(rank: int, world: int, port: int, work: Path, repeats: int, change
     import torch
     import torch.distributed as dist
 
-    from dcr_log.shard import Shard, ShardedWriter
+    from dcr_log.write.pieces import Shard
+    from dcr_log.write.sharded import ShardedWriter
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))

@@ -50,10 +50,10 @@ import numpy as np
 
 from dcr_log import DeltaLog, TensorBits, state_equal
 from dcr_log.checkpoint import load_checkpoint
-from dcr_log.delta import EncodePolicy
+from dcr_log.write.differ import EncodePolicy
 from dcr_log.receiver import JOURNAL_DIR, Journal, open_directory, write_checkpoint
 from dcr_log.receiver.files import TMP_PREFIX
-from dcr_log.writer import LogWriter
+from dcr_log.write import LogWriter
 
 MIB = 1 << 20
 

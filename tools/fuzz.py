@@ -60,13 +60,13 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from dcr_log import DeltaLog  # noqa: E402
-from dcr_log.delta import EncodePolicy  # noqa: E402
+from dcr_log.write.differ import EncodePolicy  # noqa: E402
 from dcr_log.errors import DcrError, LineageError  # noqa: E402
 from dcr_log.format import version_key  # noqa: E402
 from dcr_log.format.canonical import seal  # noqa: E402
 from dcr_log.receiver import open_directory, write_checkpoint  # noqa: E402
 from dcr_log.state import TensorBits  # noqa: E402
-from dcr_log.writer import LogWriter  # noqa: E402
+from dcr_log.write import LogWriter  # noqa: E402
 
 TARGETS = ("segment", "segment-resealed", "record-reencoded", "table-changed", "commit-bytes",
            "commit-json", "identity-bytes", "identity-json", "journal", "receiver")

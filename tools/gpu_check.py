@@ -19,7 +19,7 @@ xor's.
 
 Checked bit for bit (every check compares integer views, never floats):
 - find_changes on the whole device tensor finds exactly the chosen positions, and on a
-  prefix (``--prefix`` elements, default 64 Mi) equals dcr_log.delta.find_changes (and
+  prefix (``--prefix`` elements, default 64 Mi) equals dcr_log.write.differ.find_changes (and
   find_changes_numpy where the library has it) run on host copies;
 - ulp_distance of the found words equals dcr_log.codec.ulp.ulp_distance on the prefix, and
   the +-1 distances the pair was built with;
@@ -159,7 +159,8 @@ def host_u(words: torch.Tensor) -> np.ndarray:
 
 def library_checks(ck: Checker, base: torch.Tensor, new: torch.Tensor, device: torch.device) -> None:
     from dcr_log import DeltaLog, LogWriter
-    from dcr_log.delta import EncodePolicy, decode_record, flat_positions
+    from dcr_log.write.differ import EncodePolicy
+    from dcr_log.log.records import decode_record, flat_positions
     from dcr_log.receiver import Receiver
 
     m = min(base.numel(), ROUNDTRIP_ELEMENTS)
@@ -304,9 +305,9 @@ def run(args) -> int:
         dp, db, dn = T.find_changes(base[:prefix], new[:prefix])
         got = (dp.cpu().numpy(), host_u(db), host_u(dn))
         if dcr_log is None:
-            ck.skip(f"find_changes {tag} == dcr_log.delta on prefix", LIBRARY_ERROR)
+            ck.skip(f"find_changes {tag} == dcr_log.write.differ on prefix", LIBRARY_ERROR)
         else:
-            from dcr_log import delta
+            from dcr_log.write import differ as delta
             from dcr_log.codec import ulp
 
             def same_as(fn):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcr_log import native
 from dcr_log.errors import IntegrityError
 from dcr_log.codec.base import ChangeSet, Encoding, check_params, positions_from_gaps
 
@@ -86,20 +87,14 @@ def ulp_distance(base: np.ndarray, new: np.ndarray) -> np.ndarray:
     return np.subtract(to_key(new), to_key(base))
 
 
-try:
-    from dcr_log import _changes as _native
-except ImportError:  # built without a compiler: numpy below
-    _native = None
-
-
 def step_from(base: np.ndarray, distance: np.ndarray, backwards: bool = False) -> np.ndarray:
     """The words ``distance`` ulps from ``base`` (or back from it, ``backwards``), as words of
     ``base``'s dtype; element by element, so any subset of a record's positions works."""
     u = np.dtype(f"<u{base.dtype.itemsize}")
     d = np.asarray(distance).view(u)
-    if _native is not None and base.shape == d.shape and base.ndim == 1:
+    if native.changes is not None and base.shape == d.shape and base.ndim == 1:
         out = np.empty(base.size, dtype=base.dtype)
-        _native.step(np.ascontiguousarray(base).view(u), np.ascontiguousarray(d), u.itemsize,
+        native.changes.step(np.ascontiguousarray(base).view(u), np.ascontiguousarray(d), u.itemsize,
                      backwards, out.view(u))
         return out
     return step_from_numpy(base, d, backwards)

@@ -190,7 +190,7 @@ class OpenReport:
 class _WorkerState:
     def __init__(self, worker: Any, log_location: str, journal_path: str, version: int | None,
                  placement_path: str | None, verify: str, trust: Any):
-        from dcr_log import DeltaLog
+        from dcr_log.log.deltalog import DeltaLog
         from dcr_log.receiver import Receiver, open_storage
 
         model = worker.model_runner.get_model()
@@ -260,7 +260,7 @@ class _WorkerState:
         (through the engine's reload pipeline; the engine's words are given back) and saved."""
         import time
 
-        from dcr_log.placement import Placement, discover
+        from dcr_log.engines.placement import Placement, discover
         path = self.placement_file
         if path.exists():
             try:
@@ -280,7 +280,7 @@ class _WorkerState:
         return placement
 
     def _rediscover(self, table: Any):
-        from dcr_log.placement import discover
+        from dcr_log.engines.placement import discover
         return discover(self.loader, table, self.tensors)
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import uuid
 from typing import Callable, Iterable
 
-from dcr_log.delta import Differ, EncodePolicy
+from dcr_log.write.differ import Differ, EncodePolicy
 from dcr_log.errors import IntegrityError, NotFoundError, UsageError
 from dcr_log.format import CommitStats, Record, SegmentBuilder
 from dcr_log.format.keys import check_writer_id
 from dcr_log.format.lifecycle import CatchUp
-from dcr_log.log import DeltaLog
-from dcr_log.shard import DEFAULT_SEGMENT_BYTES, _Uploader, default_writer_id, utc_now
+from dcr_log.log.deltalog import DeltaLog
+from dcr_log.write.sharded import DEFAULT_SEGMENT_BYTES, default_writer_id, utc_now
+from dcr_log.write.uploader import SegmentUploader
 from dcr_log.state import TensorBits
 from dcr_log.store import AlreadyExists
 
@@ -21,7 +22,7 @@ def _write_segments(log: DeltaLog, version: int, prefix: str, records: Iterable[
                     segment_bytes: int) -> tuple[list, int, int, list[str]]:
     """Encode ``records`` into segment files under ``prefix``; returns (refs, records, changed
     elements, every key tried)."""
-    uploads = _Uploader(log.store)
+    uploads = SegmentUploader(log.store)
     builder = SegmentBuilder(log.log_id, version)
     count = changed = 0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dcr_log.coords import DTYPE_WIDTH, numel
 from dcr_log.errors import UsageError
-from dcr_log.log import DeltaLog
+from dcr_log.log.deltalog import DeltaLog
 
 
 def _when(text: str) -> float | None:

@@ -23,8 +23,8 @@ from typing import Callable, Iterable
 
 from dcr_log.errors import UsageError, os_error
 from dcr_log.format import CommitRecord, FileEntry
-from dcr_log.log import DeltaLog
-from dcr_log.receiver.storage import check_regular, fsync_dir, write_file_atomic
+from dcr_log.log.deltalog import DeltaLog
+from dcr_log.receiver.fs import check_regular, fsync_dir, write_file_atomic
 
 # The bytes of a version's files kept in memory between the plan and the writes, beyond
 # which they are fetched (and checked) again when written.

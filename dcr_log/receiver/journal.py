@@ -309,7 +309,7 @@ class Journal:
 
     @staticmethod
     def exists(path: str | os.PathLike) -> bool:
-        from dcr_log.receiver.storage import check_regular
+        from dcr_log.receiver.fs import check_regular
 
         path = Path(path)
         if not check_regular(path, "directory"):
@@ -725,7 +725,7 @@ def _verify(txn, path: Path) -> bool:
 def _lmdb_error(exc: Exception, path: Path, op: str) -> StoreError:
     """LMDB's errors as one readable line with their cause (a full disk shows as ENOSPC or,
     at commit, as EIO: the free space says which)."""
-    from dcr_log.receiver.storage import free_bytes
+    from dcr_log.receiver.fs import free_bytes
 
     text = str(exc).split("\n", 1)[0]
     errno_ = getattr(exc, "errno", None)

@@ -1,42 +1,39 @@
 """Build records from a base and a new tensor, and apply records to words. Pure: no I/O.
 
 Both directions are vectorised: per record the work is a few numpy passes over the box
-(diff) or over the changed positions (apply), never a Python loop per element.
-"""
+(diff) or over the changed positions (apply), never a Python loop per element."""
 
 from __future__ import annotations
 
-import os
 import threading
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
-from dcr_log import buffers
-from dcr_log.codec import ChangeSet, decode_changes
+from dcr_log import native
+
+from dcr_log.codec import ChangeSet
 from dcr_log.codec.dense import DEFAULT_LEVEL as DENSE_LEVEL
 from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import DEFAULT_LEVEL as SPARSE_LEVEL
 from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.codec.ulp import DEFAULT_LEVEL as ULP_LEVEL
-from dcr_log.codec.ulp import UlpEncoding, step_from
-from dcr_log.coords import Box, box_to_tensor_flat, box_view, numel, row_blocks, word_dtype
-from dcr_log.errors import IntegrityError
+from dcr_log.codec.ulp import UlpEncoding
+from dcr_log.coords import Box, box_to_tensor_flat, box_view, row_blocks
 from dcr_log.format import Record
 from dcr_log.digest import MASK64, XXH3, DigestScheme
-from dcr_log.state import TensorBits, TensorInfo
+from dcr_log.state import TensorBits
+from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
+
 
 # A record covers at most this many elements, so that encode and apply stream in chunks and
 # the chunks of a large tensor are encoded in parallel. 4 Mi elements (8 MiB of bf16) keep the
 # per-record overhead (~200 bytes) under 0.5% of a 1%-changed record's payload.
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
-# Threads that encode the boxes of one tensor (numpy and zstd release the GIL); more than a
-# few only add memory traffic to a pass that is already bound by it.
-DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
 # Tensors smaller than this are encoded on the calling thread: a thread hop costs more.
 PARALLEL_MIN_ELEMENTS = 1 << 20
 
@@ -140,12 +137,6 @@ def _lane_changes(b64: np.ndarray, n64: np.ndarray, word: np.dtype, offset: int,
     return positions, base_vals, new_vals
 
 
-try:
-    from dcr_log import _changes as _native_changes
-except ImportError:  # built without a compiler: the numpy path below
-    _native_changes = None
-
-
 def find_changes(base: np.ndarray, new: np.ndarray, scratch: _Scratch | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(positions, base values, new values) where the word arrays ``base`` and ``new`` differ.
@@ -154,14 +145,14 @@ def find_changes(base: np.ndarray, new: np.ndarray, scratch: _Scratch | None = N
     each array once; the results are copied out of per-thread buffers (O(changes)).
     """
     scratch = scratch or _Scratch()
-    if (_native_changes is not None and base.flags.c_contiguous and new.flags.c_contiguous
+    if (native.changes is not None and base.flags.c_contiguous and new.flags.c_contiguous
             and base.dtype == new.dtype and base.size == new.size):
         n = base.size
         word = np.dtype(f"<u{base.dtype.itemsize}")
         pos = scratch.get("found_positions", np.int64, n)
         bv = scratch.get("found_base", word, n)
         nv = scratch.get("found_new", word, n)
-        k = _native_changes.find(base.view(word), new.view(word), word.itemsize, pos, bv, nv)
+        k = native.changes.find(base.view(word), new.view(word), word.itemsize, pos, bv, nv)
         return pos[:k].copy(), bv[:k].view(base.dtype).copy(), nv[:k].view(base.dtype).copy()
     return find_changes_numpy(base, new, scratch)
 
@@ -200,29 +191,6 @@ def find_changes_numpy(base: np.ndarray, new: np.ndarray, scratch: _Scratch | No
     return p, b.view(base.dtype), v.view(base.dtype)
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def shared_pool(workers: int) -> ThreadPoolExecutor:
-    """One process-wide pool per size, shared by every Differ and replay (writers and readers
-    come and go; their threads should not pile up). Tasks never wait on other tasks, so
-    sharing cannot deadlock."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(workers)
-        if pool is None:
-            pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="dcr")
-        return pool
-
-
-def _forget_pools() -> None:
-    global _POOLS_LOCK
-    _POOLS.clear()  # a forked child has none of the parent's threads
-    _POOLS_LOCK = threading.Lock()  # nor a lock another thread held at the fork
-
-
-os.register_at_fork(after_in_child=_forget_pools)
-
 
 @dataclass
 class BoxDelta:
@@ -237,30 +205,6 @@ class BoxDelta:
     positions: np.ndarray | None
     new_values: np.ndarray
     digest_delta: int | None
-
-
-def map_ordered(fn, items: list, workers: int, parallel: bool = True) -> Iterator:
-    """``fn(item)`` for each item, on ``workers`` threads of the shared pool, yielded in order,
-    with at most ``workers + 1`` results in flight."""
-    if workers <= 1 or len(items) < 2 or not parallel:
-        for item in items:
-            yield fn(item)
-        return
-    pool = shared_pool(workers)
-    pending: deque = deque()
-    try:
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) > workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    finally:
-        # Abandoned early (an error, or the consumer stopped): let running items finish so
-        # that no thread still reads the caller's arrays after we return.
-        for f in pending:
-            f.cancel()
-        wait(pending)
 
 
 class Differ:
@@ -365,112 +309,3 @@ class Differ:
         rec = Record(name, kind, box, enc, params, k, base_d, target_d, payload)
         delta = (target_d - base_d) & MASK64 if digests.composable else None
         return BoxDelta(rec, positions, new_vals, delta)
-
-
-def decode_record(record: Record, info: TensorInfo) -> ChangeSet:
-    """Decode a record's payload for a tensor of the given (new) dtype and shape."""
-    if record.tensor != info.name:
-        raise IntegrityError(f"record for {record.tensor!r} checked against {info.name!r}")
-    record.box.check_inside(info.shape)
-    try:
-        return decode_changes(
-            record.kind, record.encoding, record.params, record.payload,
-            record.box.size, record.n_changed, word_dtype(info.dtype),
-        )
-    finally:
-        if record.done is not None:
-            record.done()
-
-
-def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -> np.ndarray | slice:
-    """Where the record's values go in the tensor's flat words: indices, or a slice for whole boxes."""
-    if changes.positions is None and record.box.is_row_block(shape):
-        start = record.box.flat_start(shape)
-        return slice(start, start + record.box.size)
-    positions = np.arange(record.box.size) if changes.positions is None else changes.positions
-    return box_to_tensor_flat(record.box, shape, positions)
-
-
-def _native_moves(words: np.ndarray, where) -> bool:
-    return (_native_changes is not None and isinstance(where, np.ndarray) and where.dtype == np.int64
-            and where.ndim == 1 and where.flags.c_contiguous and words.ndim == 1
-            and words.flags.c_contiguous)
-
-
-def gather_words(words: np.ndarray, where) -> np.ndarray:
-    """``words[where]`` (a copy), with the C gather for index arrays: it requests the cache
-    lines of later positions early, where numpy waits for each in turn (on 1% of a 256 MiB
-    array, gathers 1.2x and scatters 1.5x faster; tools/bench_codec.py)."""
-    if not _native_moves(words, where):
-        return words[where].copy() if isinstance(where, slice) else words[where]
-    u = np.dtype(f"<u{words.dtype.itemsize}")
-    out = np.empty(where.size, dtype=words.dtype)
-    _native_changes.gather(words.view(u), where, u.itemsize, out.view(u))
-    return out
-
-
-def scatter_words(words: np.ndarray, where, values: np.ndarray) -> None:
-    """``words[where] = values``, with the C scatter for index arrays (see gather_words)."""
-    if (not _native_moves(words, where) or values.shape != where.shape
-            or values.dtype.itemsize != words.dtype.itemsize):
-        words[where] = values
-        return
-    u = np.dtype(f"<u{words.dtype.itemsize}")
-    values = np.ascontiguousarray(values)
-    _native_changes.scatter(words.view(u), where, u.itemsize, values.view(u))
-
-
-def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """The words a record writes where ``current`` holds its base: ``values`` are the record's
-    values at those positions (all of them, or the subset a receiver holds)."""
-    if kind != "xor":
-        return values
-    if not isinstance(current, np.ndarray):  # torch words on their device
-        from dcr_log import torch_ops
-
-        return torch_ops.step_from(current, values) if changes.relative else current ^ values
-    if changes.relative:
-        return step_from(current, values)
-    return np.bitwise_xor(current, values)
-
-
-def record_bases(kind: str, changes: ChangeSet, target: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Inverse of record_targets for ``xor`` records: the base words, from the target's."""
-    if not isinstance(target, np.ndarray):
-        from dcr_log import torch_ops
-
-        return torch_ops.step_from(target, values, backwards=True) if changes.relative else target ^ values
-    if changes.relative:
-        return step_from(target, values, backwards=True)
-    return np.bitwise_xor(target, values)
-
-
-def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape: tuple[int, ...],
-                   digests: DigestScheme = XXH3, check: bool = True) -> None:
-    """Apply one decoded record to a tensor's flat words in place.
-
-    With ``check`` the base digest (of the values found) and the target digest (of the values
-    to write) are both verified before anything is written: a failing record leaves the words
-    as they were. One gather and one scatter per record.
-    """
-    where = flat_positions(record, shape, changes)
-    if record.kind == "tensor":
-        target = changes.values
-    else:
-        current = gather_words(words, where)  # ``where`` is an index array for xor and overwrite
-        if check and digests.at(where, current) != record.base_digest:
-            raise IntegrityError(f"{record.tensor}: base values differ from the record's precondition")
-        target = record_targets(record.kind, changes, current, changes.values)
-    if check and digests.at(where, target) != record.target_digest:
-        raise IntegrityError(f"{record.tensor}: values to write differ from the record's target")
-    scatter_words(words, where, target)
-
-
-def empty_words(info: TensorInfo) -> np.ndarray:
-    try:
-        return buffers.zeros(numel(info.shape), word_dtype(info.dtype))
-    except (MemoryError, ValueError, OSError):
-        from dcr_log.errors import StoreError
-
-        raise StoreError(f"cannot allocate tensor {info.name!r} ({numel(info.shape)} words): "
-                         "out of memory") from None

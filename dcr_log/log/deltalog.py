@@ -5,19 +5,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import heapq
-import mmap
 import os
-import threading
-from collections import deque
-from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import numpy as np
-import pyarrow as pa
 
 from dcr_log.codec.ulp import ULP_ENCODING, UlpEncoding
-from dcr_log.delta import apply_to_words, decode_record, empty_words, shared_pool
+from dcr_log.log.records import empty_words
 from dcr_log.errors import CommitConflict, CommitStateUnknown, ExpiredError, IntegrityError, NotFoundError, UsageError
 from dcr_log.format import FILES, IDENTITY_KEY, CommitRecord, CommitStats, FileEntry, LogIdentity, Record, SegmentRef, iter_segment, parse_version_key, version_key
 from dcr_log.format import limits
@@ -29,6 +23,9 @@ from dcr_log.state import TensorBits, state_digest
 from dcr_log.format.signature import MAX_SIGNATURE_BYTES, MAX_SIGNATURES, SignatureRecord, parse_signature_key, signature_prefix
 from dcr_log.signing import as_signing_key, as_trust
 from dcr_log.store import AlreadyExists, Store
+from dcr_log.log import segments
+from dcr_log.log.segments import SegmentFile
+from dcr_log.log.replay import _ParallelApply, _covers_exactly
 
 
 class _Skipped:
@@ -40,100 +37,8 @@ class _Skipped:
     def as_error(self) -> Exception:
         return IntegrityError("signs another record" if self.trusted_key else "key not trusted")
 
+
 Progress = Callable[[int], None]
-
-# A reader holds a segment of at most this many bytes in memory (writers keep them near 64
-# MiB); a larger one is read from a local file through a memory map (SegmentFile): its sha256
-# is computed while it is read in chunks, and its records are read batch by batch.
-SEGMENT_MEMORY_BYTES = 256 << 20
-# Of a mapped segment, the pages of the payloads decoded last, up to about this many bytes,
-# stay mapped; older ones are given back (they count in resident memory while mapped).
-MAPPED_WINDOW_BYTES = 64 << 20
-_PAGE = mmap.PAGESIZE
-
-
-class SegmentFile:
-    """A segment checked against its commit record (size, sha256) that is held in a local
-    file, not in memory: the log's own file on a local directory, else an unnamed temporary
-    file it was streamed into. ``records`` read it through a read-only memory map."""
-
-    def __init__(self, file, size: int, sha256: str):
-        self._file = file
-        self.size = size
-        self.sha256 = sha256
-
-    @staticmethod
-    def open(path: os.PathLike) -> "SegmentFile":
-        """A local file (a receiver's spool), hashed in chunks: the caller checks the result."""
-        f = open(path, "rb")
-        try:
-            sha = hashlib.sha256()
-            chunk = bytearray(8 << 20)
-            size = 0
-            while n := f.readinto(chunk):
-                sha.update(memoryview(chunk)[:n])
-                size += n
-        except BaseException:
-            f.close()
-            raise
-        return SegmentFile(f, size, sha.hexdigest())
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __bytes__(self) -> bytes:
-        """The whole segment in memory (what a mirror copies)."""
-        return os.pread(self._file.fileno(), self.size, 0)
-
-    def map(self) -> "_Mapping":
-        return _Mapping(mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ))
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class _Mapping:
-    """A read-only memory map of a segment file whose pages are given back (MADV_DONTNEED:
-    read again from the file if touched again) as reading moves on: a payload's once
-    MAPPED_WINDOW_BYTES of later payloads have been decoded, all of them when the segment's
-    records have been read."""
-
-    def __init__(self, mm: mmap.mmap):
-        self.mm = mm
-        self.address = pa.py_buffer(mm).address
-        self._recent: deque[tuple[int, int]] = deque()
-        self._held = 0
-        self._lock = threading.Lock()
-
-    def hook(self, payload) -> Callable[[], None] | None:
-        """What a record calls once its payload is decoded (Record.done)."""
-        length = len(payload)
-        if not length:
-            return None
-        start = pa.py_buffer(payload).address - self.address
-        return lambda: self._done(start, length)
-
-    def _done(self, start: int, length: int) -> None:
-        with self._lock:
-            self._recent.append((start, length))
-            self._held += length
-            while self._held > MAPPED_WINDOW_BYTES and len(self._recent) > 1:
-                s, n = self._recent.popleft()
-                self._held -= n
-                self._drop(s, n)
-
-    def _drop(self, start: int, length: int) -> None:
-        first = start - start % _PAGE
-        try:
-            self.mm.madvise(mmap.MADV_DONTNEED, first, min(start + length, len(self.mm)) - first)
-        except (ValueError, OSError):  # closed meanwhile: nothing left to give back
-            pass
-
-    def drop_all(self) -> None:
-        with self._lock:
-            self._recent.clear()
-            self._held = 0
-            self._drop(0, len(self.mm))
 
 
 @dataclass(frozen=True)
@@ -484,7 +389,7 @@ class DeltaLog:
         fetched = 0
         for o in self.store.list(f"segments/{version}/"):
             if (o.key in self._prefetched or self._prefetched_bytes + o.size > budget
-                    or o.size > SEGMENT_MEMORY_BYTES):  # read from a file when it is listed
+                    or o.size > segments.SEGMENT_MEMORY_BYTES):  # read from a file when it is listed
                 continue
             try:
                 data = bytes(self.store.get(o.key, size=o.size))
@@ -511,7 +416,7 @@ class DeltaLog:
             self._prefetched_bytes -= len(early)
             if len(early) == ref.size and hashlib.sha256(early).hexdigest() == ref.sha256:
                 return memoryview(early)
-        large = ref.size > SEGMENT_MEMORY_BYTES
+        large = ref.size > segments.SEGMENT_MEMORY_BYTES
         try:
             if large:
                 f, sha = self.store.get_file(ref.key, ref.size)
@@ -952,94 +857,3 @@ class DeltaLog:
                 self.apply_step(state, self.catchup_step(cu))
         return VerifyReport(len(versions), nsegments, nbytes, deep, len(checked_files),
                             start=versions[0], catchups=len(catchups))
-
-
-def _covers_exactly(pieces: list | None, count: int) -> bool:
-    """Whether (flat start, size, ...) spans cover 0..count-1 once each, without gaps."""
-    if pieces is None or (not pieces and count):
-        return False
-    end = 0
-    for start, size, *_ in sorted(pieces):
-        if start != end:
-            return False
-        end = start + size
-    return end == count
-
-
-# Threads that decode and apply records (numpy and zstd release the GIL).
-REPLAY_WORKERS = max(1, min(4, os.cpu_count() or 1))
-# Records of boxes smaller than this are applied on the calling thread: a hop costs more.
-PARALLEL_MIN_ELEMENTS = 1 << 16
-def _decode_and_apply(rec: Record, info, bits: TensorBits, digests: DigestScheme) -> None:
-    apply_to_words(rec, decode_record(rec, info), bits.words, bits.shape, digests)
-
-
-class _ParallelApply:
-    """Decodes and applies the records of one version on a few threads, as if in order.
-
-    Records of one version never overlap, but a reader does not take that on trust: a record
-    whose flat span may meet an earlier record's span in the same tensor waits until every
-    earlier record is applied, so the result is always that of applying them in order.
-    A bounded number of records is in flight; on the first error the rest are drained and the
-    error is raised.
-    """
-
-    def __init__(self, digests: DigestScheme, window: int = 2 * REPLAY_WORKERS):
-        self._digests = digests
-        self._window = window
-        self._pending: deque[Future] = deque()
-        self._span_end: dict[str, int] = {}  # per tensor: end of the flat spans submitted
-
-    def __enter__(self) -> "_ParallelApply":
-        return self
-
-    def submit(self, rec: Record, info, bits: TensorBits) -> None:
-        start, end = _flat_span(rec.box, info.shape)
-        if start < self._span_end.get(rec.tensor, 0):
-            self._drain()  # may overlap an earlier record: let everything before it land first
-            self._span_end.clear()
-        self._span_end[rec.tensor] = max(end, self._span_end.get(rec.tensor, 0))
-        if rec.box.size < PARALLEL_MIN_ELEMENTS:
-            _decode_and_apply(rec, info, bits, self._digests)
-            return
-        self._pending.append(shared_pool(REPLAY_WORKERS).submit(_decode_and_apply, rec, info, bits,
-                                                                self._digests))
-        while len(self._pending) > self._window:
-            self._pending.popleft().result()
-
-    def _drain(self) -> None:
-        while self._pending:
-            self._pending.popleft().result()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                self._drain()
-        finally:
-            # On any error let the records in flight finish (nothing may write to the state
-            # after apply_version returns); the first error is the one raised.
-            wait(self._pending)
-            self._pending.clear()
-
-
-def _flat_span(box, shape: tuple[int, ...]) -> tuple[int, int]:
-    """[first, last + 1) flat indices of a box's elements: every element lies inside."""
-    if box.size == 0:
-        return 0, 0
-    if not shape:
-        return 0, 1
-    first = last = 0
-    for o, s, dim in zip(box.offset, box.shape, shape):
-        first = first * dim + o
-        last = last * dim + o + s - 1
-    return first, last + 1
-
-
-def state_equal(a: dict[str, TensorBits], b: dict[str, TensorBits]) -> bool:
-    """Bit-exact equality of two states (same names, dtypes, shapes and words)."""
-    return a.keys() == b.keys() and all(a[k].same_bits(b[k]) for k in a)
-
-
-def as_numpy(state: dict[str, TensorBits]) -> dict[str, np.ndarray]:
-    """Shaped word arrays (bf16 as uint16 and so on): the bits, in numpy."""
-    return {name: bits.words.reshape(bits.shape) for name, bits in state.items()}

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping, Sequence
 
-from dcr_log.delta import EncodePolicy
-from dcr_log.files import Files
+from dcr_log.write.differ import EncodePolicy
+from dcr_log.write.files import Files
 from dcr_log.format import CommitRecord
-from dcr_log.log import DeltaLog
-from dcr_log.shard import DEFAULT_FEATURES, DEFAULT_SEGMENT_BYTES, LocalGroup, Shard, ShardedWriter, default_writer_id, utc_now
+from dcr_log.log.deltalog import DeltaLog
+from dcr_log.write.sharded import DEFAULT_FEATURES, DEFAULT_SEGMENT_BYTES, ShardedWriter, default_writer_id, utc_now
+from dcr_log.collective import LocalGroup
+from dcr_log.write.pieces import Shard
 from dcr_log.state import to_state
 from dcr_log.store import Store
 

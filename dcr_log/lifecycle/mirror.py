@@ -19,7 +19,7 @@ from dcr_log.format import IDENTITY_KEY, version_key
 from dcr_log.format import limits
 from dcr_log.format.lifecycle import MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, RETIRED, log_start_key, parse_log_start_key
 from dcr_log.format.signature import MAX_SIGNATURE_BYTES, SignatureRecord, parse_signature_key, signature_prefix
-from dcr_log.log import DeltaLog
+from dcr_log.log.deltalog import DeltaLog
 from dcr_log.store import AlreadyExists, Store
 
 

@@ -33,7 +33,7 @@ from dcr_log.coords import DTYPE_WIDTH, Box, box_view, numel, word_dtype
 from dcr_log.digest import MASK64
 
 if TYPE_CHECKING:
-    from dcr_log.log import DeltaLog
+    from dcr_log.log.deltalog import DeltaLog
 
 PieceKey = tuple  # (name, offset tuple, shape tuple)
 CACHE_FORMAT = "dcr-baseline/1"
@@ -97,7 +97,7 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
 
 @dataclass
 class Baseline:
-    """Piece words (flat, box row-major) and their digests at ``version``."""
+    """ShardPiece words (flat, box row-major) and their digests at ``version``."""
 
     version: int
     arrays: dict
@@ -168,7 +168,8 @@ class Baseline:
 def _scatter(arrays: dict, scatters: Mapping) -> None:
     """The committed changes into the baseline's pieces, pieces on the shared pool's threads
     (the C scatter releases the GIL)."""
-    from dcr_log.delta import DEFAULT_WORKERS, map_ordered, scatter_words
+    from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
+    from dcr_log.log.records import scatter_words
 
     def scatter(item) -> None:
         key, parts = item
@@ -291,7 +292,7 @@ def roll_forward(log: "DeltaLog", base: Baseline, version: int, needed: list, sh
     is checked here: the caller compares the pieces' digests with the commit's.
     """
     from dcr_log.coords import box_to_tensor_flat, boxes_intersect, flat_inside, tensor_flat_to_box
-    from dcr_log.delta import decode_record, record_targets
+    from dcr_log.log.records import decode_record, record_targets
 
     start = log.commit(base.version).tensor_map()
     keep = [p for p in needed if p.key in base.arrays and start.get(p.name) is not None

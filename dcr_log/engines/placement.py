@@ -37,19 +37,19 @@ import numpy as np
 from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
 from dcr_log.digest import GOLDEN, mix64_into
 from dcr_log.errors import LayoutError, PlacementError, UsageError  # noqa: F401 (re-exported)
+from dcr_log.state import TableLayout
 
 PLACEMENT_FORMAT = "dcr-placement/1"       # run pieces only (written when it suffices)
-PLACEMENT_FORMAT_BLOCKS = "dcr-placement/2"  # run pieces and blocks (Piece.dims)
+PLACEMENT_FORMAT_BLOCKS = "dcr-placement/2"  # run pieces and blocks (PlacementPiece.dims)
 PLACEMENT_FORMATS = (PLACEMENT_FORMAT, PLACEMENT_FORMAT_BLOCKS)
 
 Loader = Callable[[Iterable[tuple[str, Any]]], Any]
-TableLayout = dict[str, tuple[str, tuple[int, ...]]]
 
 
 # -- pieces ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Piece:
+class PlacementPiece:
     """Elements of one canonical tensor copied bit for bit into ``param``.
 
     A *run piece* (``dims`` empty): ``count`` runs of ``length`` elements, run i is canonical
@@ -73,8 +73,8 @@ class Piece:
     dims: tuple[tuple[int, int, int], ...] = ()
 
     @staticmethod
-    def block(param: str, c0: int, p0: int, dims) -> "Piece":
-        return Piece(param, int(c0), 0, int(p0), 0, 0, 0,
+    def block(param: str, c0: int, p0: int, dims) -> "PlacementPiece":
+        return PlacementPiece(param, int(c0), 0, int(p0), 0, 0, 0,
                      tuple((int(n), int(cs), int(ps)) for n, cs, ps in dims))
 
     @property
@@ -135,7 +135,7 @@ class Piece:
         ends = np.concatenate([c[brk - 1] + 1, c[-1:] + 1])
         return starts, ends
 
-    def with_param(self, param: str) -> "Piece":
+    def with_param(self, param: str) -> "PlacementPiece":
         return dataclasses.replace(self, param=param)
 
     def to_json(self) -> list:
@@ -144,17 +144,17 @@ class Piece:
         return [self.param, self.c0, self.cstride, self.p0, self.pstride, self.length, self.count]
 
     @staticmethod
-    def from_json(obj) -> "Piece":
+    def from_json(obj) -> "PlacementPiece":
         if isinstance(obj, list) and len(obj) == 4 and isinstance(obj[0], str):
             dims = obj[3]
             if (type(obj[1]) is int and type(obj[2]) is int and obj[1] >= 0 and obj[2] >= 0
                     and isinstance(dims, list) and dims
                     and all(isinstance(d, list) and len(d) == 3 and all(type(v) is int for v in d)
                             for d in dims)):
-                return Piece.block(obj[0], obj[1], obj[2], dims)
+                return PlacementPiece.block(obj[0], obj[1], obj[2], dims)
         elif (isinstance(obj, list) and len(obj) == 7 and isinstance(obj[0], str)
                 and all(type(v) is int and v >= 0 for v in obj[1:])):
-            return Piece(*obj)
+            return PlacementPiece(*obj)
         raise PlacementError(f"placement: malformed piece {str(obj)[:80]}")
 
 
@@ -178,10 +178,10 @@ def _block_ok(dims, csize: int, c0: int) -> bool:
     return c0 + span < csize
 
 
-def _pieces_from_runs(param: str, c: np.ndarray, p: np.ndarray, n: np.ndarray) -> list[Piece]:
+def _pieces_from_runs(param: str, c: np.ndarray, p: np.ndarray, n: np.ndarray) -> list[PlacementPiece]:
     """Runs (canonical start, parameter start, length) in parameter order -> pieces, merging
     runs of one length whose canonical and parameter starts advance by constant strides."""
-    out: list[Piece] = []
+    out: list[PlacementPiece] = []
     i, total = 0, c.size
     while i < total:
         j = i + 1
@@ -193,10 +193,10 @@ def _pieces_from_runs(param: str, c: np.ndarray, p: np.ndarray, n: np.ndarray) -
                 ok = (n[j:] == n[i]) & (c[j:] - c[i] == (k - i) * dc) & (p[j:] - p[i] == (k - i) * dp)
                 bad = np.flatnonzero(~ok)
                 j = total if bad.size == 0 else j + int(bad[0])
-                out.append(Piece(param, int(c[i]), int(dc), int(p[i]), int(dp), int(n[i]), j - i))
+                out.append(PlacementPiece(param, int(c[i]), int(dc), int(p[i]), int(dp), int(n[i]), j - i))
                 i = j
                 continue
-        out.append(Piece(param, int(c[i]), int(n[i]), int(p[i]), int(n[i]), int(n[i]), 1))
+        out.append(PlacementPiece(param, int(c[i]), int(n[i]), int(p[i]), int(n[i]), int(n[i]), 1))
         i += 1
     return out
 
@@ -212,7 +212,7 @@ class Placement:
 
     table: TableLayout
     params: TableLayout
-    pieces: dict[str, list[Piece]] = field(default_factory=dict)
+    pieces: dict[str, list[PlacementPiece]] = field(default_factory=dict)
     residual: dict[str, list[str]] = field(default_factory=dict)
 
     # -- queries ---------------------------------------------------------------------------
@@ -274,7 +274,7 @@ class Placement:
         try:
             table = {n: (d, tuple(s)) for n, d, s in obj["table"]}
             params = {n: (d, tuple(s)) for n, d, s in obj["params"]}
-            pieces = {t: [Piece.from_json(p) for p in ps] for t, ps in obj["pieces"].items()}
+            pieces = {t: [PlacementPiece.from_json(p) for p in ps] for t, ps in obj["pieces"].items()}
             residual = {p: list(s) for p, s in obj["residual"].items()}
         except (KeyError, TypeError, ValueError, AttributeError):
             raise PlacementError("placement: malformed JSON") from None
@@ -581,7 +581,7 @@ def _discover(load_weights, layout, words_of, param_layout, seed, device) -> Pla
     # Check round: every candidate must hold exactly the check word of its source element.
     got = feed(lambda k: None if layout[names[k]][0] == "BOOL"
                else check_words(gids(k), layout[names[k]][0], seed))
-    pieces: dict[str, list[Piece]] = {}
+    pieces: dict[str, list[PlacementPiece]] = {}
     residual_params: list[str] = []
     for n, pw in words_of.items():
         v = got[n]
@@ -636,12 +636,12 @@ def _discover(load_weights, layout, words_of, param_layout, seed, device) -> Pla
 _BLOCKS_FROM = 8        # run pieces of one tensor in one parameter before blocks are tried
 
 
-def _blocks(param: str, p: np.ndarray, c: np.ndarray, limit: int) -> list[Piece] | None:
+def _blocks(param: str, p: np.ndarray, c: np.ndarray, limit: int) -> list[PlacementPiece] | None:
     """Cover (parameter index, canonical index) pairs, in parameter order, with blocks: from
     the first pair, each level takes every S-th pair (S: the size of the levels found so far)
     and extends while the step holds; the block is checked against the pairs it claims, and
     the next block starts after it. None when more than ``limit`` blocks are needed."""
-    out: list[Piece] = []
+    out: list[PlacementPiece] = []
     i, total = 0, p.size
     while i < total:
         if len(out) >= limit:
@@ -662,7 +662,7 @@ def _blocks(param: str, p: np.ndarray, c: np.ndarray, limit: int) -> list[Piece]
             if run < 2:
                 break
             trial = [(run, dc, dp)] + dims[::-1]   # outermost first, for the check
-            cand = Piece.block(param, C[0], P[0], sorted(trial, key=lambda d: -d[1]))
+            cand = PlacementPiece.block(param, C[0], P[0], sorted(trial, key=lambda d: -d[1]))
             if not _block_ok(cand.dims, 1 << 62, 0):
                 break
             ce, pe = cand.elements()
@@ -672,7 +672,7 @@ def _blocks(param: str, p: np.ndarray, c: np.ndarray, limit: int) -> list[Piece]
                 break
             dims.append((run, dc, dp))
             size = n
-        block = Piece.block(param, C[0], P[0], sorted(dims[::-1], key=lambda d: -d[1]) or [(1, 1, 1)])
+        block = PlacementPiece.block(param, C[0], P[0], sorted(dims[::-1], key=lambda d: -d[1]) or [(1, 1, 1)])
         out.append(block)
         i += size
     return out

@@ -12,41 +12,47 @@ every rank reported success; every rank learns the outcome.
 
 The collectives go through a small ``Group`` interface: ``LocalGroup`` (one process, no torch)
 or ``TorchGroup`` (any ``torch.distributed`` process group: gloo in the tests, nccl on GPUs;
-object collectives, so the group's timeout turns a dead rank into an error, not a hang).
-"""
+object collectives, so the group's timeout turns a dead rank into an error, not a hang)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-import pyarrow as pa
 import xxhash
 
 from dcr_log import buffers
-from dcr_log.baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline, piece_key
-from dcr_log.coords import DTYPE_WIDTH, Box, flat_range_boxes, numel, word_dtype
-from dcr_log.delta import Differ, EncodePolicy, map_ordered
+from dcr_log.write.baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline
+from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
+from dcr_log.write.differ import Differ, EncodePolicy
+from dcr_log.parallel import map_ordered
 from dcr_log.codec.ulp import ULP_ENCODING
 from dcr_log.digest import MASK64, SUM_DIGESTS
 from dcr_log.signing import as_signing_key
 from dcr_log.errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, StoreError, UsageError
-from dcr_log.format import IDENTITY_KEY, CommitRecord, CommitStats, LogIdentity, SegmentBuilder, SegmentRef, segment_key
-from dcr_log.files import Files, resolve_files
+from dcr_log.format import IDENTITY_KEY, CommitRecord, CommitStats, LogIdentity, SegmentBuilder, segment_key
+from dcr_log.write.files import Files, resolve_files
 from dcr_log.format import FILES, FileEntry
 from dcr_log.format.keys import VERSIONS_PREFIX, check_writer_id, parse_version_key
 from dcr_log.format.limits import MAX_IDENTITY_BYTES
-from dcr_log.log import DeltaLog
-from dcr_log.state import TensorBits, TensorInfo, check_name, describe_layout_change, dtype_of, state_digest, to_bits
+from dcr_log.log.deltalog import DeltaLog
+from dcr_log.state import TensorInfo, state_digest
 from dcr_log.store import AlreadyExists, Store
+from dcr_log.errors import CollectiveFailed
+from dcr_log.collective import Group, as_group
+from dcr_log.write.pieces import Shard, resolve_pieces
+from dcr_log.write.uploader import SegmentUploader
+from dcr_log.write.layout import _check_whole, _kept, _summary, check_layout_change, validate_layout
+from dcr_log.write.layout import ShardLayout
+from dcr_log.write.pieces import ShardPiece
+
 
 # A segment file is closed and uploaded once it holds this many payload bytes.
 DEFAULT_SEGMENT_BYTES = 64 << 20
+
 
 # The features of a new log: digests that update in O(changes) and the ulp encoding.
 DEFAULT_FEATURES = (SUM_DIGESTS, ULP_ENCODING)
@@ -64,381 +70,6 @@ def default_writer_id() -> str:
 
     host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
     return f"{host}-{os.getpid()}"
-
-
-# -- shards ---------------------------------------------------------------------------------
-
-
-class Shard:
-    """Part of one canonical tensor held by this rank.
-
-    ``Shard(tensor, offset)``: ``tensor`` (numpy, torch on any device, or TensorBits; possibly a
-    view into a larger local buffer) is the box of the canonical tensor that starts at
-    ``offset`` (default: the origin) and has ``tensor.shape``.
-    """
-
-    __slots__ = ("tensor", "offset", "start", "convert", "kind")
-
-    def __init__(self, tensor: Any, offset: Sequence[int] | None = None):
-        rank = len(tuple(tensor.shape))
-        self.tensor = tensor
-        self.offset = (0,) * rank if offset is None else tuple(int(o) for o in offset)
-        if len(self.offset) != rank:
-            raise UsageError(f"shard offset {self.offset} has rank {len(self.offset)}, its tensor {rank}")
-        self.start: int | None = None
-        self.convert: Callable[[], Any] | None = None
-        self.kind = "xor"
-
-    @staticmethod
-    def flat(tensor1d: Any, start: int) -> "Shard":
-        """Elements ``start .. start + numel`` of the canonical tensor's row-major order (an
-        FSDP flat shard): ``tensor1d`` is one-dimensional."""
-        if len(tuple(tensor1d.shape)) != 1:
-            raise UsageError("Shard.flat takes a one-dimensional tensor")
-        shard = Shard(tensor1d, (0,))
-        shard.offset = None
-        shard.start = int(start)
-        return shard
-
-    @staticmethod
-    def converted(fn: Callable[[], Any], offset: Sequence[int] | None = None) -> "Shard":
-        """A residual: ``fn()`` returns, at every append, the canonical box (a tensor) that
-        starts at ``offset``: a rotary permutation, a transposed or requantised export, a
-        tensor that exists only after a conversion. Its changes are logged as ``overwrite``
-        records (the path from local state does not preserve bits), or ``tensor`` records
-        when its dtype or shape changes."""
-        shard = Shard.__new__(Shard)
-        shard.tensor = None
-        shard.offset = None if offset is None else tuple(int(o) for o in offset)
-        shard.start = None
-        shard.convert = fn
-        shard.kind = "overwrite"
-        return shard
-
-    def __repr__(self) -> str:
-        if getattr(self, "convert", None) is not None:
-            return f"Shard.converted({self.convert!r}, offset={self.offset})"
-        if getattr(self, "start", None) is not None:
-            return f"Shard.flat(<{tuple(self.tensor.shape)}>, start={self.start})"
-        return f"Shard(<{tuple(self.tensor.shape)}>, offset={self.offset})"
-
-
-@dataclass
-class Piece:
-    """One box of a canonical tensor with the local tensor that holds it (shape == box.shape)."""
-
-    name: str
-    box: Box
-    dtype: str
-    source: Any
-    kind: str
-
-    @property
-    def key(self) -> PieceKey:
-        return piece_key(self.name, self.box)
-
-    @property
-    def row(self) -> int:
-        return numel(self.box.shape[1:]) if self.box.shape else 1
-
-    def chunks(self, chunk_elements: int) -> list[tuple[int, int]]:
-        """Row ranges [r0, r1) of at most ``chunk_elements`` elements (a row is never split)."""
-        if self.box.size == 0:
-            return []
-        if not self.box.shape:
-            return [(0, 1)]
-        rows = max(1, chunk_elements // max(self.row, 1))
-        return [(r, min(r + rows, self.box.shape[0])) for r in range(0, self.box.shape[0], rows)]
-
-    def words(self, r0: int, r1: int) -> np.ndarray:
-        """Host words of rows [r0, r1) in row-major order (copied only when the source is not
-        a contiguous host array: a strided view, a torch tensor on a device)."""
-        if isinstance(self.source, _TypedWords):
-            bits = self.source.rows(r0, r1)
-        else:
-            bits = to_bits(self.source if not self.box.shape else self.source[r0:r1])
-        if bits.dtype != self.dtype:
-            raise UsageError(f"{self.name}: a shard changed dtype from {self.dtype} to {bits.dtype}")
-        return bits.words
-
-    def sub_box(self, r0: int, r1: int) -> Box:
-        if not self.box.shape:
-            return self.box
-        return Box((self.box.offset[0] + r0,) + self.box.offset[1:], (r1 - r0,) + self.box.shape[1:])
-
-
-def _pieces(name: str, shard: Shard, shape: tuple[int, ...] | None) -> list[Piece]:
-    tensor, kind = shard.tensor, shard.kind
-    if shard.convert is not None:
-        tensor = shard.convert()
-        if tensor is None or not hasattr(tensor, "shape"):
-            raise UsageError(f"{name}: the converter returned {type(tensor).__name__}, not a tensor")
-    dtype = dtype_of(tensor)
-    local_shape = tuple(int(s) for s in tensor.shape)
-    if isinstance(tensor, TensorBits):  # words with a dtype: sliced like an array below
-        tensor = _TypedWords(tensor.words.reshape(local_shape), dtype)
-    if shard.start is not None:
-        if shape is None:
-            raise UsageError(f"{name}: a flat shard needs the tensor's canonical shape (shapes=)")
-        n = local_shape[0]
-        pieces, at = [], 0
-        for box in flat_range_boxes(shape, shard.start, shard.start + n):
-            part = tensor[at:at + box.size].reshape(box.shape)
-            pieces.append(Piece(name, box, dtype, part, kind))
-            at += box.size
-        return pieces
-    offset = shard.offset if shard.offset is not None else (0,) * len(local_shape)
-    if len(offset) != len(local_shape):
-        raise UsageError(f"{name}: offset {offset} does not match a tensor of rank {len(local_shape)}")
-    return [Piece(name, Box(offset, local_shape), dtype, tensor, kind)]
-
-
-class _TypedWords:
-    """TensorBits' words with their dtype, sliceable by rows like an array."""
-
-    def __init__(self, words: np.ndarray, dtype: str):
-        self.words, self.dtype, self.shape = words, dtype, words.shape
-
-    def __getitem__(self, item) -> "_TypedWords":
-        return _TypedWords(self.words[item], self.dtype)
-
-    def reshape(self, shape) -> "_TypedWords":
-        return _TypedWords(self.words.reshape(shape), self.dtype)
-
-    def rows(self, r0: int, r1: int) -> TensorBits:
-        w = self.words[r0:r1] if self.words.ndim else self.words
-        return TensorBits(self.dtype, tuple(w.shape), np.ascontiguousarray(w).reshape(-1))
-
-
-def resolve_pieces(shards: Mapping[str, Sequence[Shard] | Shard],
-                   shapes: Mapping[str, tuple[int, ...]]) -> list[Piece]:
-    """This rank's shards as pieces, checked against the canonical shapes it knows."""
-    if not isinstance(shards, Mapping):
-        raise UsageError("shards must map canonical names to lists of Shard")
-    out: list[Piece] = []
-    for name, lst in shards.items():
-        check_name(name)
-        if isinstance(lst, Shard):
-            lst = [lst]
-        for shard in lst:
-            if not isinstance(shard, Shard):
-                raise UsageError(f"{name}: expected Shard objects, got {type(shard).__name__}")
-            shape = shapes.get(name)
-            for piece in _pieces(name, shard, None if shape is None else tuple(shape)):
-                if shape is not None:
-                    piece.box.check_inside_or_usage(tuple(shape), name)
-                out.append(piece)
-    return out
-
-
-# -- collectives ----------------------------------------------------------------------------
-
-
-class CollectiveFailed(AppendAborted):
-    """A collective operation failed: a rank died, timed out or left the group."""
-
-
-class Group:
-    """The collectives a sharded writer needs. Rank 0 is the coordinator."""
-
-    rank: int = 0
-    size: int = 1
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        raise NotImplementedError
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's object at the coordinator (None elsewhere)."""
-        raise NotImplementedError
-
-    def broadcast(self, obj: Any) -> Any:
-        """The coordinator's object on every rank."""
-        raise NotImplementedError
-
-
-class LocalGroup(Group):
-    """One process: collectives are identities (no torch needed)."""
-
-    def all_gather(self, obj):
-        return [obj]
-
-    def gather(self, obj):
-        return [obj]
-
-    def broadcast(self, obj):
-        return obj
-
-
-class TorchGroup(Group):
-    """A torch.distributed process group (default: the world). Object collectives: every
-    failure (a rank that died, the group's timeout) becomes CollectiveFailed."""
-
-    def __init__(self, group: Any = None):
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise UsageError("torch.distributed is not initialised: call init_process_group first")
-        self._dist = dist
-        self._group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self._root = dist.get_global_rank(group, 0) if group is not None else 0
-
-    def _call(self, what: str, fn):
-        try:
-            return fn()
-        except DcrError:
-            raise
-        except Exception as exc:  # gloo/nccl raise RuntimeError subclasses on a lost peer or timeout
-            raise CollectiveFailed(f"{what} failed on rank {self.rank}: {' '.join(str(exc).split())[:300]}") from exc
-
-    def all_gather(self, obj):
-        out = [None] * self.size
-        self._call("all_gather", lambda: self._dist.all_gather_object(out, obj, group=self._group))
-        return out
-
-    def gather(self, obj):
-        out = [None] * self.size if self.rank == 0 else None
-        self._call("gather", lambda: self._dist.gather_object(obj, out, dst=self._root, group=self._group))
-        return out
-
-    def broadcast(self, obj):
-        box = [obj]
-        self._call("broadcast", lambda: self._dist.broadcast_object_list(box, src=self._root, group=self._group))
-        return box[0]
-
-
-def as_group(group: Any) -> Group:
-    """A Group: given one, a torch process group, or None (the world when torch.distributed is
-    initialised, else this process alone)."""
-    if isinstance(group, Group):
-        return group
-    if group is None:
-        try:
-            import torch.distributed as dist
-        except ImportError:
-            return LocalGroup()
-        if not dist.is_available() or not dist.is_initialized():
-            return LocalGroup()
-    return TorchGroup(group)
-
-
-# -- layout ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The validated layout of one version: every tensor's dtype and shape, and which rank
-    owns (writes) each piece. The same on every rank."""
-
-    tensors: dict[str, tuple[str, tuple[int, ...]]]
-    owner: dict[PieceKey, int]
-
-    def owned(self, rank: int) -> set[PieceKey]:
-        return {k for k, r in self.owner.items() if r == rank}
-
-
-def _summary(pieces: list[Piece], shapes: Mapping[str, tuple[int, ...]], names: Sequence[str]) -> dict:
-    return {
-        "names": sorted(names),
-        "pieces": sorted((p.name, p.dtype, p.box.offset, p.box.shape) for p in pieces),
-        "shapes": {k: tuple(int(s) for s in v) for k, v in shapes.items() if k in set(names)},
-    }
-
-
-def validate_layout(summaries: list[dict], previous: Mapping[str, tuple[str, tuple[int, ...]]]) -> Layout:
-    """Check that the ranks' pieces cover every canonical element exactly once (identical
-    boxes on several ranks are replicas, written by the lowest rank) with one dtype per
-    tensor and shapes the ranks agree on. Deterministic: every rank reaches the same verdict."""
-    for rank, s in enumerate(summaries):
-        if s.get("error"):
-            raise UsageError(f"rank {rank}: {s['error']}")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for rank, s in enumerate(summaries):
-        for name, shape in s["shapes"].items():
-            if shapes.setdefault(name, shape) != shape:
-                raise UsageError(f"tensor {name!r}: ranks disagree on its shape ({shapes[name]} vs "
-                                 f"{shape} on rank {rank})")
-    names = sorted({n for s in summaries for n in s["names"]}, key=str.encode)
-    dtypes: dict[str, str] = {}
-    owner: dict[PieceKey, int] = {}
-    boxes: dict[str, list[Box]] = {n: [] for n in names}
-    for rank, s in enumerate(summaries):
-        seen: set[PieceKey] = set()
-        for name, dtype, offset, shape in s["pieces"]:
-            if dtypes.setdefault(name, dtype) != dtype:
-                raise UsageError(f"tensor {name!r}: shards of dtypes {dtypes[name]} and {dtype}")
-            box = Box(tuple(offset), tuple(shape))
-            key = piece_key(name, box)
-            if key in seen:
-                raise UsageError(f"tensor {name!r}: rank {rank} holds box {box} twice")
-            seen.add(key)
-            if key not in owner:
-                owner[key] = rank
-                boxes[name].append(box)
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name in names:
-        shape = shapes.get(name)
-        if shape is None and name in previous:
-            shape = previous[name][1]
-        if shape is None:
-            raise UsageError(f"tensor {name!r} is new: give its canonical shape in shapes=")
-        if name not in dtypes:
-            if numel(shape):
-                raise UsageError(f"tensor {name!r}: no rank holds any of its {numel(shape)} elements")
-            if name not in previous:
-                raise UsageError(f"tensor {name!r} is empty and new: give it as an empty shard")
-            dtypes[name] = previous[name][0]
-        check_cover(name, shape, boxes[name])
-        tensors[name] = (dtypes[name], shape)
-    return Layout(tensors, owner)
-
-
-def check_layout_change(version: int, tensors: Mapping[str, tuple[str, tuple[int, ...]]],
-                        previous: Mapping[str, tuple[str, tuple[int, ...]]], allowed: Sequence[bool]) -> None:
-    """Refuse (UsageError) a version whose tensor table differs from its parent's unless every
-    rank said so (``allowed``: each rank's allow_layout_change). One bounded line naming the
-    first differences. Deterministic: every rank reaches the same verdict."""
-    if version == 0 or all(allowed):
-        return
-    said = describe_layout_change(previous, tensors)
-    if not said:
-        return
-    ranks = ""
-    if any(allowed):
-        missing = [r for r, a in enumerate(allowed) if not a]
-        ranks = f" (not passed on rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing[:8]))}" \
-                f"{', ...' if len(missing) > 8 else ''})"
-    raise UsageError(f"version {version} would change the tensor table: {said}; pass "
-                     f"allow_layout_change=True{ranks} (dcr append --allow-layout-change) if this is intended")
-
-
-def check_cover(name: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
-    """The boxes lie inside ``shape``, do not overlap, and cover all of it (vectorised)."""
-    for b in boxes:
-        b.check_inside_or_usage(shape, name)
-    live = [b for b in boxes if b.size]
-    covered = sum(b.size for b in live)
-    n = numel(shape)
-    if len(live) > 1 and shape:
-        lo = np.array([b.offset for b in live], dtype=np.int64)
-        hi = lo + np.array([b.shape for b in live], dtype=np.int64)
-        for i in range(0, len(live), 512):
-            # box i overlaps box j when they overlap along every dimension
-            meet = np.all((lo[i:i + 512, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[i:i + 512, None, :]),
-                          axis=2)
-            idx = np.arange(i, min(i + 512, len(live)))
-            meet[np.arange(len(idx)), idx] = False
-            if meet.any():
-                a, b = np.argwhere(meet)[0]
-                raise UsageError(f"tensor {name!r}: boxes {live[i + a]} and {live[b]} overlap")
-    elif len(live) > 1:
-        raise UsageError(f"tensor {name!r}: a 0-d tensor is held by two different boxes")
-    if covered != n:
-        raise UsageError(f"tensor {name!r}: shards cover {covered} of its {n} elements (a gap)")
-
-
-# -- the writer -----------------------------------------------------------------------------
 
 
 @dataclass
@@ -689,7 +320,7 @@ class ShardedWriter:
         self.log.write_files(file_set, known={e.sha256 for e in parent})
         return tuple(e for e, _ in file_set)
 
-    def _ensure_baseline(self, layout: Layout, previous: Mapping[str, TensorInfo], mine: list[Piece]) -> None:
+    def _ensure_baseline(self, layout: ShardLayout, previous: Mapping[str, TensorInfo], mine: list[ShardPiece]) -> None:
         """Make sure this rank's baseline holds every owned piece of a tensor that keeps its
         dtype and shape, at the current version (collective when it has to load)."""
         version = self._version
@@ -702,7 +333,7 @@ class ShardedWriter:
         self._baseline = load_baseline(self.log, version, needed, self._cache, self.group, layout,
                                        current=base if base is not None and base.version == version else None)
 
-    def _write_rank(self, version: int, layout: Layout, previous, mine: list[Piece], progress):
+    def _write_rank(self, version: int, layout: ShardLayout, previous, mine: list[ShardPiece], progress):
         """Diff this rank's pieces, write its segments; never raises (the error is reported)."""
         report = _RankReport(ok=True)
         kept = {p.key for p in mine if _kept(p.name, layout, previous)}
@@ -718,7 +349,7 @@ class ShardedWriter:
         digests = self.log.digests
         policy = self._differ.policy
 
-        uploads = _Uploader(store)
+        uploads = SegmentUploader(store)
 
         def flush() -> None:
             nonlocal builder
@@ -783,7 +414,7 @@ class ShardedWriter:
         pending.segment_keys = uploads.keys
         return report, pending, error
 
-    def _decide(self, version: int, layout: Layout, previous: Mapping[str, TensorInfo],
+    def _decide(self, version: int, layout: ShardLayout, previous: Mapping[str, TensorInfo],
                 reports: list[_RankReport], files: tuple[FileEntry, ...] | None = None) -> dict:
         """The coordinator: write the commit record if every rank succeeded."""
         failed = [(r, rep) for r, rep in enumerate(reports) if not rep.ok]
@@ -863,92 +494,6 @@ def _try(fn):
         return exc
 
 
-def _kept(name: str, layout: Layout, previous: Mapping[str, TensorInfo]) -> bool:
-    """The tensor existed in the previous version with the same dtype and shape."""
-    old = previous.get(name)
-    return old is not None and (old.dtype, old.shape) == layout.tensors[name]
-
-
-def _check_whole(layout: Layout) -> None:
-    """Logs without sum-digests need every tensor held whole by one rank (an xxh3 digest
-    cannot be put together from parts)."""
-    by_name: dict[str, list] = {}
-    for (name, offset, shape) in layout.owner:
-        by_name.setdefault(name, []).append(shape)
-    for name, (dtype, shape) in layout.tensors.items():
-        got = by_name.get(name, [])
-        if numel(shape) and (len(got) != 1 or tuple(got[0]) != tuple(shape)):
-            raise UsageError(f"tensor {name!r} is split over shards, but this log has xxh3 digests "
-                             f"(no {SUM_DIGESTS} feature): only whole tensors can be written")
-
-
-# Segment uploads in flight at once on a remote store (each holds one segment in memory).
-UPLOADS_IN_FLIGHT = 2
-
-
-class _Uploader:
-    """Writes segments on background threads while the next ones are encoded: up to
-    ``UPLOADS_IN_FLIGHT`` at once on a remote store (one on a local directory, where each file is
-    written straight from the records), so at most that many plus one segments are held in
-    memory. Remote stores get the bytes from a ring of reused buffers (pages already faulted
-    in). ``refs`` keeps the order the segments were started in, which is the commit's."""
-
-    def __init__(self, store: Store):
-        self._store = store
-        self._pool = None
-        self._in_flight = 1 if store.local_root is not None else UPLOADS_IN_FLIGHT
-        self._pending: deque = deque()
-        self._buffers: list = [None] * (self._in_flight + 1)
-        self._turn = 0
-        self.refs: list[SegmentRef] = []    # segments created, in order
-        self.keys: list[str] = []           # every key tried (what an abort deletes)
-
-    def put(self, key: str, builder: SegmentBuilder) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        while len(self._pending) >= self._in_flight:
-            self._wait_one()  # its buffer is free again
-        self.keys.append(key)
-        records = builder.records
-        if self._store.local_root is not None:
-            def job():
-                size, sha = self._store.create_file(key, builder.write_to)
-                return SegmentRef(key, size, sha, records)
-        else:
-            data = builder.finish(self._buffers[self._turn])
-            if data.parent is not None and data.parent.is_mutable:
-                self._buffers[self._turn] = data.parent
-            self._turn = (self._turn + 1) % len(self._buffers)
-
-            def job():
-                self._store.put_new(key, data)
-                return SegmentRef(key, data.size, hashlib.sha256(data).hexdigest(), records)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="dcr-upload")
-        self._pending.append(self._pool.submit(job))
-
-    def _wait_one(self) -> None:
-        self.refs.append(self._pending.popleft().result())
-
-    def finish(self, raise_errors: bool = True) -> None:
-        try:
-            error = None
-            while self._pending:
-                try:
-                    self._wait_one()
-                except Exception as exc:  # let every upload end; the first error is raised
-                    error = error or exc
-            if error is not None:
-                raise error
-        except Exception:
-            if raise_errors:
-                raise
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-            # Arrow's pool keeps the segments' buffers for reuse; a trainer needs them back.
-            pa.default_memory_pool().release_unused()
 
 
 class _Pending:
@@ -965,7 +510,7 @@ class _Pending:
         self.contrib: dict[PieceKey, int] = {}
         self.segment_keys: list[str] = []  # every segment this rank tried to write
 
-    def add(self, piece: Piece, start: int, delta) -> None:
+    def add(self, piece: ShardPiece, start: int, delta) -> None:
         key = piece.key
         if delta.digest_delta is not None:
             self.contrib[key] = (self.contrib.get(key, 0) + delta.digest_delta) & MASK64

@@ -20,14 +20,16 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
+from dcr_log.coords import numel, word_dtype
 from dcr_log.digest import MASK64, XXH3, DigestScheme, sum_at, sum_range, sum_runs
 from dcr_log.errors import UsageError
-from dcr_log.placement import LayoutError, Loader, Piece, Placement, PlacementError, table_layout
+from dcr_log.engines.placement import LayoutError, Loader, PlacementPiece, Placement, PlacementError, table_layout
 from dcr_log.state import TensorBits
-from dcr_log.receiver.storage import Layout, NumpyStorage, Storage, Where
+from dcr_log.state import TableLayout
+from dcr_log.receiver.storage import Storage, Where
+from dcr_log.receiver.storage.memory import NumpyStorage
 
-Rediscover = Callable[[Layout], Placement]
+Rediscover = Callable[[TableLayout], Placement]
 
 
 # -- interval sets of canonical flat indices (sorted, disjoint, as start and end arrays) -----
@@ -80,7 +82,7 @@ def _arange_of(intervals) -> np.ndarray:
 class _Target:
     storage: Storage
     param: str
-    piece: Piece
+    piece: PlacementPiece
     runs: tuple[np.ndarray, np.ndarray]   # its canonical intervals
     primary: tuple[np.ndarray, np.ndarray] | None = None  # what it digests (owned, not earlier)
 
@@ -102,7 +104,7 @@ class PlacedStorage(Storage):
                  shadow: Storage | None = None, loader: Loader | None = None,
                  loader_params: Mapping[str, Any] | None = None, rediscover: Rediscover | None = None,
                  to_loader: Callable[[TensorBits], Any] | None = None):
-        from dcr_log.shard import LocalGroup, as_group
+        from dcr_log.collective import LocalGroup, as_group
 
         self.engine = engine
         # No group: this process alone (without importing torch.distributed).
@@ -150,7 +152,7 @@ class PlacedStorage(Storage):
             n = numel(placement.table[s][1])
             if n:
                 targets.setdefault(s, []).append(
-                    _Target(self.shadow, s, Piece(s, 0, n, 0, n, n, 1),
+                    _Target(self.shadow, s, PlacementPiece(s, 0, n, 0, n, n, 1),
                             (np.array([0], np.int64), np.array([n], np.int64))))
         self._targets = targets
         self._ownership()
@@ -203,7 +205,7 @@ class PlacedStorage(Storage):
 
     # -- Storage ---------------------------------------------------------------------------
 
-    def layout(self) -> Layout:
+    def layout(self) -> TableLayout:
         return dict(self.placement.table)
 
     def locate(self, name: str, where: Where) -> PlacedPlace:
@@ -299,7 +301,7 @@ class PlacedStorage(Storage):
                 total += sum_at(f, tg.storage.gather(tg.storage.locate(tg.param, pos)))
         return total & MASK64
 
-    def set_layout(self, layout: Layout) -> Any:
+    def set_layout(self, layout: TableLayout) -> Any:
         if table_layout(layout) == self.placement.table:
             return None
         new = self._next
@@ -311,7 +313,7 @@ class PlacedStorage(Storage):
         if undo is not None:
             self.placement, self._targets, self._held, self._owned = undo
 
-    def prepare_layout(self, layout: Layout, extra_bytes: int = 0) -> None:
+    def prepare_layout(self, layout: TableLayout, extra_bytes: int = 0) -> None:
         layout = table_layout(layout)
         if layout == self.placement.table:
             self.engine.prepare_layout(self.engine.layout(), extra_bytes)
@@ -431,7 +433,7 @@ def _torch_tensor(bits: TensorBits):
     return to_torch(bits)
 
 
-def _describe_change(old: Layout, new: Layout) -> str:
+def _describe_change(old: TableLayout, new: TableLayout) -> str:
     added = sorted(set(new) - set(old))
     dropped = sorted(set(old) - set(new))
     changed = sorted(n for n in set(old) & set(new) if old[n] != new[n])

@@ -1,0 +1,66 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Iterator
+
+
+
+
+# Threads that encode the boxes of one tensor (numpy and zstd release the GIL); more than a
+# few only add memory traffic to a pass that is already bound by it.
+DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(workers: int) -> ThreadPoolExecutor:
+    """One process-wide pool per size, shared by every Differ and replay (writers and readers
+    come and go; their threads should not pile up). Tasks never wait on other tasks, so
+    sharing cannot deadlock."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="dcr")
+        return pool
+
+
+def _forget_pools() -> None:
+    global _POOLS_LOCK
+    _POOLS.clear()  # a forked child has none of the parent's threads
+    _POOLS_LOCK = threading.Lock()  # nor a lock another thread held at the fork
+
+
+def map_ordered(fn, items: list, workers: int, parallel: bool = True) -> Iterator:
+    """``fn(item)`` for each item, on ``workers`` threads of the shared pool, yielded in order,
+    with at most ``workers + 1`` results in flight."""
+    if workers <= 1 or len(items) < 2 or not parallel:
+        for item in items:
+            yield fn(item)
+        return
+    pool = shared_pool(workers)
+    pending: deque = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        # Abandoned early (an error, or the consumer stopped): let running items finish so
+        # that no thread still reads the caller's arrays after we return.
+        for f in pending:
+            f.cancel()
+        wait(pending)
+
+
+os.register_at_fork(after_in_child=_forget_pools)

@@ -1,0 +1,158 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dcr_log.errors import IntegrityError
+from dcr_log.format import CommitRecord, Record
+from dcr_log.log.deltalog import DeltaLog
+from dcr_log.log.segments import SegmentFile
+
+
+# Segment bytes kept between pass 1 and the writes (and for rollback), beyond which they
+# are read again from the log.
+SEGMENT_CACHE_BYTES = 1 << 30
+
+
+# Segments fetched ahead of the one being checked or applied (threads of one SegmentCache).
+PREFETCH_SEGMENTS = 4
+
+
+class SegmentCache:
+    """A version's segments, each fetched once (size and sha256 checked by
+    DeltaLog.read_segment): up to ``PREFETCH_SEGMENTS`` ahead of the one being read, on
+    threads, so that fetching overlaps checking, decoding and applying. Segments are kept in
+    memory within a byte budget and, beyond it, in a local spool directory (``spool``) rather
+    than fetched again; a spooled segment's sha256 is checked again when it is read back, and
+    it is read through a memory map (log.SegmentFile), as is a segment too large for the
+    reader to hold in memory at all (which read_segment gives as a local file)."""
+
+    def __init__(self, log: DeltaLog, commit: CommitRecord, budget: int | None = None,
+                 spool: Path | None = None):
+        self.log = log
+        self.commit = commit
+        self.budget = SEGMENT_CACHE_BYTES if budget is None else budget
+        self.spool = spool
+        self._data: dict[int, memoryview] = {}
+        self._spooled: dict[int, Path] = {}
+        self._files: dict[int, SegmentFile] = {}
+        self._used = 0
+        self._decoded: dict[tuple[int, int], Any] = {}
+        self._decoded_used = 0
+        self._places: dict[tuple[int, int], Any] = {}
+        self._pending: dict[int, Any] = {}
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def _fetch(self, index: int) -> "memoryview | SegmentFile":
+        return self.log.read_segment(self.commit.segments[index], self.commit.version)
+
+    def _ahead(self, index: int) -> None:
+        """Start fetching the segments after ``index`` (a bounded window)."""
+        refs = self.commit.segments
+        if len(refs) <= 1:
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(PREFETCH_SEGMENTS, thread_name_prefix="dcr-fetch")
+        for j in range(index + 1, min(len(refs), index + 1 + PREFETCH_SEGMENTS)):
+            if j not in self._pending and j not in self._data and j not in self._spooled and j not in self._files:
+                self._pending[j] = self._pool.submit(self._fetch, j)
+
+    def data(self, index: int) -> "memoryview | SegmentFile":
+        """The segment's bytes in memory, or a local file holding them (SegmentFile)."""
+        data = self._data.get(index)
+        if data is None:
+            data = self._files.get(index)
+        if data is not None:
+            return data
+        path = self._spooled.get(index)
+        if path is not None:
+            ref = self.commit.segments[index]
+            try:
+                data = SegmentFile.open(path)
+            except OSError:
+                data = None
+            if data is None or data.size != ref.size or data.sha256 != ref.sha256:
+                if data is not None:
+                    data.close()
+                raise IntegrityError(f"spooled segment {ref.key} at {path} changed on local disk")
+            return data
+        future = self._pending.pop(index, None)
+        self._ahead(index)
+        data = future.result() if future is not None else self._fetch(index)
+        if isinstance(data, SegmentFile):  # already a local file, not in memory
+            self._files[index] = data
+        elif self._used + len(data) <= self.budget:
+            self._data[index] = data
+            self._used += len(data)
+        elif self.spool is not None:
+            try:
+                self.spool.mkdir(parents=True, exist_ok=True)
+                path = self.spool / f"{index:08d}.arrow"
+                path.write_bytes(data)
+                self._spooled[index] = path
+            except OSError:
+                pass  # no room to spool: it is fetched again when needed
+        return data
+
+    def close(self) -> None:
+        """Stop fetching ahead and remove the spool."""
+        for future in self._pending.values():
+            future.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._pending.clear()
+        for path in self._spooled.values():
+            path.unlink(missing_ok=True)
+        self._spooled.clear()
+        for f in self._files.values():
+            f.close()  # a mapping still held keeps its own descriptor
+        self._files.clear()
+        if self.spool is not None and self.spool.is_dir():
+            try:
+                self.spool.rmdir()
+            except OSError:
+                pass
+
+    def records(self, index: int) -> list[Record]:
+        return list(self.log.segment_records(self.commit.version, self.commit.segments[index],
+                                             self.data(index)))
+
+    def keep_changes(self, segment: int, record: int, changes) -> bool:
+        """Keep a record decoded in pass 1 for the write pass, within the byte budget."""
+        nbytes = changes.values.nbytes + (0 if changes.positions is None else changes.positions.nbytes)
+        if self._decoded_used + nbytes <= self.budget:
+            self._decoded[(segment, record)] = changes
+            self._decoded_used += nbytes
+            return True
+        return False
+
+    def staged_bytes(self) -> int:
+        """Decoded records and mapped positions kept for the write pass."""
+        placed = sum(w.nbytes * 2 for p in self._places.values()
+                     if isinstance(w := getattr(p, "where", None), np.ndarray))
+        return self._decoded_used + placed
+
+    def keep_place(self, segment: int, record: int, place) -> None:
+        """A record's located positions (engine parameters: mapped once, at staging)."""
+        self._places[(segment, record)] = place
+
+    def forget_places(self) -> None:
+        self._places.clear()
+
+    def take_place(self, segment: int, record: int):
+        return self._places.pop((segment, record), None)
+
+    def take_changes(self, segment: int, record: int):
+        changes = self._decoded.pop((segment, record), None)
+        if changes is not None:
+            self._decoded_used -= changes.values.nbytes + (
+                0 if changes.positions is None else changes.positions.nbytes)
+        return changes

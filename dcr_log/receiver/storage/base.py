@@ -1,0 +1,132 @@
+"""The Storage interface: where a receiver's weights live, seen as flat little-endian words.
+
+Three backends share one small interface (spec/RECEIVER.md, "Storage"):
+- ``NumpyStorage``: a dict of numpy arrays (or TensorBits), updated in place;
+- ``TorchStorage``: a dict of torch tensors on any device, updated in place through
+  same-width signed integer views; positions and values go to the device, never whole tensors
+  to the host;
+- ``CheckpointStorage``: a safetensors checkpoint directory (one file or the sharded layout)
+  updated in place through writable memory maps; durable.
+
+A ``where`` is what ``dcr_log.delta.flat_positions`` returns: int64 flat indices or a slice."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from dcr_log.errors import UsageError
+from dcr_log.digest import XXH3, DigestScheme
+from dcr_log.state import TensorInfo, state_digest
+from dcr_log.state import TableLayout
+
+
+
+
+Where = np.ndarray | slice
+
+
+FaultHook = Callable[..., None]
+
+
+_MISSING = object()
+
+
+class Storage(ABC):
+    """A receiver's tensors as flat words. ``durable`` storage survives the process."""
+
+    durable = False
+    # Whether the receiver may follow a version that changes the tensor table here (create,
+    # drop, reshape, retype tensors). Mappings of the caller's own tensors (a model's
+    # parameters) are not the receiver's to change unless it is opened with
+    # ``layout_changes="own"``; such a version is then refused with LayoutError.
+    owns_layout = True
+    # The directory a version's files (feature files) are written to; None: the storage
+    # holds tensors only and ignores files (memory storage).
+    files_dir: Path | None = None
+    # Set by the Receiver: called at named points so tests can inject faults.
+    fault: FaultHook | None = None
+
+    @abstractmethod
+    def layout(self) -> TableLayout:
+        """Every tensor's safetensors dtype and shape."""
+
+    @abstractmethod
+    def locate(self, name: str, where: Where) -> Any:
+        """A handle on some words of a tensor, reused by gather and write."""
+
+    @abstractmethod
+    def gather(self, place: Any) -> np.ndarray:
+        """A host copy of the words at ``place`` (unsigned words of the tensor's width)."""
+
+    @abstractmethod
+    def write(self, place: Any, values: np.ndarray) -> None:
+        """Store ``values`` (unsigned words) at ``place``."""
+
+    @abstractmethod
+    def set_layout(self, layout: TableLayout) -> Any:
+        """Create (zero-filled) or reshape tensors to match ``layout`` and drop the others;
+        tensors whose dtype and shape already match keep their bits and identity.
+        Returns what ``restore_layout`` needs to undo it (memory storage) or None."""
+
+    def restore_layout(self, undo: Any) -> None:
+        """Undo ``set_layout`` (memory storage only)."""
+        raise UsageError(f"{type(self).__name__} cannot undo a layout change")
+
+    def prepare_layout(self, layout: TableLayout, extra_bytes: int = 0) -> None:
+        """Before the first write of an apply: make sure ``set_layout(layout)`` (and about
+        ``extra_bytes`` more, the journal's) can be done, or raise StoreError. Memory storage
+        allocates the new tensors here (kept for set_layout); durable storage checks free
+        space. Writes nothing."""
+
+    @abstractmethod
+    def tensor_words(self, name: str) -> np.ndarray:
+        """The tensor's flat words on the host (a view where the storage allows it)."""
+
+    def tensor_digest(self, name: str, digests: DigestScheme = XXH3) -> int:
+        """The tensor's digest under the log's scheme."""
+        return digests.tensor(self.tensor_words(name), self.layout()[name][1])
+
+    def flush(self) -> None:
+        """Make every write so far durable (no-op in memory)."""
+
+    def weight_names(self) -> set[str]:
+        """Names in ``files_dir`` that hold tensors (never written as a version's files)."""
+        return set()
+
+    def close(self) -> None:
+        pass
+
+    # Storages that hold part of a tensor (engine layouts, tensor-parallel ranks) override
+    # these three; a plain storage holds every element of every tensor.
+
+    def holds(self, name: str) -> bool:
+        """Whether the storage (with its group) holds the tensor at all."""
+        return True
+
+    def select(self, place: Any, values: np.ndarray) -> np.ndarray:
+        """The record values for the positions ``place`` holds here."""
+        return values
+
+    def owned(self, place: Any, where: Where) -> tuple[Where, np.ndarray | None]:
+        """The positions whose digest this storage adds to its group's sum, and their indices
+        among the held words (None: all)."""
+        return where, None
+
+    def digest_at(self, place: Any, owned: Where, words: Any, digests: DigestScheme) -> int:
+        """The digest of ``words`` (what gather gave, or targets computed from it) at the
+        flat positions ``owned``."""
+        return digests.at(owned, words)
+
+    def _fault(self, point: str, **info) -> None:
+        if self.fault is not None:
+            self.fault(point, **info)
+
+
+def storage_state_digest(storage: Storage, digests: DigestScheme = XXH3) -> int:
+    """The state digest of what the storage holds, every tensor hashed."""
+    return state_digest([TensorInfo(n, d, s, storage.tensor_digest(n, digests))
+                         for n, (d, s) in storage.layout().items()])

@@ -1,0 +1,248 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import glob
+import json
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dcr_log.checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
+from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
+from dcr_log.log.records import gather_words, scatter_words
+from dcr_log.errors import IntegrityError, NotFoundError, os_error
+from dcr_log.state import TensorBits
+from dcr_log.receiver.storage.base import Storage, Where
+from dcr_log.receiver.fs import _file_metadata, check_regular, check_space, fsync_dir, plain_file_name, write_file_atomic
+from dcr_log.state import TableLayout
+
+
+# A safetensors index of a few million tensor names stays far below this.
+MAX_INDEX_BYTES = 1 << 30
+
+
+def checkpoint_file_names(directory: Path) -> tuple[list[str], bool]:
+    """The .safetensors files of a checkpoint directory and whether it has an index."""
+    index = directory / INDEX_NAME
+    if check_regular(index):
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise IntegrityError(f"{index}: more than {MAX_INDEX_BYTES} bytes")
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            raise IntegrityError(f"{index}: not a safetensors index") from None
+        for name in files:
+            plain_file_name(name, index)
+        return files, True
+    names = sorted(p.name for p in directory.glob("*.safetensors"))
+    return [n for n in names if check_regular(directory / n)], False
+
+
+def has_checkpoint(directory: Path) -> bool:
+    return directory.is_dir() and bool(checkpoint_file_names(directory)[0])
+
+
+_PAGE = mmap.PAGESIZE
+
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
+
+
+class CheckpointStorage(Storage):
+    """A safetensors checkpoint directory updated in place through memory maps.
+
+    The tensor locations come from the files' headers (the union over the files the index
+    names, or every ``*.safetensors`` file without an index), so a directory caught between
+    the rewrite of a file and of the index by a crash still opens. A layout change rewrites
+    the affected files whole (tmp + fsync + rename) and then the index; tensors never move
+    between files, and new tensors go to the file with the fewest bytes.
+    """
+
+    durable = True
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise NotFoundError(f"no checkpoint directory at {self.directory}")
+        self.files_dir = self.directory
+        self._maps: dict[Path, np.memmap] = {}
+        self._dirty: set[Path] = set()
+        self._open()
+
+    def _open(self) -> None:
+        files, self.sharded = checkpoint_file_names(self.directory)
+        if not files:
+            raise NotFoundError(f"{self.directory} holds no .safetensors file")
+        self.files = [self.directory / f for f in files]
+        self.locations: dict[str, TensorLocation] = {}
+        for path in self.files:
+            if not check_regular(path, in_place=True):
+                raise NotFoundError(f"{path} is missing")
+            for name, loc in read_header(path).items():
+                if name in self.locations:
+                    raise IntegrityError(f"{self.directory}: tensor {name!r} appears in two files")
+                self.locations[name] = loc
+        # In-place writes need each byte to belong to one tensor (read_header allows overlaps).
+        spans = sorted((loc.file, loc.start, loc.end, name) for name, loc in self.locations.items()
+                       if loc.end > loc.start)
+        for (f1, _, end1, n1), (f2, start2, _, n2) in zip(spans, spans[1:]):
+            if f1 == f2 and start2 < end1:
+                raise IntegrityError(f"{f1}: tensors {n1!r} and {n2!r} share bytes")
+        try:
+            self._maps = {p: np.memmap(p, dtype=np.uint8, mode="r+") for p in self.files}
+        except OSError as exc:
+            raise os_error(exc, f"cannot open {self.directory} for writing") from None
+        self._words = {
+            name: self._maps[loc.file][loc.start:loc.end].view(word_dtype(loc.dtype))
+            for name, loc in self.locations.items()
+        }
+
+    def weight_names(self) -> set[str]:
+        """The directory entries that hold weights: never written as a version's files."""
+        return {p.name for p in self.files} | {INDEX_NAME}
+
+    def close(self) -> None:
+        # Views keep the maps alive; dropping every reference unmaps them.
+        self._words = {}
+        self._maps = {}
+
+    def layout(self) -> TableLayout:
+        return {name: (loc.dtype, loc.shape) for name, loc in self.locations.items()}
+
+    def words(self, name: str) -> np.ndarray:
+        return self._words[name]
+
+    def locate(self, name: str, where: Where) -> Any:
+        loc = self.locations[name]
+        return self._words[name], where, loc.file, loc.start
+
+    def gather(self, place) -> np.ndarray:
+        words, where, _, _ = place
+        return np.array(words[where]) if isinstance(where, slice) else gather_words(words, where)
+
+    def _populate(self, file: Path, start: int, where, count: int, width: int) -> None:
+        """Fault the pages a dense scatter will dirty in one call (MADV_POPULATE_WRITE)
+        instead of one write fault per page: at 1% changed every page of a bf16 tensor
+        is written, and the faults cost more than the scatter itself."""
+        if isinstance(where, slice) or count == 0:
+            return
+        lo = start + int(where[0]) * width
+        hi = start + (int(where[-1]) + 1) * width
+        lo -= lo % _PAGE
+        if count * 8 < (hi - lo) // _PAGE:
+            return  # sparse: most pages stay clean, let the faults pick them
+        try:
+            self._maps[file]._mmap.madvise(_MADV_POPULATE_WRITE, lo, hi - lo)
+        except (AttributeError, OSError, ValueError):
+            pass  # an older kernel (before 5.14) or another platform: the faults do it
+
+    def write(self, place, values: np.ndarray) -> None:
+        words, where, file, start = place
+        self._dirty.add(file)
+        self._populate(file, start, where, values.size, words.itemsize)
+        if self.fault is not None and values.size > 1:
+            # Fault injection: the "torn" point lies between the two halves of one write.
+            half = values.size // 2
+            if isinstance(where, slice):
+                words[where.start:where.start + half] = values[:half]
+                self._fault("torn", file=file.name)
+                words[where.start + half:where.stop] = values[half:]
+            else:
+                words[where[:half]] = values[:half]
+                self._fault("torn", file=file.name)
+                words[where[half:]] = values[half:]
+            return
+        scatter_words(words, where, values)
+
+    def flush(self) -> None:
+        # msync(MS_SYNC) of each written file: its data is on disk before any journal marker.
+        for path in sorted(self._dirty):
+            self._maps[path].flush()
+        self._dirty.clear()
+
+    def tensor_words(self, name: str) -> np.ndarray:
+        return self._words[name]
+
+    def _plan(self, layout: TableLayout) -> dict[Path, list[str]]:
+        """Which tensors each file holds after the change (deterministic, tensors never move)."""
+        plan: dict[Path, list[str]] = {p: [] for p in self.files}
+        sizes = dict.fromkeys(self.files, 0)
+        new = []
+        for name in sorted(layout, key=str.encode):
+            loc = self.locations.get(name)
+            if loc is None:
+                new.append(name)
+                continue
+            plan[loc.file].append(name)
+            sizes[loc.file] += numel(layout[name][1]) * DTYPE_WIDTH[layout[name][0]]
+        for name in new:
+            target = min(self.files, key=lambda p: (sizes[p], p.name))
+            plan[target].append(name)
+            sizes[target] += numel(layout[name][1]) * DTYPE_WIDTH[layout[name][0]]
+        return plan
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary files of rewrites a crash interrupted (``.<file>.<random>.tmp``)."""
+        for name in [p.name for p in self.files] + [INDEX_NAME]:
+            for stale in self.directory.glob(f".{glob.escape(name)}.*.tmp"):
+                stale.unlink(missing_ok=True)
+
+    def _rewrites(self, layout: TableLayout, plan: dict[Path, list[str]]) -> dict[Path, int]:
+        """The files a layout change rewrites, with the tensor bytes each will hold."""
+        out = {}
+        for path, names in plan.items():
+            current = {n: (loc.dtype, loc.shape) for n, loc in self.locations.items() if loc.file == path}
+            if current != {n: layout[n] for n in names}:
+                out[path] = sum(numel(layout[n][1]) * DTYPE_WIDTH[layout[n][0]] for n in names)
+        return out
+
+    def prepare_layout(self, layout: TableLayout, extra_bytes: int = 0) -> None:
+        # Every rewritten file is whole on disk next to the old one (whose map stays open
+        # until the change is done).
+        needed = sum(self._rewrites(layout, self._plan(layout)).values())
+        check_space(self.directory, needed + extra_bytes, "apply the version")
+
+    def set_layout(self, layout: TableLayout) -> None:
+        plan = self._plan(layout)
+        self._remove_stale_temporaries()
+        rewritten = False
+        for path, names in plan.items():
+            current = {n: (loc.dtype, loc.shape) for n, loc in self.locations.items() if loc.file == path}
+            wanted = {n: layout[n] for n in names}
+            if current == wanted:
+                continue
+            self.flush()  # bytes carried into the new file are copied from the maps
+            state = {}
+            for n in names:
+                dtype, shape = layout[n]
+                keep = current.get(n) == (dtype, shape)
+                state[n] = TensorBits(dtype, shape, self._words[n] if keep
+                                      else np.zeros(numel(shape), dtype=word_dtype(dtype)))
+            save_safetensors(state, path, metadata=_file_metadata(path))
+            rewritten = True
+            self._fault("layout_file", file=path.name)
+        if rewritten:
+            fsync_dir(self.directory)
+        if self.sharded:
+            self._write_index({n: p.name for p, names in plan.items() for n in names}, layout)
+        if rewritten:
+            self.close()
+            self._open()
+
+    def _write_index(self, weight_map: dict[str, str], layout: TableLayout) -> None:
+        index_path = self.directory / INDEX_NAME
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError):
+            index = {}
+        meta = dict(index.get("metadata") or {})
+        meta["total_size"] = sum(numel(s) * DTYPE_WIDTH[d] for d, s in layout.values())
+        new = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+        if index.get("weight_map") == new["weight_map"] and index.get("metadata") == meta:
+            return
+        write_file_atomic(index_path, (json.dumps(new, indent=2) + "\n").encode())

@@ -1,0 +1,175 @@
+"""TODO"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from dcr_log.write.baseline import PieceKey, piece_key
+from dcr_log.coords import Box, flat_range_boxes, numel
+from dcr_log.errors import UsageError
+from dcr_log.state import TensorBits, check_name, dtype_of, to_bits
+
+
+class Shard:
+    """Part of one canonical tensor held by this rank.
+
+    ``Shard(tensor, offset)``: ``tensor`` (numpy, torch on any device, or TensorBits; possibly a
+    view into a larger local buffer) is the box of the canonical tensor that starts at
+    ``offset`` (default: the origin) and has ``tensor.shape``.
+    """
+
+    __slots__ = ("tensor", "offset", "start", "convert", "kind")
+
+    def __init__(self, tensor: Any, offset: Sequence[int] | None = None):
+        rank = len(tuple(tensor.shape))
+        self.tensor = tensor
+        self.offset = (0,) * rank if offset is None else tuple(int(o) for o in offset)
+        if len(self.offset) != rank:
+            raise UsageError(f"shard offset {self.offset} has rank {len(self.offset)}, its tensor {rank}")
+        self.start: int | None = None
+        self.convert: Callable[[], Any] | None = None
+        self.kind = "xor"
+
+    @staticmethod
+    def flat(tensor1d: Any, start: int) -> "Shard":
+        """Elements ``start .. start + numel`` of the canonical tensor's row-major order (an
+        FSDP flat shard): ``tensor1d`` is one-dimensional."""
+        if len(tuple(tensor1d.shape)) != 1:
+            raise UsageError("Shard.flat takes a one-dimensional tensor")
+        shard = Shard(tensor1d, (0,))
+        shard.offset = None
+        shard.start = int(start)
+        return shard
+
+    @staticmethod
+    def converted(fn: Callable[[], Any], offset: Sequence[int] | None = None) -> "Shard":
+        """A residual: ``fn()`` returns, at every append, the canonical box (a tensor) that
+        starts at ``offset``: a rotary permutation, a transposed or requantised export, a
+        tensor that exists only after a conversion. Its changes are logged as ``overwrite``
+        records (the path from local state does not preserve bits), or ``tensor`` records
+        when its dtype or shape changes."""
+        shard = Shard.__new__(Shard)
+        shard.tensor = None
+        shard.offset = None if offset is None else tuple(int(o) for o in offset)
+        shard.start = None
+        shard.convert = fn
+        shard.kind = "overwrite"
+        return shard
+
+    def __repr__(self) -> str:
+        if getattr(self, "convert", None) is not None:
+            return f"Shard.converted({self.convert!r}, offset={self.offset})"
+        if getattr(self, "start", None) is not None:
+            return f"Shard.flat(<{tuple(self.tensor.shape)}>, start={self.start})"
+        return f"Shard(<{tuple(self.tensor.shape)}>, offset={self.offset})"
+
+
+@dataclass
+class ShardPiece:
+    """One box of a canonical tensor with the local tensor that holds it (shape == box.shape)."""
+
+    name: str
+    box: Box
+    dtype: str
+    source: Any
+    kind: str
+
+    @property
+    def key(self) -> PieceKey:
+        return piece_key(self.name, self.box)
+
+    @property
+    def row(self) -> int:
+        return numel(self.box.shape[1:]) if self.box.shape else 1
+
+    def chunks(self, chunk_elements: int) -> list[tuple[int, int]]:
+        """Row ranges [r0, r1) of at most ``chunk_elements`` elements (a row is never split)."""
+        if self.box.size == 0:
+            return []
+        if not self.box.shape:
+            return [(0, 1)]
+        rows = max(1, chunk_elements // max(self.row, 1))
+        return [(r, min(r + rows, self.box.shape[0])) for r in range(0, self.box.shape[0], rows)]
+
+    def words(self, r0: int, r1: int) -> np.ndarray:
+        """Host words of rows [r0, r1) in row-major order (copied only when the source is not
+        a contiguous host array: a strided view, a torch tensor on a device)."""
+        if isinstance(self.source, _TypedWords):
+            bits = self.source.rows(r0, r1)
+        else:
+            bits = to_bits(self.source if not self.box.shape else self.source[r0:r1])
+        if bits.dtype != self.dtype:
+            raise UsageError(f"{self.name}: a shard changed dtype from {self.dtype} to {bits.dtype}")
+        return bits.words
+
+    def sub_box(self, r0: int, r1: int) -> Box:
+        if not self.box.shape:
+            return self.box
+        return Box((self.box.offset[0] + r0,) + self.box.offset[1:], (r1 - r0,) + self.box.shape[1:])
+
+
+def _pieces(name: str, shard: Shard, shape: tuple[int, ...] | None) -> list[ShardPiece]:
+    tensor, kind = shard.tensor, shard.kind
+    if shard.convert is not None:
+        tensor = shard.convert()
+        if tensor is None or not hasattr(tensor, "shape"):
+            raise UsageError(f"{name}: the converter returned {type(tensor).__name__}, not a tensor")
+    dtype = dtype_of(tensor)
+    local_shape = tuple(int(s) for s in tensor.shape)
+    if isinstance(tensor, TensorBits):  # words with a dtype: sliced like an array below
+        tensor = _TypedWords(tensor.words.reshape(local_shape), dtype)
+    if shard.start is not None:
+        if shape is None:
+            raise UsageError(f"{name}: a flat shard needs the tensor's canonical shape (shapes=)")
+        n = local_shape[0]
+        pieces, at = [], 0
+        for box in flat_range_boxes(shape, shard.start, shard.start + n):
+            part = tensor[at:at + box.size].reshape(box.shape)
+            pieces.append(ShardPiece(name, box, dtype, part, kind))
+            at += box.size
+        return pieces
+    offset = shard.offset if shard.offset is not None else (0,) * len(local_shape)
+    if len(offset) != len(local_shape):
+        raise UsageError(f"{name}: offset {offset} does not match a tensor of rank {len(local_shape)}")
+    return [ShardPiece(name, Box(offset, local_shape), dtype, tensor, kind)]
+
+
+class _TypedWords:
+    """TensorBits' words with their dtype, sliceable by rows like an array."""
+
+    def __init__(self, words: np.ndarray, dtype: str):
+        self.words, self.dtype, self.shape = words, dtype, words.shape
+
+    def __getitem__(self, item) -> "_TypedWords":
+        return _TypedWords(self.words[item], self.dtype)
+
+    def reshape(self, shape) -> "_TypedWords":
+        return _TypedWords(self.words.reshape(shape), self.dtype)
+
+    def rows(self, r0: int, r1: int) -> TensorBits:
+        w = self.words[r0:r1] if self.words.ndim else self.words
+        return TensorBits(self.dtype, tuple(w.shape), np.ascontiguousarray(w).reshape(-1))
+
+
+def resolve_pieces(shards: Mapping[str, Sequence[Shard] | Shard],
+                   shapes: Mapping[str, tuple[int, ...]]) -> list[ShardPiece]:
+    """This rank's shards as pieces, checked against the canonical shapes it knows."""
+    if not isinstance(shards, Mapping):
+        raise UsageError("shards must map canonical names to lists of Shard")
+    out: list[ShardPiece] = []
+    for name, lst in shards.items():
+        check_name(name)
+        if isinstance(lst, Shard):
+            lst = [lst]
+        for shard in lst:
+            if not isinstance(shard, Shard):
+                raise UsageError(f"{name}: expected Shard objects, got {type(shard).__name__}")
+            shape = shapes.get(name)
+            for piece in _pieces(name, shard, None if shape is None else tuple(shape)):
+                if shape is not None:
+                    piece.box.check_inside_or_usage(tuple(shape), name)
+                out.append(piece)
+    return out

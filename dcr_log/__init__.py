@@ -1,5 +1,19 @@
 """dcr-log: delta-compressed refit, an append-only versioned log of bit-exact tensor deltas.
 
+The public API, in one place. A user imports from two modules:
+
+- ``dcr_log``: writing and reading logs (``LogWriter``, ``create_log``, ``ShardedWriter``,
+  ``Shard``, ``SegmentUploader``, ``DeltaLog``), tensor bits (``TensorBits``, ``to_bits``,
+  ``to_state``, ``state_equal``, ``as_numpy``), the collectives (``Group``, ``LocalGroup``,
+  ``TorchGroup``) and every error class (``DcrError`` and its subclasses, from
+  ``dcr_log.errors``);
+- ``dcr_log.receiver``: applying a log in place (``Receiver``, ``ApplyReport``, the storages
+  ``NumpyStorage``, ``TorchStorage``, ``CheckpointStorage``, ``open_storage``, ``Journal``).
+
+Engine integrations live in ``dcr_log.engines`` (``dcr_log.engines.vllm``), log lifecycle in
+``dcr_log.lifecycle``, the store contract for third-party stores in ``dcr_log.testing``.
+Everything else is internal and may move.
+
 The names below are imported on first use (PEP 562): ``import dcr_log`` and the ``dcr``
 command's entry point (dcr_log._entry) stay light, so the command handles SIGINT and SIGTERM
 before numpy, pyarrow and the rest are imported."""
@@ -8,23 +22,23 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+_ERRORS = (
+    "DcrError", "UsageError", "PlacementError", "LayoutError", "IntegrityError", "WrongSize", "LineageError",
+    "CommitConflict", "NotFoundError", "ExpiredError", "CommitStateUnknown", "AppendAborted", "CollectiveFailed",
+    "StoreError", "AlreadyExists", "TrustError",
+)
+
 # name -> the submodule that defines it
 _LAZY = {
-    "CommitConflict": "errors", "CommitStateUnknown": "errors", "DcrError": "errors",
-    "IntegrityError": "errors", "LineageError": "errors", "NotFoundError": "errors", "UsageError": "errors",
-    "StoreError": "errors", "TrustError": "errors", "ExpiredError": "errors", "LayoutError": "errors",
-    "PlacementError": "errors", "AppendAborted": "errors", "CollectiveFailed": "errors",
+    **{name: "errors" for name in _ERRORS},
     "DeltaLog": "log", "as_numpy": "log", "state_equal": "log",
     "TensorBits": "state", "to_bits": "state", "to_state": "state",
-    "LogWriter": "write.writer", "create_log": "write.writer",
+    "LogWriter": "write", "create_log": "write", "ShardedWriter": "write", "Shard": "write",
+    "SegmentUploader": "write",
+    "Group": "collective", "LocalGroup": "collective", "TorchGroup": "collective",
 }
 
-__all__ = [
-    "CommitConflict", "CommitStateUnknown", "DcrError", "IntegrityError", "LineageError", "NotFoundError", "UsageError",
-    "StoreError", "TrustError", "ExpiredError", "LayoutError", "PlacementError", "AppendAborted", "CollectiveFailed",
-    "DeltaLog", "LogWriter", "TensorBits", "as_numpy", "create_log", "state_equal", "to_bits",
-    "to_state",
-]
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):

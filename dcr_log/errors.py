@@ -111,3 +111,12 @@ class TrustError(DcrError):
 
 class CollectiveFailed(AppendAborted):
     """A collective operation failed: a rank died, timed out or left the group."""
+
+
+class AlreadyExists(DcrError):
+    """put_if_absent found the key already there."""
+
+
+class WrongSize(IntegrityError):
+    """An object is not of the size its reader was told (a commit record's segment size) or
+    exceeds the reader's limit; found from the object's metadata, before its bytes are read."""

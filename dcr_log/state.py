@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
-import xxhash
 
 from dcr_log.coords import DTYPE_WIDTH, check_dtype, numel, word_dtype
 from dcr_log.digest import XXH3, DigestScheme, xxh3_words
@@ -157,51 +156,6 @@ def check_name(name: str) -> str:
 
 
 words_digest = xxh3_words  # xxh3_64 (seed 0) of the words' little-endian bytes
-
-
-def digest_hex(d: int) -> str:
-    return f"{d:016x}"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One row of a commit record's tensor table."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    digest: int
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "digest": digest_hex(self.digest),
-        }
-
-    @staticmethod
-    def of(name: str, bits: TensorBits, scheme: DigestScheme = XXH3) -> "TensorInfo":
-        return TensorInfo(name, bits.dtype, bits.shape, bits.digest(scheme))
-
-
-def state_digest(table: list[TensorInfo] | Mapping[str, TensorInfo]) -> int:
-    """xxh3_64 over one line per tensor sorted by UTF-8 name: name NUL dtype NUL dims NUL hex LF."""
-    rows = table.values() if isinstance(table, Mapping) else table
-    lines = sorted(
-        (
-            t.name.encode()
-            + b"\x00"
-            + t.dtype.encode()
-            + b"\x00"
-            + ",".join(str(s) for s in t.shape).encode()
-            + b"\x00"
-            + digest_hex(t.digest).encode()
-            + b"\n"
-        )
-        for t in rows
-    )
-    return xxhash.xxh3_64_intdigest(b"".join(lines))
 
 
 _DTYPE_TO_TORCH = {v: k.removeprefix("torch.") for k, v in _TORCH_TO_DTYPE.items()}

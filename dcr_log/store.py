@@ -23,16 +23,10 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError as ObNotFound, PreconditionError
 from obstore.store import LocalStore, MemoryStore, from_url
 
-from dcr_log.errors import DcrError, IntegrityError, NotFoundError, StoreError, UsageError, os_error
+from dcr_log.errors import DcrError, NotFoundError, StoreError, UsageError, os_error
+from dcr_log.errors import AlreadyExists, WrongSize
 
 
-class AlreadyExists(DcrError):
-    """put_if_absent found the key already there."""
-
-
-class WrongSize(IntegrityError):
-    """An object is not of the size its reader was told (a commit record's segment size) or
-    exceeds the reader's limit; found from the object's metadata, before its bytes are read."""
 
 
 # Keys this module hands to a store: printable ASCII without ``\``, no empty, ``.`` or ``..``

@@ -15,7 +15,7 @@ from conftest import assert_one_line, change_words, copy_state, make_state, run_
 from dcr_log import CommitConflict, DeltaLog, IntegrityError, LogWriter, create_log
 from dcr_log.write.differ import EncodePolicy
 from dcr_log.format import CommitRecord, SegmentRef, version_key
-from dcr_log.state import TensorInfo, state_digest
+from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.store import Store
 
 SPEC = {"w": ("BF16", (40, 24)), "b": ("F32", (24,)), "n": ("I8", (3, 5))}

@@ -21,7 +21,8 @@ from dcr_log.write.differ import Differ, EncodePolicy, find_changes
 from dcr_log.log.records import apply_to_words
 from dcr_log.format import CommitRecord, CommitStats, Record, SegmentBuilder, SegmentRef, segment_key
 from dcr_log.log.replay import PARALLEL_MIN_ELEMENTS
-from dcr_log.state import TensorBits, TensorInfo, state_digest, words_digest
+from dcr_log.state import TensorBits, words_digest
+from dcr_log.format.tensors import TensorInfo, state_digest
 
 WORDS = (np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"))
 

@@ -26,7 +26,7 @@ from dcr_log.format import (
 from dcr_log.format import segment as segment_module
 from dcr_log.format.canonical import canonical_bytes, seal, unseal
 from dcr_log.format.keys import check_segment_key, check_writer_id
-from dcr_log.state import TensorInfo, state_digest
+from dcr_log.format.tensors import TensorInfo, state_digest
 
 LOG_ID = "0123456789abcdef0123456789abcdef"
 OTHER_LOG_ID = "fedcba9876543210fedcba9876543210"

@@ -28,7 +28,7 @@ from dcr_log.format.canonical import seal
 from dcr_log.receiver import Journal, Receiver
 from dcr_log.receiver import journal as journal_mod
 from dcr_log.receiver import fs as storage_mod
-from dcr_log.state import TensorInfo, state_digest
+from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.store import Store
 
 from test_receiver import build_log

@@ -235,7 +235,6 @@ def test_forged_squash_is_refused_before_any_write(tmp_path):
     log = DeltaLog.open(root)
     real = write_squash(log, 1, 5)
     # Write a squash 1-4 that carries the records of 1-5: composition fails against 4's digests.
-    from dcr_log.format.lifecycle import CatchUp
     import dataclasses
     fake = dataclasses.replace(real, version=4, state_digest=log.commit(4).state_digest,
                                commit_sha256=log.commit_sha256(4), segments=())

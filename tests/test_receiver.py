@@ -25,7 +25,8 @@ from dcr_log.receiver import (
     write_checkpoint,
 )
 from dcr_log.receiver.receiver import SAMPLE_DIVISOR, sample_tensors
-from dcr_log.state import TensorInfo, state_digest, to_torch
+from dcr_log.format.tensors import TensorInfo, state_digest
+from dcr_log.state import to_torch
 from dcr_log.write import LogWriter
 
 

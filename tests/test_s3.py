@@ -4,20 +4,17 @@ that dies, hangs, or is killed by PID in the middle of applies and appends."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import assert_file_holds, assert_one_line, assert_same_bits, change_words, cli_env, copy_state, \
-    make_state, run_cli
+from conftest import assert_file_holds, assert_one_line, assert_same_bits, change_words, cli_env, make_state, run_cli
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.errors import CommitConflict
 from dcr_log.log import DeltaLog

@@ -7,7 +7,6 @@ consistent."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess

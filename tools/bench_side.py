@@ -57,7 +57,6 @@ import argparse
 import gc
 import inspect
 import json
-import math
 import os
 import shutil
 import subprocess

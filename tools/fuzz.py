@@ -286,7 +286,7 @@ def change_table(rng: random.Random, log: Path, version: int) -> str:
     """A version's tensor table changed with no record to back it, re-sealed consistently
     (state digest and element count recomputed): a tensor added (small, empty or of a huge
     claimed shape), renamed, reshaped or retyped."""
-    from dcr_log.state import TensorInfo, digest_hex, state_digest
+    from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
     from dcr_log.coords import numel
 
     # (A new empty tensor needs no record: a legal change, so not among these.)

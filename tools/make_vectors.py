@@ -42,7 +42,8 @@ from dcr_log.codec.base import ChangeSet
 from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import SparseEncoding
-from dcr_log.codec.ulp import ULP_ENCODING, UlpEncoding
+from dcr_log.format.commit import ULP_ENCODING
+from dcr_log.codec.ulp import UlpEncoding
 from dcr_log.coords import DTYPE_WIDTH, Box, numel, word_dtype
 from dcr_log.digest import SUM
 from dcr_log.format import (
@@ -63,7 +64,8 @@ from dcr_log.format.canonical import canonical_bytes, seal
 from dcr_log.format.lifecycle import CatchUp, Marker, check_object_key
 from dcr_log.format.signature import signature_message
 from dcr_log.signing import SigningKey, public_text
-from dcr_log.state import TensorBits, TensorInfo, state_digest
+from dcr_log.state import TensorBits
+from dcr_log.format.tensors import TensorInfo, state_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "spec" / "vectors"

@@ -17,7 +17,6 @@ import zstandard
 
 from dcr_log.errors import IntegrityError
 
-KINDS = ("xor", "overwrite", "tensor")
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,6 @@ from dcr_log import native
 from dcr_log.errors import IntegrityError
 from dcr_log.codec.base import ChangeSet, Encoding, check_params, positions_from_gaps
 
-# The log feature that allows this encoding (spec/FORMAT.md section 14).
-ULP_ENCODING = "ulp-encoding"
 PCO_LEVELS = tuple(range(0, 13))
 # Level 8: on gaps and distances of bf16 Adam steps, 10.0 bits per change at 1% changed
 # (level 6: 10.3; 4: 11.3; 2: 12.0), and no slower: 25-45 M changes/s encoding on one core

@@ -7,16 +7,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dcr_log.coords import DTYPE_WIDTH, numel
-from dcr_log.codec.ulp import ULP_ENCODING
 from dcr_log.digest import SUM_DIGESTS
 from dcr_log.errors import IntegrityError, UsageError
-from dcr_log.state import TensorInfo, digest_hex
+from dcr_log.format.tensors import TensorInfo, digest_hex
 from dcr_log.format.canonical import seal, unseal
 from dcr_log.format import limits as L
 from dcr_log.format.files import FILES, FileEntry, parse_files
 from dcr_log.format.keys import check_segment_key
 
 FORMAT_VERSION = 1
+# The log feature that allows the ``ulp`` encoding (section 14).
+ULP_ENCODING = "ulp-encoding"
 # Features this implementation reads and writes. A reader MUST refuse a log or commit that
 # lists a feature it does not know.
 KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS, FILES, ULP_ENCODING})
@@ -24,6 +25,7 @@ KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS, FILES, ULP_ENCODING})
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _UUID = re.compile(r"^[0-9a-f]{32}$")
+
 
 
 def _expect(cond: bool, what: str, msg: str) -> None:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from dcr_log.errors import IntegrityError, UsageError
-from dcr_log.state import digest_hex
+from dcr_log.format.tensors import digest_hex
 from dcr_log.format import limits as L
 from dcr_log.format.canonical import seal, unseal
 from dcr_log.format.commit import FORMAT_VERSION, CommitStats, SegmentRef, _expect, _int, _keys, _str, _text, check_format_version, parse_segments, parse_stats

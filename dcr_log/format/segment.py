@@ -9,7 +9,6 @@ import numpy as np
 import pyarrow as pa
 
 from dcr_log.coords import Box
-from dcr_log.codec import KINDS
 from dcr_log.errors import IntegrityError
 from dcr_log.format import limits as L
 from dcr_log.format.canonical import canonical_bytes, parse_json
@@ -33,6 +32,9 @@ BATCH_PAYLOAD_BYTES = 64 << 20
 # A record with at least this many payload bytes gets a batch of its own, so that its payload
 # goes into the file without first being joined with its neighbours' (one copy less).
 OWN_BATCH_BYTES = 1 << 20
+
+# The kinds of record (section 9): how a record's values combine with the words they replace.
+KINDS = ("xor", "overwrite", "tensor")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 
-from dcr_log.codec.ulp import ULP_ENCODING, UlpEncoding
+from dcr_log.format.commit import ULP_ENCODING
+from dcr_log.codec.ulp import UlpEncoding
 from dcr_log.log.records import empty_words
+from dcr_log.log.steps import StepRules
 from dcr_log.errors import CommitConflict, CommitStateUnknown, ExpiredError, IntegrityError, NotFoundError, UsageError
 from dcr_log.format import FILES, IDENTITY_KEY, CommitRecord, CommitStats, FileEntry, LogIdentity, Record, SegmentRef, iter_segment, parse_version_key, version_key
 from dcr_log.format import limits
@@ -19,7 +21,8 @@ from dcr_log.format.keys import VERSIONS_PREFIX
 from dcr_log.format.lifecycle import LOG_START_PREFIX, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, SNAPSHOTS_PREFIX, SQUASHES_PREFIX, CatchUp, Marker, log_start_key, parse_log_start_key, parse_snapshot_key, parse_squash_key, snapshot_prefix, squash_prefix
 from dcr_log.coords import numel
 from dcr_log.digest import MASK64, DigestScheme, scheme_for
-from dcr_log.state import TensorBits, state_digest
+from dcr_log.state import TensorBits
+from dcr_log.format.tensors import state_digest
 from dcr_log.format.signature import MAX_SIGNATURE_BYTES, MAX_SIGNATURES, SignatureRecord, parse_signature_key, signature_prefix
 from dcr_log.signing import as_signing_key, as_trust
 from dcr_log.store import AlreadyExists, Store
@@ -687,22 +690,15 @@ class DeltaLog:
         wanted = table if tensors is None else {n: i for n, i in table.items() if n in tensors}
         if state_digest(commit.tensors) != commit.state_digest:
             raise IntegrityError(f"version {version}: state digest does not match its tensor table")
-        created = set()
-        # A squash keeps the tensors its start holds with the same dtype and shape: only
-        # xor and overwrite records for those (section 24), so that its digests compose.
-        kept = {n for n, b in state.items() if n in table and (b.dtype, b.shape) == (
-            table[n].dtype, table[n].shape)} if step.kind == "squash" else set()
+        before = None if step.kind == "snapshot" else {n: (b.dtype, b.shape) for n, b in state.items()}
+        rules = StepRules(step.kind, what, table, before, unknown=set(table) - set(wanted))
         for name in list(state):
             if name not in wanted or step.kind == "snapshot":
                 del state[name]
-        for name, info in wanted.items():
-            old = state.get(name)
-            if old is None or old.dtype != info.dtype or old.shape != info.shape:
-                state[name] = TensorBits(info.dtype, info.shape, empty_words(info))
-                created.add(name)
-        records = 0
-        changed = 0
-        whole = step.kind == "snapshot"
+        created = rules.created & set(wanted)
+        for name in created:
+            info = table[name]
+            state[name] = TensorBits(info.dtype, info.shape, empty_words(info))
         # Per created tensor, the (flat start, size, target digest) of its row-block tensor
         # records, or None once a record is anything else: with sum digests, records that
         # cover the tensor exactly once compose to its digest (each one's target digest was
@@ -710,13 +706,7 @@ class DeltaLog:
         spans: dict[str, list | None] = {n: [] for n in created} if self.digests.composable else {}
         with _ParallelApply(self.digests) as applier:
             for rec in self.records(step):
-                info = table.get(rec.tensor)
-                if info is None:
-                    raise IntegrityError(f"{what}: record for unknown tensor {rec.tensor!r}")
-                if (whole or rec.tensor in created) and rec.kind != "tensor":
-                    raise IntegrityError(f"{what}: {rec.kind} record for new tensor {rec.tensor!r}")
-                if rec.kind == "tensor" and rec.tensor in kept:
-                    raise IntegrityError(f"{what}: tensor record for {rec.tensor!r}, which the squash keeps")
+                info = rules.record(rec)
                 if rec.tensor in wanted:
                     applier.submit(rec, info, state[rec.tensor])
                     pieces = spans.get(rec.tensor)
@@ -725,10 +715,7 @@ class DeltaLog:
                             pieces.append((rec.box.flat_start(info.shape), rec.box.size, rec.target_digest))
                         else:
                             spans[rec.tensor] = None
-                records += 1
-                changed += rec.n_changed
-        if records != step.stats.records or changed != step.stats.changed_elements:
-            raise IntegrityError(f"{what}: record counts differ from the stats")
+        rules.finish(step.stats)
         for name in (wanted if check_all or step.kind != "version" else created):
             if not check_all and _covers_exactly(spans.get(name), numel(table[name].shape)):
                 d = sum(p[2] for p in spans[name]) & MASK64

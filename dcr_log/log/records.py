@@ -14,7 +14,7 @@ from dcr_log.coords import box_to_tensor_flat, numel, word_dtype
 from dcr_log.errors import IntegrityError
 from dcr_log.format import Record
 from dcr_log.digest import XXH3, DigestScheme
-from dcr_log.state import TensorInfo
+from dcr_log.format.tensors import TensorInfo
 
 
 def decode_record(record: Record, info: TensorInfo) -> ChangeSet:

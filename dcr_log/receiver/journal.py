@@ -33,7 +33,7 @@ import xxhash
 
 from dcr_log.errors import IntegrityError, NotFoundError, StoreError, UsageError, os_error
 from dcr_log.format import file_name_problem
-from dcr_log.state import digest_hex
+from dcr_log.format.tensors import digest_hex
 
 JOURNAL_FORMAT = b"dcr-receiver-journal/2"
 # Written before the journal had a checksum: still read, and upgraded at its next write.

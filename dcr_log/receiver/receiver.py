@@ -31,10 +31,12 @@ from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
 from dcr_log.log.records import decode_record, flat_positions, record_bases, record_targets
 from dcr_log.errors import IntegrityError, LayoutError, LineageError, NotFoundError, StoreError, UsageError
 from dcr_log.format import CommitRecord, Record
+from dcr_log.log.steps import StepRules
 from dcr_log.log.deltalog import DeltaLog, Step
 from dcr_log.signing import as_trust
 from dcr_log.digest import MASK64, XXH3, DigestScheme, zeros_outside
-from dcr_log.state import TensorInfo, describe_layout_change, digest_hex, state_digest
+from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
+from dcr_log.state import describe_layout_change
 from dcr_log.receiver.files import FilePlan, plan_files, write_files
 from dcr_log.receiver.journal import Journal, JournalState, SegmentProgress
 from dcr_log.receiver.storage.placed import PlacedStorage
@@ -720,12 +722,10 @@ class Receiver:
         raised by the caller once the composition shows the log consistent."""
         version = commit.version
         storage = self.storage
-        records_seen = changed = 0
         whole = True
         redo_bytes = 0
         neither: LineageError | None = None
-        created = {n for n, t in table.items() if parent_layout.get(n) != (t.dtype, t.shape)}
-        boxes: dict[str, list] = {n: [] for n in created}
+        rules = StepRules(commit.kind, commit.describe(), table, parent_layout)
         # Per tensor, the sum of its records' digest moves (target minus base).
         moves: dict[str, int] = {}
         for seg, ref in enumerate(commit.segments):
@@ -735,19 +735,16 @@ class Receiver:
                 continue
             recs = cache.records(seg)
             whole = whole and prog.done == 0
-            records_seen += len(recs)
             pending: list[tuple[int, Record, int, int]] = []
             decoded = map_ordered(
                 lambda i, recs=recs, done=prog.done: self._decode_ahead(table, recs[i], i >= done),
                 range(len(recs)), APPLY_WORKERS, sum(r.n_changed for r in recs) >= PARALLEL_MIN_CHANGES)
             with contextlib.closing(decoded):
-                self._precheck_segment(commit, table, cache, seg, recs, prog, recovering,
-                                       parent_layout, classify, decoded, pending)
+                self._precheck_segment(commit, rules, cache, seg, recs, prog, recovering,
+                                       classify, decoded, pending)
             for rec in recs:
-                changed += rec.n_changed
                 if rec.kind == "tensor":
-                    if rec.tensor in boxes:
-                        boxes[rec.tensor].append(rec.box)
+                    if rec.tensor in rules.created:
                         moves[rec.tensor] = (moves.get(rec.tensor, 0) + rec.target_digest) & MASK64
                 else:
                     moves[rec.tensor] = (moves.get(rec.tensor, 0) + rec.target_digest - rec.base_digest) & MASK64
@@ -777,20 +774,15 @@ class Receiver:
         journal_bytes = 2 * min(redo_bytes, BATCH_BYTES)
         if not whole:
             return journal_bytes, None, neither
-        if records_seen != commit.stats.records or changed != commit.stats.changed_elements:
-            raise IntegrityError(f"version {version}: record counts differ from the commit's stats")
-        if commit.kind != "version":  # (a version's uncovered elements are zero: section 13)
-            for name in sorted(created):
-                if not tiles(boxes[name], table[name].shape):
-                    raise IntegrityError(f"{commit.describe()}: the tensor records of the new tensor "
-                                         f"{name!r} do not cover it exactly once")
+        rules.finish(commit.stats)
         # Not when recovering (the words a tensor record replaced may be written already),
         # and at verify none only for a squash (whose tensor records replace nothing: the
         # composition is all that binds it to its version before the writes).
         if (recovering or before is None or not self.digests.composable
                 or not (classify or commit.kind == "squash")):
             return journal_bytes, None, neither
-        return journal_bytes, (created, boxes, moves), neither
+        created = rules.created
+        return journal_bytes, (created, {n: rules.created_boxes(n) for n in created}, moves), neither
 
     def _check_composition(self, commit: CommitRecord, before: dict[str, TensorInfo],
                            created: set[str], boxes: dict[str, list], moves: dict[str, int]) -> None:
@@ -824,25 +816,19 @@ class Receiver:
         except Exception as exc:
             return exc
 
-    def _precheck_segment(self, commit, table, cache, seg, recs, prog, recovering,
-                          parent_layout, classify, decoded, pending) -> None:
+    def _precheck_segment(self, commit, rules: StepRules, cache, seg, recs, prog, recovering,
+                          classify, decoded, pending) -> None:
         """Pass 1 over one segment's records, in order (see _precheck)."""
         version = commit.version
         storage = self.storage
         for (i, rec), changes in zip(enumerate(recs), decoded):
             if i < prog.done:
                 continue
-            info = self._info(table, rec, version)
-            kept = parent_layout.get(rec.tensor) == (info.dtype, info.shape)
-            if rec.kind != "tensor" and not kept:
-                raise IntegrityError(f"version {version}: {rec.kind} record for the new "
-                                     f"or reshaped tensor {rec.tensor!r}")
-            # (Checked before the step went in flight: when recovering, the storage may
-            # already hold the new layout, which is all a squash from an expired version
-            # can be compared with.)
-            if rec.kind == "tensor" and kept and commit.kind == "squash" and not recovering:
-                raise IntegrityError(f"{commit.describe()}: tensor record for {rec.tensor!r}, "
-                                     "which the squash keeps")
+            # (The squash rule was checked before the step went in flight: when recovering,
+            # the storage may already hold the new layout, which is all a squash from an
+            # expired version can be compared with.)
+            info = rules.record(rec, squash_keeps=not recovering)
+            kept = rec.tensor not in rules.created
             held = rec.kind == "tensor" or storage.holds(rec.tensor)
             if not held:
                 continue  # an engine that does not use the tensor: nothing to write or check

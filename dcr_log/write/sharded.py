@@ -29,7 +29,7 @@ from dcr_log.write.baseline import Baseline, BaselineCache, Generation, PieceKey
 from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
 from dcr_log.write.differ import Differ, EncodePolicy
 from dcr_log.parallel import map_ordered
-from dcr_log.codec.ulp import ULP_ENCODING
+from dcr_log.format.commit import ULP_ENCODING
 from dcr_log.digest import MASK64, SUM_DIGESTS
 from dcr_log.signing import as_signing_key
 from dcr_log.errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, StoreError, UsageError
@@ -39,7 +39,7 @@ from dcr_log.format import FILES, FileEntry
 from dcr_log.format.keys import VERSIONS_PREFIX, check_writer_id, parse_version_key
 from dcr_log.format.limits import MAX_IDENTITY_BYTES
 from dcr_log.log.deltalog import DeltaLog
-from dcr_log.state import TensorInfo, state_digest
+from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.store import AlreadyExists, Store
 from dcr_log.errors import CollectiveFailed
 from dcr_log.collective import Group, as_group

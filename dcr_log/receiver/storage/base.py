@@ -20,7 +20,7 @@ import numpy as np
 
 from dcr_log.errors import UsageError
 from dcr_log.digest import XXH3, DigestScheme
-from dcr_log.state import TensorInfo, state_digest
+from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.state import TableLayout
 
 

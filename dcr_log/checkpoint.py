@@ -9,9 +9,9 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 import numpy as np
 import safetensors

@@ -8,9 +8,9 @@ import json
 import signal
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -21,8 +21,8 @@ from rich.text import Text
 from dcr_log import _entry
 from dcr_log.checkpoint import load_checkpoint, save_safetensors
 from dcr_log.errors import DcrError, IntegrityError, Interrupted, NotFoundError, StoreError, UsageError, os_error
-from dcr_log.write.files import collect_files
 from dcr_log.log.deltalog import DeltaLog
+from dcr_log.write.files import collect_files
 from dcr_log.write.writer import LogWriter, default_writer_id
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -87,13 +87,13 @@ TRUST_HELP = ("accept only versions signed by a key of this file (public keys, o
               "repeat for several files)")
 
 
-def _signing_key(path: Optional[Path]):
+def _signing_key(path: Path | None):
     from dcr_log.signing import SigningKey
 
     return None if path is None else SigningKey.load(path)
 
 
-def _open_log(log: str, trust: Optional[list[Path]]) -> DeltaLog:
+def _open_log(log: str, trust: list[Path] | None) -> DeltaLog:
     from dcr_log.signing import TrustPolicy
 
     return DeltaLog.open(log, trust=TrustPolicy.load(trust) if trust else None)
@@ -122,7 +122,7 @@ def _keygen_left(key: Path) -> str:
 @app.command()
 def sign(log: str = typer.Argument(..., help="log directory or URL"),
          key: Path = typer.Option(..., "--key", help="ed25519 private key file"),
-         version: Optional[int] = typer.Option(None, "--version", help="only this version (default every version)")) -> None:
+         version: int | None = typer.Option(None, "--version", help="only this version (default every version)")) -> None:
     """Sign existing versions with KEY (a new key of a rotation, or a log written unsigned)."""
     k = _signing_key(key)
     dlog = DeltaLog.open(log)
@@ -141,7 +141,7 @@ FILES_HELP = ("carry the checkpoint directory's other files (config, tokenizer, 
               "--no-files carries none (append: the previous version's are kept)")
 
 
-def _checkpoint_files(from_: Path, wanted: Optional[bool]) -> Optional[dict[str, Path]]:
+def _checkpoint_files(from_: Path, wanted: bool | None) -> dict[str, Path] | None:
     """The files ``--from`` carries: None when none are to be carried (not a directory, or
     --no-files), else the directory's files (possibly none)."""
     if wanted is False:
@@ -162,10 +162,10 @@ def _files_said(commit) -> str:
 @app.command()
 def init(log: str = typer.Argument(..., help="log directory or URL"),
          from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
-         files: Optional[bool] = typer.Option(None, "--files/--no-files", help=FILES_HELP + "; "
+         files: bool | None = typer.Option(None, "--files/--no-files", help=FILES_HELP + "; "
                                               "--files makes a log that carries files even if there are none yet"),
-         cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
-         sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
+         cache: str | None = typer.Option(None, "--cache", help=CACHE_HELP),
+         sign_key: Path | None = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
     """Create LOG; version 0 is the full state of the checkpoint (and its files: the log then
     carries every version's files)."""
     key = _signing_key(sign_key)
@@ -188,9 +188,9 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
 @app.command()
 def append(log: str = typer.Argument(..., help="log directory or URL"),
            from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
-           files: Optional[bool] = typer.Option(None, "--files/--no-files", help=FILES_HELP),
-           cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
-           sign_key: Optional[Path] = typer.Option(None, "--sign", help=SIGN_HELP),
+           files: bool | None = typer.Option(None, "--files/--no-files", help=FILES_HELP),
+           cache: str | None = typer.Option(None, "--cache", help=CACHE_HELP),
+           sign_key: Path | None = typer.Option(None, "--sign", help=SIGN_HELP),
            allow_layout_change: bool = typer.Option(
                False, "--allow-layout-change",
                help="accept a checkpoint whose tensor table differs from the latest version's "
@@ -247,7 +247,7 @@ def _log_rows(dlog: DeltaLog) -> list[dict]:
 @app.command("log")
 def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
             as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
-            trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+            trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """One line per version: version, parent, bytes, changed elements and %, and in a log that
     carries files their count and bytes (--json: each file's name, size and sha256)."""
     from dcr_log.lifecycle.stats import catchup_rows
@@ -289,7 +289,7 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
 
 @app.command()
 def snapshot(log: str = typer.Argument(..., help="log directory or URL"),
-             version: Optional[int] = typer.Option(None, "--version", help="version (default latest)")) -> None:
+             version: int | None = typer.Option(None, "--version", help="version (default latest)")) -> None:
     """Write the full state of a version under snapshots/V/ (checked against the commit's
     digests): new receivers and readers start from it."""
     from dcr_log.lifecycle import write_snapshot
@@ -359,7 +359,7 @@ def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory o
                dst: str = typer.Argument(..., help="where the mirror lives (directory or URL)"),
                follow: bool = typer.Option(False, "--follow", help="keep copying new versions"),
                interval: float = typer.Option(1.0, "--interval", help="with --follow: seconds between passes"),
-               trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+               trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Copy a log to another store, every object checked before it is published and each commit
     record after all it names: the mirror is a valid log with the same log id (FORMAT.md
     section 26). Run again (or --follow) to bring it up to date; SIGINT or SIGTERM stops
@@ -402,8 +402,8 @@ def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory o
 @app.command()
 def stats(log: str = typer.Argument(..., help="log directory or URL"),
           as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
-          plot_path: Optional[Path] = typer.Option(None, "--plot", help="write a PNG plot of bytes and change rate"),
-          trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+          plot_path: Path | None = typer.Option(None, "--plot", help="write a PNG plot of bytes and change rate"),
+          trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Per version: changed %, bytes, ratio to dense, records by kind and encoding, seconds
     since the parent; then snapshots and squashes."""
     from dcr_log.lifecycle.stats import catchup_rows, plot, version_stats
@@ -435,7 +435,7 @@ def stats(log: str = typer.Argument(..., help="log directory or URL"),
 def show(log: str = typer.Argument(..., help="log directory or URL"),
          version: int = typer.Argument(..., help="version number"),
          as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
-         trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+         trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Per tensor: records, encodings, changed elements and payload bytes of one version; then
     its files (name, size, sha256), in a log that carries files."""
     dlog = _open_log(log, trust)
@@ -480,7 +480,7 @@ def show(log: str = typer.Argument(..., help="log directory or URL"),
 @app.command()
 def verify(log: str = typer.Argument(..., help="log directory or URL"),
            deep: bool = typer.Option(False, "--deep", help="also replay every version and check every digest"),
-           trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+           trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Check every commit record, the parent chain and every segment's hash (and, with
     --trust, every version's signature)."""
     dlog = _open_log(log, trust)
@@ -498,9 +498,9 @@ def verify(log: str = typer.Argument(..., help="log directory or URL"),
 
 @app.command()
 def replay(log: str = typer.Argument(..., help="log directory or URL"),
-           version: Optional[int] = typer.Option(None, "--version", help="version (default latest)"),
+           version: int | None = typer.Option(None, "--version", help="version (default latest)"),
            out_path: Path = typer.Option(..., "--out", help="output .safetensors file"),
-           trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+           trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Rebuild a version bit-exactly and write it as one .safetensors file."""
     if not out_path.parent.is_dir():
         raise UsageError(f"no directory {out_path.parent} for --out")
@@ -515,7 +515,7 @@ def replay(log: str = typer.Argument(..., help="log directory or URL"),
 
 
 @app.command()
-def demo(dir: Optional[Path] = typer.Option(None, "--dir", help="where to write the log (default: a temporary directory)")) -> None:
+def demo(dir: Path | None = typer.Option(None, "--dir", help="where to write the log (default: a temporary directory)")) -> None:
     """Build a small bf16 model, log ~10 training steps, replay and check every version."""
     from dcr_log.demo import run_demo
 
@@ -531,9 +531,9 @@ def _one_line(text: str) -> str:
 @app.command("apply")
 def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
               receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory updated in place"),
-              to: Optional[int] = typer.Option(None, "--to", help="stop at this version (default latest)"),
+              to: int | None = typer.Option(None, "--to", help="stop at this version (default latest)"),
               verify: str = typer.Option("sample", "--verify", help="none, sample or full"),
-              trust: Optional[list[Path]] = typer.Option(None, "--trust", help=TRUST_HELP),
+              trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
               follow: bool = typer.Option(False, "--follow", help="keep running: apply each new version as soon as it is committed"),
               interval: float = typer.Option(1.0, "--interval", help="with --follow: seconds between polls for the next version")) -> None:
     """Bring a checkpoint directory to a version, in place and crash-safely.
@@ -647,7 +647,7 @@ class _Signals:
             return
         raise Interrupted(signum)
 
-    def __enter__(self) -> "_Signals":
+    def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handler)

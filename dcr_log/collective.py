@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-from dcr_log.errors import DcrError, UsageError
-from dcr_log.errors import CollectiveFailed
+from dcr_log.errors import CollectiveFailed, DcrError, UsageError
 
 
 class Group:

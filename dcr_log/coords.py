@@ -64,7 +64,7 @@ class Box:
         return numel(self.shape)
 
     @staticmethod
-    def whole(shape: tuple[int, ...]) -> "Box":
+    def whole(shape: tuple[int, ...]) -> Box:
         return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
 
     def check_inside(self, tensor_shape: tuple[int, ...]) -> None:

@@ -20,14 +20,13 @@ over reused buffers in pieces that stay in cache (numpy's uint64 arithmetic wrap
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import xxhash
 
 from dcr_log import native
 from dcr_log.coords import Box, numel
-
 
 SUM_DIGESTS = "sum-digests"
 MASK64 = (1 << 64) - 1

@@ -5,11 +5,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Iterator
-
-
-
 
 # Threads that encode the boxes of one tensor (numpy and zstd release the GIL); more than a
 # few only add memory traffic to a pass that is already bound by it.

@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -48,16 +48,16 @@ class SigningKey:
         self.key_id = key_id(self.public)
 
     @staticmethod
-    def generate() -> "SigningKey":
+    def generate() -> SigningKey:
         return SigningKey(Ed25519PrivateKey.generate())
 
     @staticmethod
-    def from_seed(seed: bytes) -> "SigningKey":
+    def from_seed(seed: bytes) -> SigningKey:
         """A key from its 32 private bytes (test vectors use fixed seeds)."""
         return SigningKey(Ed25519PrivateKey.from_private_bytes(seed))
 
     @staticmethod
-    def load(path: str | os.PathLike) -> "SigningKey":
+    def load(path: str | os.PathLike) -> SigningKey:
         try:
             data = Path(path).read_bytes()
         except FileNotFoundError:
@@ -117,7 +117,7 @@ class TrustPolicy:
         return tuple(sorted(self.keys))
 
     @staticmethod
-    def of(publics: Iterable[bytes | str]) -> "TrustPolicy":
+    def of(publics: Iterable[bytes | str]) -> TrustPolicy:
         keys: dict[str, Ed25519PublicKey] = {}
         for p in publics:
             if isinstance(p, SigningKey):
@@ -132,7 +132,7 @@ class TrustPolicy:
         return TrustPolicy(keys)
 
     @staticmethod
-    def load(paths: Iterable[str | os.PathLike]) -> "TrustPolicy":
+    def load(paths: Iterable[str | os.PathLike]) -> TrustPolicy:
         publics = []
         for path in paths:
             try:

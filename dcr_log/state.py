@@ -7,9 +7,9 @@ accepted wherever a state goes in; torch is imported only when a torch tensor is
 from __future__ import annotations
 
 import sys
-
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +80,7 @@ class TensorBits:
     def digest(self, scheme: DigestScheme = XXH3) -> int:
         return scheme.tensor(self.words, self.shape)
 
-    def same_bits(self, other: "TensorBits") -> bool:
+    def same_bits(self, other: TensorBits) -> bool:
         return (
             self.dtype == other.dtype
             and self.shape == other.shape

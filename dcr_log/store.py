@@ -13,21 +13,19 @@ import re
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
 import obstore
-from obstore.exceptions import AlreadyExistsError, NotFoundError as ObNotFound, PreconditionError
+from obstore.exceptions import AlreadyExistsError, PreconditionError
+from obstore.exceptions import NotFoundError as ObNotFound
 from obstore.store import LocalStore, MemoryStore, from_url
 
-from dcr_log.errors import DcrError, NotFoundError, StoreError, UsageError, os_error
-from dcr_log.errors import AlreadyExists, WrongSize
-
-
-
+from dcr_log.errors import AlreadyExists, DcrError, NotFoundError, StoreError, UsageError, WrongSize, os_error
 
 # Keys this module hands to a store: printable ASCII without ``\``, no empty, ``.`` or ``..``
 # segment, at most MAX_KEY_BYTES (spec/FORMAT.md, section 15). Anything else is refused
@@ -101,7 +99,7 @@ class Store:
         self.local_root = local_root
 
     @staticmethod
-    def open(location: str | os.PathLike, create: bool = False) -> "Store":
+    def open(location: str | os.PathLike, create: bool = False) -> Store:
         """A directory path, file://path, memory://name, s3://bucket/prefix (gs://, az:// too).
 
         S3 credentials and endpoint come from the usual AWS_* environment variables

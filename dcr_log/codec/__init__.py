@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dcr_log.errors import IntegrityError
-from dcr_log.format.segment import KINDS
 from dcr_log.codec.base import ChangeSet, Encoding
 from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.codec.ulp import UlpEncoding
+from dcr_log.errors import IntegrityError
+from dcr_log.format.segment import KINDS
 
 ENCODINGS: dict[str, type[Encoding]] = {
     RawEncoding.name: RawEncoding,

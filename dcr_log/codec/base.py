@@ -18,7 +18,6 @@ import zstandard
 from dcr_log.errors import IntegrityError
 
 
-
 @dataclass(frozen=True)
 class ChangeSet:
     """Box-local changes: ``positions is None`` means all ``n`` positions in order.

@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcr_log.codec.base import (
+    FAST_LITERALS,
+    ZSTD_LEVELS,
+    ChangeSet,
+    Encoding,
+    check_params,
+    from_planes,
+    to_planes,
+    zstd_compress_planes,
+    zstd_decompress_exact,
+)
 from dcr_log.errors import IntegrityError
-from dcr_log.codec.base import FAST_LITERALS, ZSTD_LEVELS, ChangeSet, Encoding, check_params, from_planes, to_planes, zstd_compress_planes, zstd_decompress_exact
-
 
 # Level 1: on byte-planed bf16 weights and xor masks it is as small as levels 2-5 (smaller,
 # for weights) and 1.5-3x faster.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcr_log.errors import IntegrityError
 from dcr_log.codec.base import ChangeSet, Encoding, check_params, check_positions
+from dcr_log.errors import IntegrityError
 
 
 class RawEncoding(Encoding):

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcr_log.codec.base import ZSTD_LEVELS, ChangeSet, Encoding, check_params, from_planes, positions_from_gaps, to_planes, zstd_compress_planes, zstd_decompress_exact
+from dcr_log.codec.base import (
+    ZSTD_LEVELS,
+    ChangeSet,
+    Encoding,
+    check_params,
+    from_planes,
+    positions_from_gaps,
+    to_planes,
+    zstd_compress_planes,
+    zstd_decompress_exact,
+)
 
 _GAP_WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from dcr_log import native
-from dcr_log.errors import IntegrityError
 from dcr_log.codec.base import ChangeSet, Encoding, check_params, positions_from_gaps
+from dcr_log.errors import IntegrityError
 
 PCO_LEVELS = tuple(range(0, 13))
 # Level 8: on gaps and distances of bf16 Adam steps, 10.0 bits per change at 1% changed

@@ -28,9 +28,10 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class PlacementPiece:
     dims: tuple[tuple[int, int, int], ...] = ()
 
     @staticmethod
-    def block(param: str, c0: int, p0: int, dims) -> "PlacementPiece":
+    def block(param: str, c0: int, p0: int, dims) -> PlacementPiece:
         return PlacementPiece(param, int(c0), 0, int(p0), 0, 0, 0,
                      tuple((int(n), int(cs), int(ps)) for n, cs, ps in dims))
 
@@ -135,7 +136,7 @@ class PlacementPiece:
         ends = np.concatenate([c[brk - 1] + 1, c[-1:] + 1])
         return starts, ends
 
-    def with_param(self, param: str) -> "PlacementPiece":
+    def with_param(self, param: str) -> PlacementPiece:
         return dataclasses.replace(self, param=param)
 
     def to_json(self) -> list:
@@ -144,7 +145,7 @@ class PlacementPiece:
         return [self.param, self.c0, self.cstride, self.p0, self.pstride, self.length, self.count]
 
     @staticmethod
-    def from_json(obj) -> "PlacementPiece":
+    def from_json(obj) -> PlacementPiece:
         if isinstance(obj, list) and len(obj) == 4 and isinstance(obj[0], str):
             dims = obj[3]
             if (type(obj[1]) is int and type(obj[2]) is int and obj[1] >= 0 and obj[2] >= 0
@@ -264,7 +265,7 @@ class Placement:
         return hashlib.sha256(self.to_bytes()).hexdigest()
 
     @staticmethod
-    def from_json(obj: Any) -> "Placement":
+    def from_json(obj: Any) -> Placement:
         if not isinstance(obj, dict) or obj.get("format") not in PLACEMENT_FORMATS:
             raise PlacementError(f"not a placement (expected format {' or '.join(map(repr, PLACEMENT_FORMATS))})")
         if obj["format"] == PLACEMENT_FORMAT and any(
@@ -286,7 +287,7 @@ class Placement:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
     @staticmethod
-    def load(path: str | os.PathLike) -> "Placement":
+    def load(path: str | os.PathLike) -> Placement:
         try:
             return Placement.from_json(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as exc:
@@ -327,7 +328,7 @@ class Placement:
     # -- combining -------------------------------------------------------------------------
 
     @staticmethod
-    def merge(parts: Mapping[str, "Placement"]) -> "Placement":
+    def merge(parts: Mapping[str, Placement]) -> Placement:
         """One placement for several engines kept side by side under name prefixes (for
         instance every tensor-parallel rank's parameters in one checkpoint directory)."""
         tables = {tuple(sorted(p.table.items())) for p in parts.values()}
@@ -479,6 +480,7 @@ def _constant_word(dtype: str, which: int) -> int:
 def _probe_tensor(words: np.ndarray, dtype: str, shape: tuple[int, ...], torch_probes: bool, device=None):
     if torch_probes:
         import torch
+
         from dcr_log.state import _DTYPE_TO_TORCH
         t = torch.from_numpy(words.view(np.uint8)).view(getattr(torch, _DTYPE_TO_TORCH[dtype]))
         t = t.reshape(shape)

@@ -35,9 +35,10 @@ weights: ``VllmReceiver.apply`` resets it; callers of the worker extension call
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from dcr_log.errors import LineageError, PlacementError, UsageError
 
@@ -337,7 +338,7 @@ class VllmReceiver:
     @staticmethod
     def open(llm: Any, log: Any, journal_path: str | os.PathLike, version: int | None = None,
              placement_path: str | os.PathLike | None = None, verify: str = "full",
-             trust: Any = None) -> "VllmReceiver":
+             trust: Any = None) -> VllmReceiver:
         """``log``: the log's location (a DeltaLog gives its own). ``journal_path``: a
         directory for the receivers' journals (one per tensor-parallel rank) and their saved
         placements. ``version``: the version the engine was started from (default: the
@@ -384,7 +385,7 @@ class VllmReceiver:
     def close(self) -> None:
         _rpc(self.llm, "dcr_close")
 
-    def __enter__(self) -> "VllmReceiver":
+    def __enter__(self) -> VllmReceiver:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from dcr_log.coords import DTYPE_WIDTH, numel
 from dcr_log.digest import SUM_DIGESTS
 from dcr_log.errors import IntegrityError, UsageError
-from dcr_log.format.tensors import TensorInfo, digest_hex
-from dcr_log.format.canonical import seal, unseal
 from dcr_log.format import limits as L
+from dcr_log.format.canonical import seal, unseal
 from dcr_log.format.files import FILES, FileEntry, parse_files
 from dcr_log.format.keys import check_segment_key
+from dcr_log.format.tensors import TensorInfo, digest_hex
 
 FORMAT_VERSION = 1
 # The log feature that allows the ``ulp`` encoding (section 14).
@@ -91,7 +91,7 @@ def check_format_version(obj: dict, what: str) -> None:
         raise IntegrityError(f"{what}: format version {obj['format_version']!r} is not supported")
 
 
-def parse_segments(value, what: str, check_key: Callable[[str], None]) -> tuple["SegmentRef", ...]:
+def parse_segments(value, what: str, check_key: Callable[[str], None]) -> tuple[SegmentRef, ...]:
     """A list of segment objects (a commit record's, a snapshot's or a squash's), each key
     checked by ``check_key``, within the limits of section 20, no key twice."""
     _expect(isinstance(value, list), what, "segments must be a list")
@@ -109,7 +109,7 @@ def parse_segments(value, what: str, check_key: Callable[[str], None]) -> tuple[
     return tuple(segments)
 
 
-def parse_stats(value, what: str) -> "CommitStats":
+def parse_stats(value, what: str) -> CommitStats:
     _keys(value, what, {"changed_elements", "total_elements", "records"})
     return CommitStats(_int(value["changed_elements"], what, "changed_elements"),
                        _int(value["total_elements"], what, "total_elements"),
@@ -132,7 +132,7 @@ class LogIdentity:
         })
 
     @staticmethod
-    def from_bytes(data: bytes) -> "LogIdentity":
+    def from_bytes(data: bytes) -> LogIdentity:
         what = "dcr.json"
         L.check(len(data) <= L.MAX_IDENTITY_BYTES, what, f"more than {L.MAX_IDENTITY_BYTES} bytes")
         obj = unseal(data, what)
@@ -226,7 +226,7 @@ class CommitRecord:
         return data
 
     @staticmethod
-    def from_bytes(data: bytes, expect_version: int | None = None) -> "CommitRecord":
+    def from_bytes(data: bytes, expect_version: int | None = None) -> CommitRecord:
         what = "commit record" if expect_version is None else f"commit record {expect_version}"
         L.check(len(data) <= L.MAX_COMMIT_BYTES, what, f"more than {L.MAX_COMMIT_BYTES} bytes")
         obj = unseal(data, what)

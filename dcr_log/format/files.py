@@ -85,7 +85,7 @@ class FileEntry:
         return {"key": self.key, "name": self.name, "sha256": self.sha256, "size": self.size}
 
     @staticmethod
-    def of(name: str, data) -> "FileEntry":
+    def of(name: str, data) -> FileEntry:
         """The entry of ``data`` under ``name`` (a writer's; the name is checked)."""
         problem = file_name_problem(name)
         if problem is not None:

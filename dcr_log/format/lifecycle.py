@@ -15,10 +15,22 @@ import re
 from dataclasses import dataclass
 
 from dcr_log.errors import IntegrityError, UsageError
-from dcr_log.format.tensors import digest_hex
 from dcr_log.format import limits as L
 from dcr_log.format.canonical import seal, unseal
-from dcr_log.format.commit import FORMAT_VERSION, CommitStats, SegmentRef, _expect, _int, _keys, _str, _text, check_format_version, parse_segments, parse_stats
+from dcr_log.format.commit import (
+    FORMAT_VERSION,
+    CommitStats,
+    SegmentRef,
+    _expect,
+    _int,
+    _keys,
+    _str,
+    _text,
+    check_format_version,
+    parse_segments,
+    parse_stats,
+)
+from dcr_log.format.tensors import digest_hex
 
 SNAPSHOTS_PREFIX = "snapshots/"
 SQUASHES_PREFIX = "squashes/"
@@ -129,7 +141,7 @@ class CatchUp:
         return data
 
     @staticmethod
-    def from_bytes(data: bytes, key: str) -> "CatchUp":
+    def from_bytes(data: bytes, key: str) -> CatchUp:
         what = key
         L.check(len(data) <= MAX_MANIFEST_BYTES, what, f"more than {MAX_MANIFEST_BYTES} bytes")
         obj = unseal(data, what)
@@ -191,7 +203,7 @@ class Marker:
                      "created_at": self.created_at})
 
     @staticmethod
-    def from_bytes(data: bytes, key: str) -> "Marker":
+    def from_bytes(data: bytes, key: str) -> Marker:
         what = key
         L.check(len(data) <= MAX_MARKER_BYTES, what, f"more than {MAX_MARKER_BYTES} bytes")
         obj = unseal(data, what)

@@ -74,7 +74,7 @@ class SignatureRecord:
         })
 
     @staticmethod
-    def from_bytes(data: bytes, key: str) -> "SignatureRecord":
+    def from_bytes(data: bytes, key: str) -> SignatureRecord:
         what = f"signature {key}"
         if len(data) > MAX_SIGNATURE_BYTES:
             raise IntegrityError(f"{what}: more than {MAX_SIGNATURE_BYTES} bytes (limit exceeded)")

@@ -3,8 +3,9 @@ over the rows (spec/FORMAT.md section 7). Pure: no I/O."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -36,7 +37,7 @@ class TensorInfo:
         }
 
     @staticmethod
-    def of(name: str, bits: TensorBits, scheme: DigestScheme = XXH3) -> "TensorInfo":
+    def of(name: str, bits: TensorBits, scheme: DigestScheme = XXH3) -> TensorInfo:
         return TensorInfo(name, bits.dtype, bits.shape, bits.digest(scheme))
 
 

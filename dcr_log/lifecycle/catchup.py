@@ -4,18 +4,18 @@ create-if-absent (spec/FORMAT.md sections 23 and 24)."""
 from __future__ import annotations
 
 import uuid
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
-from dcr_log.write.differ import Differ, EncodePolicy
 from dcr_log.errors import IntegrityError, NotFoundError, UsageError
 from dcr_log.format import CommitStats, Record, SegmentBuilder
 from dcr_log.format.keys import check_writer_id
 from dcr_log.format.lifecycle import CatchUp
 from dcr_log.log.deltalog import DeltaLog
-from dcr_log.write.sharded import DEFAULT_SEGMENT_BYTES, default_writer_id, utc_now
-from dcr_log.write.uploader import SegmentUploader
 from dcr_log.state import TensorBits
 from dcr_log.store import AlreadyExists
+from dcr_log.write.differ import Differ, EncodePolicy
+from dcr_log.write.sharded import DEFAULT_SEGMENT_BYTES, default_writer_id, utc_now
+from dcr_log.write.uploader import SegmentUploader
 
 
 def _write_segments(log: DeltaLog, version: int, prefix: str, records: Iterable[Record], writer_id: str,

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dcr_log.errors import IntegrityError, LineageError, NotFoundError
-from dcr_log.format import IDENTITY_KEY, version_key
-from dcr_log.format import limits
-from dcr_log.format.lifecycle import MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, RETIRED, log_start_key, parse_log_start_key
+from dcr_log.format import IDENTITY_KEY, limits, version_key
+from dcr_log.format.lifecycle import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_MARKER_BYTES,
+    RETIRED,
+    log_start_key,
+    parse_log_start_key,
+)
 from dcr_log.format.signature import MAX_SIGNATURE_BYTES, SignatureRecord, parse_signature_key, signature_prefix
 from dcr_log.log.deltalog import DeltaLog
 from dcr_log.store import AlreadyExists, Store

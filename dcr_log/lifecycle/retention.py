@@ -14,11 +14,22 @@ from dataclasses import dataclass, field
 
 from dcr_log.errors import UsageError
 from dcr_log.format.keys import SEGMENTS_PREFIX, VERSIONS_PREFIX, parse_version_key
-from dcr_log.format.lifecycle import LOG_START_PREFIX, MANIFEST, RETIRED, SNAPSHOTS_PREFIX, SQUASHES_PREFIX, Marker, log_start_key, parse_log_start_key, parse_snapshot_key, parse_squash_key
-from dcr_log.log.deltalog import DeltaLog
-from dcr_log.write.sharded import utc_now
-from dcr_log.store import AlreadyExists, ObjectInfo
+from dcr_log.format.lifecycle import (
+    LOG_START_PREFIX,
+    MANIFEST,
+    RETIRED,
+    SNAPSHOTS_PREFIX,
+    SQUASHES_PREFIX,
+    Marker,
+    log_start_key,
+    parse_log_start_key,
+    parse_snapshot_key,
+    parse_squash_key,
+)
 from dcr_log.lifecycle.catchup import write_snapshot
+from dcr_log.log.deltalog import DeltaLog
+from dcr_log.store import AlreadyExists, ObjectInfo
+from dcr_log.write.sharded import utc_now
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)?")
 _UNIT = {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600, "d": 86400}

@@ -6,29 +6,61 @@ import dataclasses
 import hashlib
 import heapq
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
-
-from dcr_log.format.commit import ULP_ENCODING
 from dcr_log.codec.ulp import UlpEncoding
-from dcr_log.log.records import empty_words
-from dcr_log.log.steps import StepRules
-from dcr_log.errors import CommitConflict, CommitStateUnknown, ExpiredError, IntegrityError, NotFoundError, UsageError
-from dcr_log.format import FILES, IDENTITY_KEY, CommitRecord, CommitStats, FileEntry, LogIdentity, Record, SegmentRef, iter_segment, parse_version_key, version_key
-from dcr_log.format import limits
-from dcr_log.format.keys import VERSIONS_PREFIX
-from dcr_log.format.lifecycle import LOG_START_PREFIX, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, SNAPSHOTS_PREFIX, SQUASHES_PREFIX, CatchUp, Marker, log_start_key, parse_log_start_key, parse_snapshot_key, parse_squash_key, snapshot_prefix, squash_prefix
 from dcr_log.coords import numel
 from dcr_log.digest import MASK64, DigestScheme, scheme_for
-from dcr_log.state import TensorBits
+from dcr_log.errors import CommitConflict, CommitStateUnknown, ExpiredError, IntegrityError, NotFoundError, UsageError
+from dcr_log.format import (
+    FILES,
+    IDENTITY_KEY,
+    CommitRecord,
+    CommitStats,
+    FileEntry,
+    LogIdentity,
+    Record,
+    SegmentRef,
+    iter_segment,
+    limits,
+    parse_version_key,
+    version_key,
+)
+from dcr_log.format.commit import ULP_ENCODING
+from dcr_log.format.keys import VERSIONS_PREFIX
+from dcr_log.format.lifecycle import (
+    LOG_START_PREFIX,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_MARKER_BYTES,
+    SNAPSHOTS_PREFIX,
+    SQUASHES_PREFIX,
+    CatchUp,
+    Marker,
+    log_start_key,
+    parse_log_start_key,
+    parse_snapshot_key,
+    parse_squash_key,
+    snapshot_prefix,
+    squash_prefix,
+)
+from dcr_log.format.signature import (
+    MAX_SIGNATURE_BYTES,
+    MAX_SIGNATURES,
+    SignatureRecord,
+    parse_signature_key,
+    signature_prefix,
+)
 from dcr_log.format.tensors import state_digest
-from dcr_log.format.signature import MAX_SIGNATURE_BYTES, MAX_SIGNATURES, SignatureRecord, parse_signature_key, signature_prefix
-from dcr_log.signing import as_signing_key, as_trust
-from dcr_log.store import AlreadyExists, Store
 from dcr_log.log import segments
+from dcr_log.log.records import empty_words
+from dcr_log.log.replay import _covers_exactly, _ParallelApply
 from dcr_log.log.segments import SegmentFile
-from dcr_log.log.replay import _ParallelApply, _covers_exactly
+from dcr_log.log.steps import StepRules
+from dcr_log.signing import as_signing_key, as_trust
+from dcr_log.state import TensorBits
+from dcr_log.store import AlreadyExists, Store
 
 
 class _Skipped:
@@ -137,7 +169,7 @@ class DeltaLog:
         return FILES in self.identity.features
 
     @staticmethod
-    def open(location: str | os.PathLike | Store, trust=None) -> "DeltaLog":
+    def open(location: str | os.PathLike | Store, trust=None) -> DeltaLog:
         """Open a log. ``trust`` (a TrustPolicy, trust file or public keys): every version read
         needs a valid signature by one of its keys (TrustError otherwise)."""
         store = location if isinstance(location, Store) else Store.open(location)
@@ -552,7 +584,7 @@ class DeltaLog:
             self.excluded[key] = str(exc)
             return None
 
-    def exclude(self, step: "Step", reason: str) -> bool:
+    def exclude(self, step: Step, reason: str) -> bool:
         """Leave a catch-up step out of later routes (it failed a check); False for a version
         or the log start's snapshot, which no route can avoid."""
         if step.catchup is None or (step.kind == "snapshot" and step.version == self.known_start() > 0):

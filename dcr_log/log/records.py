@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 
-from dcr_log import native
-
-from dcr_log import buffers
+from dcr_log import buffers, native
 from dcr_log.codec import ChangeSet, decode_changes
 from dcr_log.codec.ulp import step_from
 from dcr_log.coords import box_to_tensor_flat, numel, word_dtype
+from dcr_log.digest import XXH3, DigestScheme
 from dcr_log.errors import IntegrityError
 from dcr_log.format import Record
-from dcr_log.digest import XXH3, DigestScheme
 from dcr_log.format.tensors import TensorInfo
 
 

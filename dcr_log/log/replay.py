@@ -8,10 +8,10 @@ from concurrent.futures import Future, wait
 
 import numpy as np
 
+from dcr_log.digest import DigestScheme
+from dcr_log.format import Record
 from dcr_log.log.records import apply_to_words, decode_record
 from dcr_log.parallel import shared_pool
-from dcr_log.format import Record
-from dcr_log.digest import DigestScheme
 from dcr_log.state import TensorBits
 
 
@@ -55,7 +55,7 @@ class _ParallelApply:
         self._pending: deque[Future] = deque()
         self._span_end: dict[str, int] = {}  # per tensor: end of the flat spans submitted
 
-    def __enter__(self) -> "_ParallelApply":
+    def __enter__(self) -> _ParallelApply:
         return self
 
     def submit(self, rec: Record, info, bits: TensorBits) -> None:

@@ -7,11 +7,9 @@ import mmap
 import os
 import threading
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import pyarrow as pa
-
-
 
 # A reader holds a segment of at most this many bytes in memory (writers keep them near 64
 # MiB); a larger one is read from a local file through a memory map (SegmentFile): its sha256
@@ -38,7 +36,7 @@ class SegmentFile:
         self.sha256 = sha256
 
     @staticmethod
-    def open(path: os.PathLike) -> "SegmentFile":
+    def open(path: os.PathLike) -> SegmentFile:
         """A local file (a receiver's spool), hashed in chunks: the caller checks the result."""
         f = open(path, "rb")
         try:
@@ -60,7 +58,7 @@ class SegmentFile:
         """The whole segment in memory (what a mirror copies)."""
         return os.pread(self._file.fileno(), self.size, 0)
 
-    def map(self) -> "_Mapping":
+    def map(self) -> _Mapping:
         return _Mapping(mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ))
 
     def close(self) -> None:

@@ -1,12 +1,12 @@
 """Receivers: apply a log's versions in place to numpy, torch or checkpoint-directory storage,
 idempotently and crash-safely, with an LMDB journal (spec/RECEIVER.md)."""
 
-from dcr_log.receiver.receiver import JOURNAL_DIR, VERIFY_LEVELS, ApplyReport, Receiver
 from dcr_log.receiver.directory import open_directory, write_checkpoint
 from dcr_log.receiver.journal import Journal, JournalState
+from dcr_log.receiver.receiver import JOURNAL_DIR, VERIFY_LEVELS, ApplyReport, Receiver
+from dcr_log.receiver.storage import Storage, open_storage
 from dcr_log.receiver.storage.checkpoint import CheckpointStorage
 from dcr_log.receiver.storage.memory import NumpyStorage, TorchStorage
-from dcr_log.receiver.storage import Storage, open_storage
 
 __all__ = [
     "JOURNAL_DIR", "VERIFY_LEVELS", "ApplyReport", "Receiver", "open_directory", "write_checkpoint", "Journal",

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 from dcr_log.checkpoint import INDEX_NAME, save_safetensors
 from dcr_log.errors import LineageError, NotFoundError, UsageError
 from dcr_log.log.deltalog import DeltaLog
-from dcr_log.state import TensorBits
-from dcr_log.receiver.receiver import JOURNAL_DIR, Receiver
 from dcr_log.receiver.files import FilePlan, plan_files, write_files
-from dcr_log.receiver.journal import Journal, JournalState
-from dcr_log.receiver.storage.checkpoint import CheckpointStorage, has_checkpoint
-from dcr_log.receiver.storage import FaultHook, storage_state_digest
 from dcr_log.receiver.fs import check_regular, check_space, fsync_dir, write_file_atomic
+from dcr_log.receiver.journal import Journal, JournalState
+from dcr_log.receiver.receiver import JOURNAL_DIR, Receiver
+from dcr_log.receiver.storage import FaultHook, storage_state_digest
+from dcr_log.receiver.storage.checkpoint import CheckpointStorage, has_checkpoint
+from dcr_log.state import TensorBits
 
 MODEL_NAME = "model.safetensors"
 # A materialized checkpoint is split into shards only above this many bytes (Hugging Face's

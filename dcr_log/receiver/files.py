@@ -17,9 +17,9 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 from dcr_log.errors import UsageError, os_error
 from dcr_log.format import CommitRecord, FileEntry

@@ -7,9 +7,8 @@ import os
 import stat
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
-
 
 from dcr_log.errors import IntegrityError, StoreError, UsageError, os_error
 

@@ -24,9 +24,9 @@ import os
 import re
 import struct
 import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
 
 import lmdb
 import xxhash
@@ -319,7 +319,7 @@ class Journal:
         return (path / DATA_NAME).is_file()
 
     @staticmethod
-    def open(path: str | os.PathLike) -> "Journal":
+    def open(path: str | os.PathLike) -> Journal:
         """Open (creating the directory if needed) and take the receiver lock.
 
         Raises UsageError when another process holds the receiver."""

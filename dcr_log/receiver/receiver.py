@@ -19,32 +19,31 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from dcr_log.coords import DTYPE_WIDTH, numel, tiles, word_dtype
-from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
-from dcr_log.log.records import decode_record, flat_positions, record_bases, record_targets
+from dcr_log.digest import MASK64, XXH3, DigestScheme, zeros_outside
 from dcr_log.errors import IntegrityError, LayoutError, LineageError, NotFoundError, StoreError, UsageError
 from dcr_log.format import CommitRecord, Record
-from dcr_log.log.steps import StepRules
-from dcr_log.log.deltalog import DeltaLog, Step
-from dcr_log.signing import as_trust
-from dcr_log.digest import MASK64, XXH3, DigestScheme, zeros_outside
 from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
-from dcr_log.state import describe_layout_change
+from dcr_log.log.deltalog import DeltaLog, Step
+from dcr_log.log.records import decode_record, flat_positions, record_bases, record_targets
+from dcr_log.log.steps import StepRules
+from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
 from dcr_log.receiver.files import FilePlan, plan_files, write_files
 from dcr_log.receiver.journal import Journal, JournalState, SegmentProgress
-from dcr_log.receiver.storage.placed import PlacedStorage
-from dcr_log.receiver.storage import FaultHook, Storage, open_storage, storage_state_digest
-from dcr_log.state import TableLayout
-from dcr_log.receiver.storage.memory import TorchStorage
 from dcr_log.receiver.segments import SegmentCache
-
+from dcr_log.receiver.storage import FaultHook, Storage, open_storage, storage_state_digest
+from dcr_log.receiver.storage.memory import TorchStorage
+from dcr_log.receiver.storage.placed import PlacedStorage
+from dcr_log.signing import as_trust
+from dcr_log.state import TableLayout, describe_layout_change
 
 VERIFY_LEVELS = ("none", "sample", "full")
 
@@ -161,7 +160,7 @@ class _Staged:
     version: int
     verify: str
     commit: CommitRecord
-    cache: "SegmentCache"
+    cache: SegmentCache
     progress: dict
     journal_bytes: int
     recovering: bool
@@ -206,7 +205,7 @@ class Receiver:
              fault: FaultHook | None = None, device: Any = None, trust: Any = None,
              placement: Any = None, loader: Callable | None = None, group: Any = None,
              rediscover: Callable | None = None, loader_params: Any = None,
-             shadow: Any = None, dtypes: Any = None, layout_changes: str = "refuse") -> "Receiver":
+             shadow: Any = None, dtypes: Any = None, layout_changes: str = "refuse") -> Receiver:
         """Open a receiver: ``storage`` is a Storage, a dict of numpy arrays or torch tensors,
         or a checkpoint directory (whose journal defaults to DIR/.dcr).
 
@@ -264,7 +263,7 @@ class Receiver:
         self.storage.close()
         self.journal.close()
 
-    def __enter__(self) -> "Receiver":
+    def __enter__(self) -> Receiver:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -1069,8 +1068,8 @@ def _open_shadow(shadow: Any) -> Storage:
     if isinstance(shadow, Storage):
         return shadow
     if isinstance(shadow, (str, os.PathLike)):
-        from dcr_log.receiver.storage.checkpoint import CheckpointStorage, has_checkpoint
         from dcr_log.checkpoint import save_safetensors
+        from dcr_log.receiver.storage.checkpoint import CheckpointStorage, has_checkpoint
         path = Path(shadow)
         if not has_checkpoint(path):
             path.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ from dcr_log.format import CommitRecord, Record
 from dcr_log.log.deltalog import DeltaLog
 from dcr_log.log.segments import SegmentFile
 
-
 # Segment bytes kept between pass 1 and the writes (and for rollback), beyond which they
 # are read again from the log.
 SEGMENT_CACHE_BYTES = 1 << 30
@@ -49,7 +48,7 @@ class SegmentCache:
         self._pool = None
         self._lock = threading.Lock()
 
-    def _fetch(self, index: int) -> "memoryview | SegmentFile":
+    def _fetch(self, index: int) -> memoryview | SegmentFile:
         return self.log.read_segment(self.commit.segments[index], self.commit.version)
 
     def _ahead(self, index: int) -> None:
@@ -64,7 +63,7 @@ class SegmentCache:
             if j not in self._pending and j not in self._data and j not in self._spooled and j not in self._files:
                 self._pending[j] = self._pool.submit(self._fetch, j)
 
-    def data(self, index: int) -> "memoryview | SegmentFile":
+    def data(self, index: int) -> memoryview | SegmentFile:
         """The segment's bytes in memory, or a local file holding them (SegmentFile)."""
         data = self._data.get(index)
         if data is None:

@@ -21,9 +21,10 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
@@ -66,7 +67,7 @@ class BaselineCache:
         self.dir = Path(root) / log_id
 
     @staticmethod
-    def resolve(cache_dir: Any, store, log_id: str) -> "BaselineCache | None":
+    def resolve(cache_dir: Any, store, log_id: str) -> BaselineCache | None:
         """None (no cache) for ``cache_dir=False`` and for logs in memory; else the given
         directory or the default one."""
         if cache_dir is False:
@@ -108,7 +109,7 @@ class Baseline:
     _layout: list = field(default_factory=list)  # (key, byte offset) in the slot's file
 
     @staticmethod
-    def empty(version: int) -> "Baseline":
+    def empty(version: int) -> Baseline:
         return Baseline(version, {}, {}, {})
 
     def has(self, key: PieceKey) -> bool:
@@ -117,7 +118,7 @@ class Baseline:
     def words(self, key: PieceKey) -> np.ndarray:
         return self.arrays[key]
 
-    def advance(self, version: int, commit, pending, mine: list) -> "Baseline":
+    def advance(self, version: int, commit, pending, mine: list) -> Baseline:
         """The baseline after ``commit``: changed words scattered into kept pieces, new words
         for new pieces (already in ``pending.generation`` when there is a cache), pieces no
         longer owned dropped."""
@@ -168,8 +169,8 @@ class Baseline:
 def _scatter(arrays: dict, scatters: Mapping) -> None:
     """The committed changes into the baseline's pieces, pieces on the shared pool's threads
     (the C scatter releases the GIL)."""
-    from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
     from dcr_log.log.records import scatter_words
+    from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
 
     def scatter(item) -> None:
         key, parts = item
@@ -282,7 +283,7 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
     return None
 
 
-def roll_forward(log: "DeltaLog", base: Baseline, version: int, needed: list, shapes: Mapping,
+def roll_forward(log: DeltaLog, base: Baseline, version: int, needed: list, shapes: Mapping,
                  digest_box) -> Baseline:
     """``base`` (cached at an older version) brought to ``version`` by applying the records of
     the versions in between to its pieces: O(those deltas), not a replay from version 0.
@@ -330,7 +331,7 @@ def roll_forward(log: "DeltaLog", base: Baseline, version: int, needed: list, sh
                     {k: digest_box(k, w) for k, w in kept.items()})
 
 
-def load_baseline(log: "DeltaLog", version: int, needed: list, cache: BaselineCache | None, group,
+def load_baseline(log: DeltaLog, version: int, needed: list, cache: BaselineCache | None, group,
                   layout, current: Baseline | None = None) -> Baseline:
     """This rank's baseline of ``needed`` pieces at ``version`` (collective).
 

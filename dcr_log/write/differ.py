@@ -6,13 +6,12 @@ Both directions are vectorised: per record the work is a few numpy passes over t
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
 from dcr_log import native
-
 from dcr_log.codec import ChangeSet
 from dcr_log.codec.dense import DEFAULT_LEVEL as DENSE_LEVEL
 from dcr_log.codec.dense import DenseEncoding
@@ -22,11 +21,10 @@ from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.codec.ulp import DEFAULT_LEVEL as ULP_LEVEL
 from dcr_log.codec.ulp import UlpEncoding
 from dcr_log.coords import Box, box_to_tensor_flat, box_view, row_blocks
-from dcr_log.format import Record
 from dcr_log.digest import MASK64, XXH3, DigestScheme
-from dcr_log.state import TensorBits
+from dcr_log.format import Record
 from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
-
+from dcr_log.state import TensorBits
 
 # A record covers at most this many elements, so that encode and apply stream in chunks and
 # the chunks of a large tensor are encoded in parallel. 4 Mi elements (8 MiB of bf16) keep the

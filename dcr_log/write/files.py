@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Union
 
 from dcr_log.errors import UsageError, os_error
 from dcr_log.format import FileEntry, file_name_problem

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 
-from dcr_log.write.baseline import PieceKey, piece_key
 from dcr_log.coords import Box, numel
 from dcr_log.digest import SUM_DIGESTS
 from dcr_log.errors import UsageError
 from dcr_log.format.tensors import TensorInfo
 from dcr_log.state import describe_layout_change
+from dcr_log.write.baseline import PieceKey, piece_key
 from dcr_log.write.pieces import ShardPiece
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from dcr_log.write.baseline import PieceKey, piece_key
 from dcr_log.coords import Box, flat_range_boxes, numel
 from dcr_log.errors import UsageError
 from dcr_log.state import TensorBits, check_name, dtype_of, to_bits
+from dcr_log.write.baseline import PieceKey, piece_key
 
 
 class Shard:
@@ -34,7 +35,7 @@ class Shard:
         self.kind = "xor"
 
     @staticmethod
-    def flat(tensor1d: Any, start: int) -> "Shard":
+    def flat(tensor1d: Any, start: int) -> Shard:
         """Elements ``start .. start + numel`` of the canonical tensor's row-major order (an
         FSDP flat shard): ``tensor1d`` is one-dimensional."""
         if len(tuple(tensor1d.shape)) != 1:
@@ -45,7 +46,7 @@ class Shard:
         return shard
 
     @staticmethod
-    def converted(fn: Callable[[], Any], offset: Sequence[int] | None = None) -> "Shard":
+    def converted(fn: Callable[[], Any], offset: Sequence[int] | None = None) -> Shard:
         """A residual: ``fn()`` returns, at every append, the canonical box (a tensor) that
         starts at ``offset``: a rotary permutation, a transposed or requantised export, a
         tensor that exists only after a conversion. Its changes are logged as ``overwrite``
@@ -143,10 +144,10 @@ class _TypedWords:
     def __init__(self, words: np.ndarray, dtype: str):
         self.words, self.dtype, self.shape = words, dtype, words.shape
 
-    def __getitem__(self, item) -> "_TypedWords":
+    def __getitem__(self, item) -> _TypedWords:
         return _TypedWords(self.words[item], self.dtype)
 
-    def reshape(self, shape) -> "_TypedWords":
+    def reshape(self, shape) -> _TypedWords:
         return _TypedWords(self.words.reshape(shape), self.dtype)
 
     def rows(self, r0: int, r1: int) -> TensorBits:

@@ -18,37 +18,51 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from datetime import UTC
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from dcr_log import buffers
-from dcr_log.write.baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline
+from dcr_log.collective import Group, as_group
 from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
-from dcr_log.write.differ import Differ, EncodePolicy
-from dcr_log.parallel import map_ordered
-from dcr_log.format.commit import ULP_ENCODING
 from dcr_log.digest import MASK64, SUM_DIGESTS
-from dcr_log.signing import as_signing_key
-from dcr_log.errors import AppendAborted, CommitConflict, CommitStateUnknown, DcrError, StoreError, UsageError
-from dcr_log.format import IDENTITY_KEY, CommitRecord, CommitStats, LogIdentity, SegmentBuilder, segment_key
-from dcr_log.write.files import Files, resolve_files
-from dcr_log.format import FILES, FileEntry
+from dcr_log.errors import (
+    AppendAborted,
+    CollectiveFailed,
+    CommitConflict,
+    CommitStateUnknown,
+    DcrError,
+    StoreError,
+    UsageError,
+)
+from dcr_log.format import (
+    FILES,
+    IDENTITY_KEY,
+    CommitRecord,
+    CommitStats,
+    FileEntry,
+    LogIdentity,
+    SegmentBuilder,
+    segment_key,
+)
+from dcr_log.format.commit import ULP_ENCODING
 from dcr_log.format.keys import VERSIONS_PREFIX, check_writer_id, parse_version_key
 from dcr_log.format.limits import MAX_IDENTITY_BYTES
-from dcr_log.log.deltalog import DeltaLog
 from dcr_log.format.tensors import TensorInfo, state_digest
+from dcr_log.log.deltalog import DeltaLog
+from dcr_log.parallel import map_ordered
+from dcr_log.signing import as_signing_key
 from dcr_log.store import AlreadyExists, Store
-from dcr_log.errors import CollectiveFailed
-from dcr_log.collective import Group, as_group
-from dcr_log.write.pieces import Shard, resolve_pieces
+from dcr_log.write.baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline
+from dcr_log.write.differ import Differ, EncodePolicy
+from dcr_log.write.files import Files, resolve_files
+from dcr_log.write.layout import ShardLayout, _check_whole, _kept, _summary, check_layout_change, validate_layout
+from dcr_log.write.pieces import Shard, ShardPiece, resolve_pieces
 from dcr_log.write.uploader import SegmentUploader
-from dcr_log.write.layout import _check_whole, _kept, _summary, check_layout_change, validate_layout
-from dcr_log.write.layout import ShardLayout
-from dcr_log.write.pieces import ShardPiece
-
 
 # A segment file is closed and uploaded once it holds this many payload bytes.
 DEFAULT_SEGMENT_BYTES = 64 << 20
@@ -59,9 +73,9 @@ DEFAULT_FEATURES = (SUM_DIGESTS, ULP_ENCODING)
 
 
 def utc_now() -> str:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def default_writer_id() -> str:
@@ -122,7 +136,7 @@ class ShardedWriter:
                features: Sequence[str] = DEFAULT_FEATURES, writer_id: str | None = None,
                policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                progress: Callable[[int], None] | None = None, signing_key: Any = None,
-               files: Files | None = None) -> "ShardedWriter":
+               files: Files | None = None) -> ShardedWriter:
         """Create a new log whose version 0 is the ranks' shards (collective). With
         ``signing_key`` (a dcr_log.signing.SigningKey, an ed25519 private key or a key file)
         every version is signed (spec/FORMAT.md, section 21). ``files`` (rank 0's; see
@@ -162,7 +176,7 @@ class ShardedWriter:
     @staticmethod
     def open(location: str | os.PathLike | Store | DeltaLog, group: Any = None, *, cache_dir: Any = None,
              writer_id: str | None = None, policy: EncodePolicy | None = None,
-             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> "ShardedWriter":
+             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> ShardedWriter:
         """Resume writing a log (collective). The baseline is loaded at the first append, when
         the shards are known: from the local cache, checked against the commit's digests, or
         else rebuilt from the log."""

@@ -10,7 +10,6 @@ import pyarrow as pa
 from dcr_log.format import SegmentBuilder, SegmentRef
 from dcr_log.store import Store
 
-
 # Segment uploads in flight at once on a remote store (each holds one segment in memory).
 UPLOADS_IN_FLIGHT = 2
 

@@ -4,17 +4,18 @@ ShardedWriter (dcr_log.shard), with no torch needed."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from dcr_log.write.differ import EncodePolicy
-from dcr_log.write.files import Files
+from dcr_log.collective import LocalGroup
 from dcr_log.format import CommitRecord
 from dcr_log.log.deltalog import DeltaLog
-from dcr_log.write.sharded import DEFAULT_FEATURES, DEFAULT_SEGMENT_BYTES, ShardedWriter, default_writer_id, utc_now
-from dcr_log.collective import LocalGroup
-from dcr_log.write.pieces import Shard
 from dcr_log.state import to_state
 from dcr_log.store import Store
+from dcr_log.write.differ import EncodePolicy
+from dcr_log.write.files import Files
+from dcr_log.write.pieces import Shard
+from dcr_log.write.sharded import DEFAULT_FEATURES, DEFAULT_SEGMENT_BYTES, ShardedWriter, default_writer_id, utc_now
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "LogWriter", "create_log", "default_writer_id", "utc_now"]
 
@@ -51,7 +52,7 @@ class LogWriter:
                features: Sequence[str] = DEFAULT_FEATURES, writer_id: str | None = None,
                policy: EncodePolicy | None = None,
                segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None,
-               files: Files | None = None) -> "LogWriter":
+               files: Files | None = None) -> LogWriter:
         """Create a new log whose version 0 is the full ``state``. New logs use
         ``sum-digests`` and ``ulp-encoding``; ``features=()`` writes a plain format-1 log (xxh3 digests). With
         ``signing_key`` every version this writer commits is signed.
@@ -69,7 +70,7 @@ class LogWriter:
     @staticmethod
     def open(location: str | os.PathLike | Store | DeltaLog, *, cache_dir: Any = None,
              writer_id: str | None = None, policy: EncodePolicy | None = None,
-             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> "LogWriter":
+             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> LogWriter:
         """Resume writing a log at its latest version: the baseline comes from the local cache
         (checked against the commit's digests) or, failing that, from a replay."""
         return LogWriter(ShardedWriter.open(location, LocalGroup(), cache_dir=cache_dir,

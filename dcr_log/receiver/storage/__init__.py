@@ -9,7 +9,8 @@ tensors, reached through a placement)."""
 from __future__ import annotations
 
 import os
-from typing import Any, MutableMapping
+from collections.abc import MutableMapping
+from typing import Any
 
 from dcr_log.errors import UsageError
 from dcr_log.receiver.storage.base import FaultHook, Storage, Where, storage_state_digest

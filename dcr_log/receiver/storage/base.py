@@ -13,18 +13,16 @@ A ``where`` is what ``dcr_log.delta.flat_positions`` returns: int64 flat indices
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from dcr_log.errors import UsageError
 from dcr_log.digest import XXH3, DigestScheme
+from dcr_log.errors import UsageError
 from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.state import TableLayout
-
-
-
 
 Where = np.ndarray | slice
 

@@ -13,13 +13,18 @@ import numpy as np
 
 from dcr_log.checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
 from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
-from dcr_log.log.records import gather_words, scatter_words
 from dcr_log.errors import IntegrityError, NotFoundError, os_error
-from dcr_log.state import TensorBits
+from dcr_log.log.records import gather_words, scatter_words
+from dcr_log.receiver.fs import (
+    _file_metadata,
+    check_regular,
+    check_space,
+    fsync_dir,
+    plain_file_name,
+    write_file_atomic,
+)
 from dcr_log.receiver.storage.base import Storage, Where
-from dcr_log.receiver.fs import _file_metadata, check_regular, check_space, fsync_dir, plain_file_name, write_file_atomic
-from dcr_log.state import TableLayout
-
+from dcr_log.state import TableLayout, TensorBits
 
 # A safetensors index of a few million tensor names stays far below this.
 MAX_INDEX_BYTES = 1 << 30

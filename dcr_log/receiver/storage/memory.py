@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
 import numpy as np
 
 from dcr_log import buffers
 from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
-from dcr_log.log.records import gather_words, scatter_words
-from dcr_log.errors import StoreError, UsageError
 from dcr_log.digest import XXH3, DigestScheme
-from dcr_log.state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TensorBits
-from dcr_log.receiver.storage.base import Storage, Where, _MISSING
-from dcr_log.state import TableLayout
+from dcr_log.errors import StoreError, UsageError
+from dcr_log.log.records import gather_words, scatter_words
+from dcr_log.receiver.storage.base import _MISSING, Storage, Where
+from dcr_log.state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TableLayout, TensorBits
 
 
 def _signed(width: int) -> np.dtype:

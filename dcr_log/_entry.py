@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
@@ -23,7 +24,7 @@ _NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
 class _State:
     active = False  # entry() is running this process: dcr_log.cli hands signals back here
-    hook = None     # dcr_log.cli's, once imported: signum -> (exit code, line or None)
+    hook: Callable[[int], tuple[int, str | None]] | None = None  # dcr_log.cli's, once imported: signum -> (exit code, line or None)
     busy = False    # a signal's outcome is being worked out
 
 

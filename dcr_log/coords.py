@@ -34,7 +34,7 @@ DTYPE_WIDTH: dict[str, int] = {
     "BOOL": 1,
 }
 
-_WORD_BY_WIDTH = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_WORD_BY_WIDTH: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 def check_dtype(dtype: str) -> str:

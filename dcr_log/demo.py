@@ -88,7 +88,7 @@ def run_demo(dir: Path | None, console: Console, params: int = DEFAULT_PARAMS,
         raise UsageError(f"{dir} already holds a log; give --dir a new directory")
     temp = tempfile.TemporaryDirectory(prefix="dcr-demo-") if dir is None else nullcontext()
     with temp as temp_root:
-        path = Path(temp_root) / "log" if dir is None else Path(dir)
+        path = Path(str(temp_root)) / "log" if dir is None else Path(dir)
         trainer = SyntheticTrainer(specs_for_params(params), seed=seed)
         dense = trainer.nbytes
         console.print(

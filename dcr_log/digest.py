@@ -288,7 +288,7 @@ class SumDigests(DigestScheme):
 
 def xxh3_words(words: np.ndarray) -> int:
     """xxh3_64 (seed 0) of the words' little-endian bytes."""
-    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(words)).cast("B"))
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(words).data.cast("B"))
 
 
 XXH3_EMPTY = xxhash.xxh3_64_intdigest(b"")

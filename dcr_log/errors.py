@@ -94,7 +94,7 @@ def os_error(exc: OSError, what: str) -> StoreError:
     import errno
     import os
 
-    code = exc.errno
+    code = exc.errno or 0
     reason = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
               errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
               errno.EPERM: "operation not permitted", errno.EIO: "input/output error"}.get(

@@ -192,6 +192,7 @@ def layout_changes(tensors: Mapping[str, tuple[str, tuple[int, ...]]],
             continue
         q = _quoted(name)
         if old is None:
+            assert new is not None
             out.append(f"added {q} ({new[0]} {_dims(new[1])})")
         elif new is None:
             out.append(f"removed {q}")

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -122,7 +122,9 @@ class Store:
             return Store(inner, text)
         if parsed.scheme in ("s3", "gs", "az", "abfs", "http", "https"):
             try:
-                return Store(from_url(text, client_options=_client_options(), retry_config=_retry_config()), text)
+                # (obstore's overloads are per scheme; the scheme here is known only at run time)
+                inner = from_url(text, client_options=_client_options(), retry_config=_retry_config())  # type: ignore[call-overload]
+                return Store(inner, text)
             except Exception as exc:  # obstore raises several config errors
                 raise UsageError(f"cannot open {text}: {exc}") from None
         raise UsageError(f"unsupported log location {text!r}")
@@ -156,7 +158,7 @@ class Store:
         The object's size is checked from its metadata before any byte of it is read."""
         check_key(key)
         sha = hashlib.sha256()
-        f = None
+        f: IO[bytes] | None = None
         try:
             if self.local_root is not None:
                 f = open(self.local_root / key, "rb")
@@ -255,7 +257,7 @@ class Store:
         return _info(meta)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        out = []
+        out: list[ObjectInfo] = []
         try:
             for chunk in obstore.list(self._inner, prefix):
                 out.extend(_info(m) for m in chunk)
@@ -333,7 +335,7 @@ def store_deadline() -> float:
 def _client_options() -> dict:
     deadline = store_deadline()
     # A request that hangs (a server that accepts and never answers) is cut at the deadline.
-    opts = {"timeout": f"{max(1, int(deadline * 1000))}ms",
+    opts: dict[str, str | bool] = {"timeout": f"{max(1, int(deadline * 1000))}ms",
             "connect_timeout": f"{max(1, int(min(deadline, 10.0) * 1000))}ms"}
     if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true"):
         opts["allow_http"] = True

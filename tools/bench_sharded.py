@@ -285,7 +285,7 @@ def cli_bench(mib: float, versions: int, lr: float, seed: int, repeats: int, wor
     times = {length: [] for length in logs}
     rss = {}
     floor = min(run_cli(["-c", "import dcr_log.cli"], env, work)[0] for _ in range(repeats))
-    floor_rss = run_cli(["-m", "dcr_log.cli"], env, work, rss=True)[1]  # imports only (no __main__ code)
+    floor_rss = run_cli(["-c", "import dcr_log.cli"], env, work, rss=True)[1]  # imports only (no __main__ code)
     for i in range(repeats + 1):
         for length, path in logs.items():  # interleaved: the same machine noise for both
             target = "base" if latest[length] == "new" else "new"

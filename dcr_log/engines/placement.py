@@ -349,6 +349,7 @@ def _norm(layout: Any) -> TableLayout:
     a CommitRecord or a Placement's table."""
     if hasattr(layout, "tensors") and not isinstance(layout, Mapping):
         layout = layout.tensors
+    items: Iterable[tuple[Any, Any]]
     if isinstance(layout, Mapping):
         items = layout.items()
     else:
@@ -389,7 +390,7 @@ class _ParamWords:
         self.torch = is_torch_tensor(value)
         if self.torch:
             from dcr_log.state import _TORCH_TO_DTYPE
-            self.dtype = _TORCH_TO_DTYPE.get(str(value.dtype))
+            found = _TORCH_TO_DTYPE.get(str(value.dtype))
             self.shape = tuple(int(s) for s in value.shape)
             self.key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.numel())
         else:
@@ -397,11 +398,12 @@ class _ParamWords:
             arr = value
             if not isinstance(arr, np.ndarray):
                 raise PlacementError(f"parameter {name!r}: expected a torch tensor or numpy array")
-            self.dtype = dtype or _NUMPY_TO_DTYPE.get(arr.dtype.name)
+            found = dtype or _NUMPY_TO_DTYPE.get(arr.dtype.name)
             self.shape = tuple(int(s) for s in arr.shape)
             self.key = (arr.__array_interface__["data"][0], 0, arr.size)
-        if self.dtype is None:
+        if found is None:
             raise PlacementError(f"parameter {name!r}: unsupported dtype {value.dtype}")
+        self.dtype: str = found
         self.width = DTYPE_WIDTH[self.dtype]
         self.size = numel(self.shape)
 

@@ -294,7 +294,7 @@ class WorkerExtension:
         """Open (discovering or loading the placement) and bind at the version the engine holds."""
         self.dcr_close()
         st = _WorkerState(self, str(log), str(journal_path), version, placement_path, verify, trust)
-        self._dcr_state = st
+        self._dcr_state: _WorkerState | None = st
         return asdict(st.report)
 
     def _dcr(self) -> _WorkerState:
@@ -375,7 +375,7 @@ class VllmReceiver:
         applied: list[int] = []
         while not stop():
             applied += self.apply(verify=verify)
-            if until is not None and self.version >= until:
+            if until is not None and (self.version or 0) >= until:
                 break
             deadline = time.monotonic() + interval
             while not stop() and time.monotonic() < deadline:

@@ -15,7 +15,7 @@ import json
 from dcr_log.errors import IntegrityError
 
 
-def canonical_bytes(obj: dict) -> bytes:
+def canonical_bytes(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 

@@ -41,7 +41,7 @@ def _int(v, what, name, minimum=0) -> int:
 
 def _str(v, what, name, pattern: re.Pattern | None = None) -> str:
     # fullmatch: ``$`` alone would also accept a trailing newline.
-    _expect(isinstance(v, str) and (pattern is None or pattern.fullmatch(v)), what, f"bad {name}")
+    _expect(isinstance(v, str) and (pattern is None or pattern.fullmatch(v) is not None), what, f"bad {name}")
     return v
 
 

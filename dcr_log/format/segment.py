@@ -223,6 +223,6 @@ def _payload_slices(column: pa.Array) -> Callable[[int], memoryview]:
         if (base + start) % 8:
             copy = np.frombuffer(view, dtype=np.uint8).copy()
             copy.flags.writeable = False
-            view = memoryview(copy)
+            view = copy.data
         return view
     return row

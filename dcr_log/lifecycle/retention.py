@@ -131,11 +131,11 @@ def plan_gc(log: DeltaLog, keep_last: int, *, keep_snapshots: int = 2, grace: fl
     new_start = start
     if wanted > start:
         if snapshot:
-            manifest = f"{SNAPSHOTS_PREFIX}{wanted}/{MANIFEST}"
-            if wanted not in usable and not any(o.key == manifest for o in listing[SNAPSHOTS_PREFIX]):
+            manifest_key = f"{SNAPSHOTS_PREFIX}{wanted}/{MANIFEST}"
+            if wanted not in usable and not any(o.key == manifest_key for o in listing[SNAPSHOTS_PREFIX]):
                 write_at = wanted
             elif wanted not in usable:
-                log.catchup(manifest)  # there but retired (a damaged one is refused here)
+                log.catchup(manifest_key)  # there but retired (a damaged one is refused here)
             new_start = wanted
         else:
             new_start = max((w for w in usable if start < w <= wanted), default=start)

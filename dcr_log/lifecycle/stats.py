@@ -4,6 +4,7 @@ time between versions; and a PNG plot of them (matplotlib, the ``plot`` extra)."
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 from datetime import datetime
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def version_stats(log: DeltaLog, encodings: bool = True) -> list[dict]:
         c = log.commit(v)
         dense = sum(numel(t.shape) * DTYPE_WIDTH[t.dtype] for t in c.tensors)
         when = _when(c.created_at)
-        row = {
+        row: dict[str, Any] = {
             "version": v,
             "bytes": c.delta_bytes,
             "dense_bytes": dense,
@@ -52,17 +53,23 @@ def version_stats(log: DeltaLog, encodings: bool = True) -> list[dict]:
 
 def catchup_rows(log: DeltaLog) -> list[dict]:
     """The log's snapshots and squashes, with their bytes."""
-    rows = [{"kind": "snapshot", "version": v, "from": None, "bytes": cu.delta_bytes,
+    rows: list[dict[str, Any]] = [{"kind": "snapshot", "version": v, "from": None, "bytes": cu.delta_bytes,
              "records": cu.stats.records, "created_at": cu.created_at}
             for v, cu in log.snapshots().items()]
     start = log.known_start()
     # The bytes of the versions a squash stands for (None once some of them have expired).
     rows += [{"kind": "squash", "version": cu.version, "from": cu.start, "bytes": cu.delta_bytes,
               "records": cu.stats.records, "created_at": cu.created_at,
-              "chain_bytes": None if cu.start + 1 < start else sum(
-                  log.commit(u).delta_bytes for u in range(cu.start + 1, cu.version + 1))}
+              "chain_bytes": _chain_bytes(log, cu.start, cu.version, start)}
              for cu in log.squashes()]
     return rows
+
+
+def _chain_bytes(log: DeltaLog, first: int | None, version: int, start: int) -> int | None:
+    """The bytes of the versions a squash from ``first`` stands for; None once some expired."""
+    if first is None or first + 1 < start:
+        return None
+    return sum(log.commit(u).delta_bytes for u in range(first + 1, version + 1))
 
 
 def plot(rows: list[dict], catchups: list[dict], path: Path, title: str) -> None:

@@ -142,7 +142,8 @@ class CheckpointStorage(Storage):
         if count * 8 < (hi - lo) // _PAGE:
             return  # sparse: most pages stay clean, let the faults pick them
         try:
-            self._maps[file]._mmap.madvise(_MADV_POPULATE_WRITE, lo, hi - lo)
+            self._maps[file]._mmap.madvise(  # type: ignore[attr-defined]  # numpy's private mmap; AttributeError handled
+                _MADV_POPULATE_WRITE, lo, hi - lo)
         except (AttributeError, OSError, ValueError):
             pass  # an older kernel (before 5.14) or another platform: the faults do it
 

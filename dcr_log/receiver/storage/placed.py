@@ -151,6 +151,7 @@ class PlacedStorage(Storage):
         for s in sorted(sources):
             n = numel(placement.table[s][1])
             if n:
+                assert self.shadow is not None  # made above when there are sources
                 targets.setdefault(s, []).append(
                     _Target(self.shadow, s, PlacementPiece(s, 0, n, 0, n, n, 1),
                             (np.array([0], np.int64), np.array([n], np.int64))))
@@ -169,7 +170,7 @@ class PlacedStorage(Storage):
         every = self.group.all_gather(mine) if self.group.size > 1 else [mine]
         rank = self.group.rank
         self._held: set[str] = set()
-        self._owned: dict[str, tuple] = {}
+        self._owned: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for t, (dtype, shape) in table.items():
             n = numel(shape)
             parts = [ranks.get(t) for ranks in every]
@@ -351,6 +352,7 @@ class PlacedStorage(Storage):
             self.shadow = NumpyStorage({})
         if want or shadow_layout:
             # Reshaped or new sources start zero-filled; their tensor records fill them.
+            assert self.shadow is not None
             self.shadow.set_layout(want)
         self._install(new)
 
@@ -374,6 +376,7 @@ class PlacedStorage(Storage):
         need = self.shadow_needs()
         if not need:
             return
+        assert self.shadow is not None  # residual sources exist only with a shadow
         self.shadow.set_layout({**self.shadow.layout(), **need})
         for name in need:
             n = numel(need[name][1])
@@ -401,6 +404,7 @@ class PlacedStorage(Storage):
                 dtype, shape = table[s]
                 words = self.shadow.tensor_words(s)
                 yield s, self.to_loader(TensorBits(dtype, shape, np.asarray(words)))
+        assert self.loader is not None  # a placement with residuals needs one (checked at install)
         self.loader(feed())
         if self.loader_params is not None:
             # The loader wrote another engine's parameters (a scratch instance): copy them.

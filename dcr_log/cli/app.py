@@ -1,0 +1,236 @@
+"""The ``dcr`` application: the typer app and its consoles, what every command shares (opening a
+log, progress bars, signing and trust options, the one-line "left behind" messages), and the
+process around a command: signals, the outcome of an interrupted command, and errors mapped to
+exit codes (see dcr_log.cli).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dcr_log import _entry
+from dcr_log.errors import DcrError, Interrupted, NotFoundError, StoreError, UsageError, os_error
+from dcr_log.log.deltalog import DeltaLog
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="dcr-log: bit-exact delta logs for refitting model weights.")
+
+
+# emoji=False: ":name:" in a tensor name or path must print as written (JSON output included).
+out = Console(highlight=False, soft_wrap=True, emoji=False)
+
+
+err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+
+
+@contextmanager
+def progress_bar(label: str, total: int | None) -> Iterator:
+    """A rich progress bar on a terminal; a no-op otherwise. Yields advance(n)."""
+    if not err.is_terminal:
+        yield lambda n=1: None
+        return
+    with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n=1: bar.advance(task, n)
+
+
+def version_progress(log: DeltaLog, label: str, upto: int | None = None):
+    total = (log.latest_version() if upto is None else upto) + 1
+    return progress_bar(label, total)
+
+
+# What an interrupted command leaves behind, said in one line: the newest callable registered
+# by the running command (see main); none registered: "nothing done".
+_LEFT: list = []
+
+
+def say_left(say) -> None:
+    _LEFT.append(say)
+
+
+def version_left(location, version: int, writer_id: str) -> str:
+    """What an interrupted init or append left of VERSION, read from the store: the signal may
+    have landed after the commit record was written and before the writer returned."""
+    try:
+        commit = DeltaLog.open(location).commit(version)
+    except NotFoundError:
+        return f"version {version} not committed"
+    except Exception as exc:
+        return f"version {version}: commit state unknown ({type(exc).__name__}: run dcr log to see)"
+    if commit.writer_id != writer_id:
+        return f"version {version} not committed (another writer committed version {version})"
+    return f"version {version} committed"
+
+
+CACHE_HELP = ("baseline cache directory (default $DCR_CACHE_DIR or ~/.cache/dcr-log); "
+              "'none' keeps no cache")
+
+
+def cache_dir_option(cache: str | None):
+    if cache is None:
+        return None
+    return False if cache == "none" else Path(cache)
+
+
+SIGN_HELP = "sign the version with this ed25519 key file (dcr keygen)"
+
+
+TRUST_HELP = ("accept only versions signed by a key of this file (public keys, one per line; "
+              "repeat for several files)")
+
+
+def signing_key_option(path: Path | None):
+    from dcr_log.signing import SigningKey
+
+    return None if path is None else SigningKey.load(path)
+
+
+def open_log(log: str, trust: list[Path] | None) -> DeltaLog:
+    from dcr_log.signing import TrustPolicy
+
+    return DeltaLog.open(log, trust=TrustPolicy.load(trust) if trust else None)
+
+
+def one_line(text: str) -> str:
+    """A failure is reported on exactly one stderr line, even when a library's message is not."""
+    return " ".join(text.split())
+
+
+class _Follow:
+    """While ``dcr apply --follow`` runs, the first SIGINT or SIGTERM asks it to stop between
+    versions instead of interrupting one."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.stop = threading.Event()
+
+
+FOLLOW = _Follow()
+
+
+class _Signals:
+    """SIGINT and SIGTERM raise Interrupted (a KeyboardInterrupt: rollbacks run) while a
+    command runs; remembers the first one. Once the run is over (``raising`` False) a signal is
+    only remembered, for main to report; under dcr's entry point (dcr_log._entry) one that
+    comes when none was taken ends the process there and then, saying what the command left."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.raising = True
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        first = self.signum is None
+        if not self.raising:
+            if first and _entry._State.active:
+                _entry.exit_on_signal(signum)
+            if first:
+                self.signum = signum
+            return  # a second signal while the first one is reported: that report stands
+        if first:
+            self.signum = signum
+        if first and FOLLOW.active:
+            FOLLOW.stop.set()
+            return
+        raise Interrupted(signum)
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class _Outcome:
+    """The exit code of the command that ran (main's), once it is decided: a failure's or an
+    interrupt's line has been said by then (see signal_outcome)."""
+
+    code: int | None = None
+
+
+def _interrupted_line(signum: int) -> str:
+    left = "nothing done"
+    try:
+        if _LEFT:
+            left = _LEFT[-1]()
+    except (Exception, KeyboardInterrupt):
+        left = "interrupted"
+    return one_line(f"dcr: interrupted ({signal.Signals(signum).name}): {left}")
+
+
+def signal_outcome(signum: int) -> tuple[int, str | None]:
+    """For dcr's entry point, a signal outside a command's run: the exit code and the line to
+    say. Before a command started: nothing done; after it finished: what it left (e.g.
+    "version 7 committed"); after a failure or an interrupt, reported already: that code, no
+    second line."""
+    if _Outcome.code not in (None, 0):
+        return _Outcome.code, None
+    return 128 + signum, _interrupted_line(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _LEFT.clear()
+    FOLLOW.stop.clear()
+    _Outcome.code = None
+    with _Signals() as signals:
+        rc = 0
+        try:
+            rc = _run(argv)
+        except KeyboardInterrupt as exc:
+            if signals.signum is None:
+                signals.signum = getattr(exc, "signum", signal.SIGINT)
+        finally:
+            signals.raising = False  # from here on a signal interrupts nothing
+        if rc == 130 and signals.signum is None:  # typer turned a KeyboardInterrupt into 130
+            signals.signum = signal.SIGINT
+        if signals.signum is not None:
+            err.print(_interrupted_line(signals.signum), markup=False)
+            rc = 128 + signals.signum
+        _Outcome.code = rc
+    return rc
+
+
+def _failed(code: int, line: str) -> int:
+    _Outcome.code = code  # set first: a signal while the line is said adds no second line
+    err.print(one_line(line), markup=False)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
+    try:
+        rv = app(args=argv, standalone_mode=False)
+    except DcrError as exc:
+        return _failed(exc.exit_code, f"dcr: error: {exc}")
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        return _failed(1, "dcr: aborted")
+    except OSError as exc:
+        return _failed(StoreError.exit_code, f"dcr: error: {os_error(exc, 'I/O failed')}")
+    except MemoryError:
+        return _failed(StoreError.exit_code, "dcr: error: out of memory")
+    except Exception as exc:  # command-line usage errors (typer's click) and anything unexpected
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+            message = exc.format_message() or "missing command (see --help)"
+            return _failed(UsageError.exit_code, f"dcr: usage: {message}")
+        return _failed(1, f"dcr: error: {type(exc).__name__}: {exc}")
+    return rv if isinstance(rv, int) else 0
+
+
+def entry() -> None:
+    """The ``dcr`` command (kept for callers of dcr_log.cli:entry): dcr_log._entry.entry, whose
+    signal handling starts before this module's imports."""
+    _entry.entry()

@@ -1,0 +1,120 @@
+"""``dcr snapshot``, ``dcr squash``, ``dcr gc`` and ``dcr mirror``: a long log's lifecycle and its copies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from dcr_log.cli.app import FOLLOW, TRUST_HELP, open_log, out, say_left
+from dcr_log.errors import DcrError, UsageError
+from dcr_log.log.deltalog import DeltaLog
+
+
+def snapshot(log: str = typer.Argument(..., help="log directory or URL"),
+             version: int | None = typer.Option(None, "--version", help="version (default latest)")) -> None:
+    """Write the full state of a version under snapshots/V/ (checked against the commit's
+    digests): new receivers and readers start from it."""
+    from dcr_log.lifecycle import write_snapshot
+
+    dlog = DeltaLog.open(log)
+    v = dlog.latest_version() if version is None else version
+    say_left(lambda: f"snapshot {v} not written")
+    cu = write_snapshot(dlog, v)
+    out.print(f"snapshot {cu.version}: {len(cu.segments)} segments, {cu.delta_bytes} bytes", markup=False)
+
+
+def squash(log: str = typer.Argument(..., help="log directory or URL"),
+           start: int = typer.Argument(..., help="from this version"),
+           end: int = typer.Argument(..., help="to this version")) -> None:
+    """Write one delta from version START to END, stored beside the versions: a receiver at
+    START catches up through it when that reads fewer bytes than the chain."""
+    from dcr_log.lifecycle import write_squash
+
+    dlog = DeltaLog.open(log)
+    say_left(lambda: f"squash {start}-{end} not written")
+    cu = write_squash(dlog, start, end)
+    chain = sum(dlog.commit(u).delta_bytes for u in range(max(start + 1, dlog.known_start()), end + 1))
+    out.print(f"squash {start}-{end}: {cu.delta_bytes} bytes ({chain} bytes through the versions), "
+              f"{cu.stats.changed_elements} changed elements", markup=False)
+
+
+def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
+           keep_last: int = typer.Option(..., "--keep-last", help="versions kept replayable (the newest N)"),
+           keep_snapshots: int = typer.Option(2, "--keep-snapshots", help="snapshots kept (the newest M, and the log start's)"),
+           grace: str = typer.Option("1h", "--grace", help="how long a marker stands before what it expires is deleted (90s, 15m, 1h, 7d)"),
+           no_snapshot: bool = typer.Option(False, "--no-snapshot", help="expire only up to an existing snapshot; never write one"),
+           dry_run: bool = typer.Option(False, "--dry-run", help="say exactly what the same gc would write and delete now; change nothing"),
+           as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
+    """Expire versions before latest-N+1 (its snapshot written if missing; with --no-snapshot, the newest snapshot at or below it),
+    safely with concurrent writers, readers and receivers (FORMAT.md section 25); delete what
+    expired markers and retired snapshots make unneeded, and orphan segments, once older than
+    the grace period."""
+    from dcr_log.lifecycle import gc, parse_duration
+
+    dlog = DeltaLog.open(log)
+    seconds = parse_duration(grace)
+    say_left(lambda: "gc interrupted: run it again (every step is safe to repeat)")
+    report = gc(dlog, keep_last, keep_snapshots=keep_snapshots, grace=seconds, snapshot=not no_snapshot,
+                dry_run=dry_run)
+    if as_json:
+        out.print(json.dumps(report.to_json()), markup=False)
+        return
+    if dry_run:
+        write, start, retire, delete = "would write", "would start", "would retire", "would delete"
+    else:
+        write, start, retire, delete = "wrote", "starts", "retired", "deleted"
+    wrote = f"{write} snapshot {report.snapshot_written}; " if report.snapshot_written is not None else ""
+    moved = f"log {start} at version {report.start}" if report.log_start_written is not None \
+        else f"log starts at version {report.start}"
+    retired = f"{retire} snapshots {report.retired}; " if report.retired else ""
+    nothing = "nothing to do; " if report.nothing_to_do else ""
+    out.print(f"{'dry run: ' if dry_run else ''}{nothing}{wrote}{moved}; {retired}"
+              f"{delete} {report.deleted_objects} objects ({report.deleted_bytes} bytes: "
+              f"{report.deleted_versions} versions below {report.expired_start}, {report.orphans} orphans); "
+              f"{report.waiting} waiting for the grace period", markup=False)
+
+
+def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory or URL)"),
+               dst: str = typer.Argument(..., help="where the mirror lives (directory or URL)"),
+               follow: bool = typer.Option(False, "--follow", help="keep copying new versions"),
+               interval: float = typer.Option(1.0, "--interval", help="with --follow: seconds between passes"),
+               trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+    """Copy a log to another store, every object checked before it is published and each commit
+    record after all it names: the mirror is a valid log with the same log id (FORMAT.md
+    section 26). Run again (or --follow) to bring it up to date; SIGINT or SIGTERM stops
+    --follow between passes."""
+    from dcr_log.lifecycle.mirror import Mirror
+    from dcr_log.store import Store
+
+    if not interval > 0:
+        raise UsageError("--interval must be positive")
+    source = open_log(src, trust)
+    target = Store.open(dst, create=True)
+    m = Mirror(source, target)
+
+    def said(r) -> None:
+        if r.versions or r.objects:
+            out.print(f"mirrored {r.versions} versions, {r.objects} objects ({r.bytes} bytes); "
+                      f"{target.url} at version {r.latest}", markup=False)
+
+    def left() -> str:
+        try:
+            at = f"at version {DeltaLog.open(target).latest_version()}"
+        except DcrError:
+            at = "without a version yet"
+        return f"mirror {target.url} {at}: run dcr mirror again to bring it up to date"
+
+    say_left(left)
+    if follow:
+        FOLLOW.active = True
+        try:
+            m.follow(interval, FOLLOW.stop.is_set, on_pass=said)
+        finally:
+            FOLLOW.active = False
+        return
+    r = m.run_once()
+    said(r)
+    if not (r.versions or r.objects):
+        out.print(f"{target.url} is up to date at version {r.latest}", markup=False)

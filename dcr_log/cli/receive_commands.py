@@ -1,0 +1,90 @@
+"""``dcr apply`` and ``dcr status``: a checkpoint-directory receiver."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from dcr_log.cli.app import FOLLOW, TRUST_HELP, open_log, out, say_left
+from dcr_log.errors import DcrError, UsageError
+
+
+def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
+              receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory updated in place"),
+              to: int | None = typer.Option(None, "--to", help="stop at this version (default latest)"),
+              verify: str = typer.Option("sample", "--verify", help="none, sample or full"),
+              trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
+              follow: bool = typer.Option(False, "--follow", help="keep running: apply each new version as soon as it is committed"),
+              interval: float = typer.Option(1.0, "--interval", help="with --follow: seconds between polls for the next version")) -> None:
+    """Bring a checkpoint directory to a version, in place and crash-safely.
+
+    Without a journal (DIR/.dcr), a checkpoint in DIR is bound to the version with its state digest; an empty or missing DIR gets the version written out whole.
+    With --follow it keeps running; SIGINT or SIGTERM stops it between versions (exit 130 or 143).
+    """
+    from dcr_log.receiver import VERIFY_LEVELS, open_directory
+
+    if verify not in VERIFY_LEVELS:
+        raise UsageError(f"--verify must be one of {', '.join(VERIFY_LEVELS)}")
+    if follow and to is not None:
+        raise UsageError("--follow and --to do not go together")
+    if not interval > 0:
+        raise UsageError("--interval must be positive")
+    dlog = open_log(log, trust)
+    say_left(lambda: _receiver_left(receiver))
+    said = []
+
+    def say(text: str) -> None:
+        said.append(text)
+        out.print(text, markup=False)
+
+    with open_directory(dlog, receiver, to=to, say=say) as rx:
+        def line(r) -> None:
+            files = (f", {r.files_written} files written, {r.files_removed} removed"
+                     if r.files_written or r.files_removed else "")
+            via = {"squash": f" (squash from {r.start})", "snapshot": " (snapshot)"}.get(r.route, "")
+            say(f"applied version {r.version}{via}: {r.written} records written, {r.skipped} already applied, "
+                f"{r.repaired} repaired, {r.changed_elements} changed elements{files}, {r.seconds:.3f} s")
+        if follow:
+            FOLLOW.active = True  # a signal now stops between versions (a second one at once)
+            try:
+                rx.follow(dlog, interval=interval, verify=verify, on_version=line, stop=FOLLOW.stop.is_set)
+            finally:
+                FOLLOW.active = False
+            return
+        rx.apply(dlog, to=to, verify=verify, on_version=line)
+        if not said:
+            say(f"receiver at version {rx.version}")
+
+
+def status_cmd(receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory"),
+               as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
+    """A receiver's log, current version and digest, and the version in flight if any."""
+    from dcr_log.receiver import JOURNAL_DIR, Journal
+
+    st = Journal.peek(receiver / JOURNAL_DIR)
+    row = {"receiver": str(receiver), **st.to_json()}
+    if as_json:
+        out.print(json.dumps(row), markup=False)
+        return
+    for key in ("receiver", "log_id", "version", "state_digest", "inflight", "inflight_kind", "materializing"):
+        value = row[key]
+        out.print(f"{key:<14} {'-' if value is None else value}", markup=False)
+
+
+def _receiver_left(receiver: Path) -> str:
+    """What an interrupted ``dcr apply`` left, from the journal (closed by then)."""
+    from dcr_log.receiver import JOURNAL_DIR, Journal
+
+    try:
+        st = Journal.peek(receiver / JOURNAL_DIR)
+    except DcrError:
+        return "receiver not written"
+    if st.inflight is not None:
+        return f"receiver in flight at {st.inflight}: run dcr apply again"
+    if st.materializing is not None:
+        return f"receiver materializing version {st.materializing}: run dcr apply again"
+    if st.version is None:
+        return "receiver not written"
+    return f"receiver at version {st.version}"

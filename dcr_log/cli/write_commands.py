@@ -1,0 +1,149 @@
+"""``dcr keygen``, ``dcr sign``, ``dcr init`` and ``dcr append``: making keys, creating a log and appending versions to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dcr_log.checkpoint import load_checkpoint
+from dcr_log.cli.app import (
+    CACHE_HELP,
+    SIGN_HELP,
+    cache_dir_option,
+    err,
+    out,
+    progress_bar,
+    say_left,
+    signing_key_option,
+    version_left,
+)
+from dcr_log.errors import UsageError
+from dcr_log.log.deltalog import DeltaLog
+from dcr_log.write.files import collect_files
+from dcr_log.write.writer import LogWriter, default_writer_id
+
+
+def keygen(key: Path = typer.Argument(..., help="private key file to create (and KEY.pub)")) -> None:
+    """Create an ed25519 signing key: KEY (private, mode 0600) and KEY.pub (its public key)."""
+    from dcr_log.signing import SigningKey, public_text
+
+    k = SigningKey.generate()
+    say_left(lambda: _keygen_left(key))
+    pub = k.save(key)
+    out.print(f"{public_text(k.public)}  key id {k.key_id}; public key in {pub}", markup=False)
+
+
+def _keygen_left(key: Path) -> str:
+    pub = Path(f"{key}.pub")
+    if not key.exists():
+        return "no key written"
+    if not pub.exists():
+        return f"{key} written without {pub}: delete {key} and run dcr keygen again"
+    return f"key {key} and {pub} written"
+
+
+def sign(log: str = typer.Argument(..., help="log directory or URL"),
+         key: Path = typer.Option(..., "--key", help="ed25519 private key file"),
+         version: int | None = typer.Option(None, "--version", help="only this version (default every version)")) -> None:
+    """Sign existing versions with KEY (a new key of a rotation, or a log written unsigned)."""
+    k = signing_key_option(key)
+    dlog = DeltaLog.open(log)
+    versions = dlog.versions() if version is None else [version]
+    signed: list[int] = []
+    say_left(lambda: f"{len(signed)} of {len(versions)} versions signed: run dcr sign again "
+                  "(signing a version again is harmless)")
+    for v in versions:
+        dlog.sign(v, k)
+        signed.append(v)
+    out.print(f"signed {len(versions)} versions with key {k.key_id}", markup=False)
+
+
+FILES_HELP = ("carry the checkpoint directory's other files (config, tokenizer, ...: every regular "
+              "file at its top level but the weights and dot files); default: when there are any. "
+              "--no-files carries none (append: the previous version's are kept)")
+
+
+def _checkpoint_files(from_: Path, wanted: bool | None) -> dict[str, Path] | None:
+    """The files ``--from`` carries: None when none are to be carried (not a directory, or
+    --no-files), else the directory's files (possibly none)."""
+    if wanted is False:
+        return None
+    if not from_.is_dir():
+        if wanted:
+            raise UsageError(f"--files needs a checkpoint directory; {from_} is a file")
+        return None
+    return collect_files(from_)
+
+
+def _files_said(commit) -> str:
+    if commit.files is None:
+        return ""
+    return f", {len(commit.files)} files ({sum(f.size for f in commit.files)} bytes)"
+
+
+def init(log: str = typer.Argument(..., help="log directory or URL"),
+         from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
+         files: bool | None = typer.Option(None, "--files/--no-files", help=FILES_HELP + "; "
+                                              "--files makes a log that carries files even if there are none yet"),
+         cache: str | None = typer.Option(None, "--cache", help=CACHE_HELP),
+         sign_key: Path | None = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
+    """Create LOG; version 0 is the full state of the checkpoint (and its files: the log then
+    carries every version's files)."""
+    key = signing_key_option(sign_key)
+    state = load_checkpoint(from_)
+    carried = _checkpoint_files(from_, files)
+    if carried is not None and not carried and files is None:
+        carried = None  # a directory of weights only: a log without files, unless --files
+    if carried is None and files:
+        carried = {}
+    writer_id = default_writer_id()
+    say_left(lambda: version_left(log, 0, writer_id))
+    with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
+        writer = LogWriter.create(log, state, progress=advance, cache_dir=cache_dir_option(cache),
+                                  signing_key=key, files=carried, writer_id=writer_id)
+    say_left(lambda: "version 0 committed")
+    commit = writer.log.commit(0)
+    out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes{_files_said(commit)}")
+
+
+def append(log: str = typer.Argument(..., help="log directory or URL"),
+           from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
+           files: bool | None = typer.Option(None, "--files/--no-files", help=FILES_HELP),
+           cache: str | None = typer.Option(None, "--cache", help=CACHE_HELP),
+           sign_key: Path | None = typer.Option(None, "--sign", help=SIGN_HELP),
+           allow_layout_change: bool = typer.Option(
+               False, "--allow-layout-change",
+               help="accept a checkpoint whose tensor table differs from the latest version's "
+                    "(a tensor added, removed, renamed, reshaped or retyped); refused without it")) -> None:
+    """Append the checkpoint's state as the next version, stored as a delta (and, in a log
+    that carries files, the directory's files: the whole set, a file left out is dropped).
+    A checkpoint of another tensor table (another model) is refused unless
+    --allow-layout-change.
+
+    The baseline (the latest version's state) comes from the local cache that init and append
+    keep, checked against the commit's digests; without one the log is replayed.
+    """
+    key = signing_key_option(sign_key)
+    dlog = DeltaLog.open(log)
+    if files and not dlog.has_files:
+        raise UsageError(f"{log} was created without the feature 'files': its versions carry no "
+                         "files (the feature is chosen by dcr init)")
+    state = load_checkpoint(from_)
+    carried = _checkpoint_files(from_, files)
+    if carried and not dlog.has_files:
+        err.print(f"dcr: note: {log} carries no files (created without them): "
+                  f"{len(carried)} files of {from_} not logged", markup=False)
+        carried = None
+    say_left(lambda: f"version {dlog.latest_version() + 1} not committed")
+    writer_id = default_writer_id()
+    writer = LogWriter.open(dlog, cache_dir=cache_dir_option(cache), signing_key=key, writer_id=writer_id)
+    version = writer.version + 1
+    say_left(lambda: version_left(log, version, writer_id))
+    with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
+        commit = writer.append(state, progress=advance, files=carried if dlog.has_files else None,
+                               allow_layout_change=allow_layout_change)
+    say_left(lambda: f"version {commit.version} committed")
+    pct = 100.0 * commit.stats.changed_elements / max(commit.stats.total_elements, 1)
+    out.print(f"version {commit.version}: {commit.stats.changed_elements} changed ({pct:.3f}%), "
+              f"{commit.delta_bytes} bytes{_files_said(commit)}")

@@ -22,7 +22,7 @@ rows of embed/q/k/v/gate/up/lm_head (column parallel, vocab parallel), column bl
 - `dcr append` (the CLI in a subprocess, wall clock, its ru_maxrss from wait4) on a
   ``--append-mib`` checkpoint, onto a log of 2 versions and one of ``--versions`` versions
   (built in process by LogWriter, which leaves the baseline cache the CLI resumes from), and the
-  same without the cache (``--cache none``: a replay), next to ``python -c "import dcr_log.cli"``.
+  same without the cache (``--cache none``: a replay), next to ``python -m dcr_log.cli.app`` (the imports alone).
 
 Every figure is the best of ``--repeats``; ratios are taken within the run (shared, noisy
 machines). The 2-rank log's last version is replayed and checked bit-exact at the end.
@@ -284,8 +284,8 @@ def cli_bench(mib: float, versions: int, lr: float, seed: int, repeats: int, wor
     latest = {length: "new" for length in logs}
     times = {length: [] for length in logs}
     rss = {}
-    floor = min(run_cli(["-c", "import dcr_log.cli"], env, work)[0] for _ in range(repeats))
-    floor_rss = run_cli(["-c", "import dcr_log.cli"], env, work, rss=True)[1]  # imports only (no __main__ code)
+    floor = min(run_cli(["-m", "dcr_log.cli.app"], env, work)[0] for _ in range(repeats))
+    floor_rss = run_cli(["-m", "dcr_log.cli.app"], env, work, rss=True)[1]  # imports only (no __main__ code)
     for i in range(repeats + 1):
         for length, path in logs.items():  # interleaved: the same machine noise for both
             target = "base" if latest[length] == "new" else "new"

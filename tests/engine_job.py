@@ -68,7 +68,7 @@ def bits_differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
 
 def run_rank(cfg_json: dict, rank: int) -> dict:
     from dcr_log import DeltaLog
-    from dcr_log.engines.placement import discover
+    from dcr_log.engines.discovery import discover
     from dcr_log.receiver import Receiver
 
     tp = cfg_json["tp"]

@@ -32,7 +32,7 @@ from conftest import minilm_config, minilm_dir  # noqa: E402
 from engines import fuse_bert_qkv  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
-from dcr_log.engines.placement import discover  # noqa: E402
+from dcr_log.engines.discovery import discover  # noqa: E402
 from dcr_log.receiver import Receiver  # noqa: E402
 
 LR = 1e-4

@@ -485,7 +485,7 @@ def test_engine_receivers_catch_up_through_a_squash_and_a_snapshot(tmp_path):
     import torch  # noqa: F401  (the engines are torch modules)
     import engine_job as job
     from engines import EngineConfig, TestEngine, engine_params, fresh_engine
-    from dcr_log.engines.placement import discover
+    from dcr_log.engines.discovery import discover
 
     cfg = EngineConfig()
     root = tmp_path / "log"

@@ -55,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
-from dcr_log.engines.placement import Placement, discover  # noqa: E402
+from dcr_log.engines.placement import Placement
+from dcr_log.engines.discovery import discover  # noqa: E402
 from dcr_log.receiver import Receiver  # noqa: E402
 
 SCALES = {

@@ -261,7 +261,8 @@ class _WorkerState:
         (through the engine's reload pipeline; the engine's words are given back) and saved."""
         import time
 
-        from dcr_log.engines.placement import Placement, discover
+        from dcr_log.engines.discovery import discover
+        from dcr_log.engines.placement import Placement
         path = self.placement_file
         if path.exists():
             try:
@@ -281,7 +282,7 @@ class _WorkerState:
         return placement
 
     def _rediscover(self, table: Any):
-        from dcr_log.engines.placement import discover
+        from dcr_log.engines.discovery import discover
         return discover(self.loader, table, self.tensors)
 
 

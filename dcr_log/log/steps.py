@@ -62,12 +62,6 @@ class StepRules:
         self.changed += rec.n_changed
         return info
 
-    def counted(self, records: Iterable[Record]) -> None:
-        """Count records that were checked by an earlier pass (a receiver resuming a version)."""
-        for rec in records:
-            self.records += 1
-            self.changed += rec.n_changed
-
     def created_boxes(self, name: str) -> list:
         """The boxes of the ``tensor`` records read so far for a created tensor."""
         return self._boxes[name]

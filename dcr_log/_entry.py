@@ -24,7 +24,8 @@ _NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
 class _State:
     active = False  # entry() is running this process: dcr_log.cli hands signals back here
-    hook: Callable[[int], tuple[int, str | None]] | None = None  # dcr_log.cli's, once imported: signum -> (exit code, line or None)
+    # dcr_log.cli's, once imported: signum -> (exit code, line or None)
+    hook: Callable[[int], tuple[int, str | None]] | None = None
     busy = False    # a signal's outcome is being worked out
 
 

@@ -42,15 +42,20 @@ def squash(log: str = typer.Argument(..., help="log directory or URL"),
 
 def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
            keep_last: int = typer.Option(..., "--keep-last", help="versions kept replayable (the newest N)"),
-           keep_snapshots: int = typer.Option(2, "--keep-snapshots", help="snapshots kept (the newest M, and the log start's)"),
-           grace: str = typer.Option("1h", "--grace", help="how long a marker stands before what it expires is deleted (90s, 15m, 1h, 7d)"),
-           no_snapshot: bool = typer.Option(False, "--no-snapshot", help="expire only up to an existing snapshot; never write one"),
-           dry_run: bool = typer.Option(False, "--dry-run", help="say exactly what the same gc would write and delete now; change nothing"),
+           keep_snapshots: int = typer.Option(
+               2, "--keep-snapshots", help="snapshots kept (the newest M, and the log start's)"),
+           grace: str = typer.Option(
+               "1h", "--grace",
+               help="how long a marker stands before what it expires is deleted (90s, 15m, 1h, 7d)"),
+           no_snapshot: bool = typer.Option(
+               False, "--no-snapshot", help="expire only up to an existing snapshot; never write one"),
+           dry_run: bool = typer.Option(
+               False, "--dry-run", help="say exactly what the same gc would write and delete now; change nothing"),
            as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
-    """Expire versions before latest-N+1 (its snapshot written if missing; with --no-snapshot, the newest snapshot at or below it),
-    safely with concurrent writers, readers and receivers (FORMAT.md section 25); delete what
-    expired markers and retired snapshots make unneeded, and orphan segments, once older than
-    the grace period."""
+    """Expire versions before latest-N+1 (its snapshot written if missing; with --no-snapshot, the
+    newest snapshot at or below it), safely with concurrent writers, readers and receivers
+    (FORMAT.md section 25); delete what expired markers and retired snapshots make unneeded, and
+    orphan segments, once older than the grace period."""
     from dcr_log.lifecycle import gc, parse_duration
 
     dlog = DeltaLog.open(log)

@@ -70,8 +70,9 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
     if catchups:
         table = Table("catch-up", "version", "from", "bytes", "chain bytes", "records", "created")
         for c in catchups:
+            chain = "-" if c.get("chain_bytes") is None else str(c["chain_bytes"])
             table.add_row(c["kind"], str(c["version"]), "-" if c["from"] is None else str(c["from"]),
-                          str(c["bytes"]), "-" if c.get("chain_bytes") is None else str(c["chain_bytes"]), str(c["records"]), c["created_at"])
+                          str(c["bytes"]), chain, str(c["records"]), c["created_at"])
         out.print(table)
 
 
@@ -186,7 +187,8 @@ def replay(log: str = typer.Argument(..., help="log directory or URL"),
               f"{len(state)} tensors")
 
 
-def demo(dir: Path | None = typer.Option(None, "--dir", help="where to write the log (default: a temporary directory)")) -> None:
+def demo(dir: Path | None = typer.Option(
+        None, "--dir", help="where to write the log (default: a temporary directory)")) -> None:
     """Build a small bf16 model, log ~10 training steps, replay and check every version."""
     from dcr_log.demo import run_demo
 

@@ -16,11 +16,14 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
               to: int | None = typer.Option(None, "--to", help="stop at this version (default latest)"),
               verify: str = typer.Option("sample", "--verify", help="none, sample or full"),
               trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
-              follow: bool = typer.Option(False, "--follow", help="keep running: apply each new version as soon as it is committed"),
-              interval: float = typer.Option(1.0, "--interval", help="with --follow: seconds between polls for the next version")) -> None:
+              follow: bool = typer.Option(
+                  False, "--follow", help="keep running: apply each new version as soon as it is committed"),
+              interval: float = typer.Option(
+                  1.0, "--interval", help="with --follow: seconds between polls for the next version")) -> None:
     """Bring a checkpoint directory to a version, in place and crash-safely.
 
-    Without a journal (DIR/.dcr), a checkpoint in DIR is bound to the version with its state digest; an empty or missing DIR gets the version written out whole.
+    Without a journal (DIR/.dcr), a checkpoint in DIR is bound to the version with its state
+    digest; an empty or missing DIR gets the version written out whole.
     With --follow it keeps running; SIGINT or SIGTERM stops it between versions (exit 130 or 143).
     """
     from dcr_log.receiver import VERIFY_LEVELS, open_directory

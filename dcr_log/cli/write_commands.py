@@ -1,4 +1,5 @@
-"""``dcr keygen``, ``dcr sign``, ``dcr init`` and ``dcr append``: making keys, creating a log and appending versions to it."""
+"""``dcr keygen``, ``dcr sign``, ``dcr init`` and ``dcr append``: making keys, creating a log and
+appending versions to it."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def _keygen_left(key: Path) -> str:
 
 def sign(log: str = typer.Argument(..., help="log directory or URL"),
          key: Path = typer.Option(..., "--key", help="ed25519 private key file"),
-         version: int | None = typer.Option(None, "--version", help="only this version (default every version)")) -> None:
+         version: int | None = typer.Option(
+             None, "--version", help="only this version (default every version)")) -> None:
     """Sign existing versions with KEY (a new key of a rotation, or a log written unsigned)."""
     k = signing_key_option(key)
     dlog = DeltaLog.open(log)

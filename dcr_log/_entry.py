@@ -13,6 +13,7 @@ the command recorded, e.g. ``version 7 committed``) and exits at once.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -27,10 +28,11 @@ class _State:
     # dcr_log.cli's, once imported: signum -> (exit code, line or None)
     hook: Callable[[int], tuple[int, str | None]] | None = None
     busy = False    # a signal's outcome is being worked out
+    json = False    # the command line asked for --json: the line is a JSON object
 
 
 def exit_on_signal(signum, frame=None, _state=_State, _names=_NAMES, _sys=sys, _write=os.write,
-                   _exit=os._exit) -> None:
+                   _exit=os._exit, _dumps=json.dumps) -> None:
     """The handler outside a command's run: one line on stderr, then exit 128 + signum (or the
     finished command's own code when it has reported a failure or an interrupt already).
 
@@ -54,6 +56,8 @@ def exit_on_signal(signum, frame=None, _state=_State, _names=_NAMES, _sys=sys, _
         pass
     if line:
         try:
+            if _state.json and not line.startswith("{"):  # the hook's line is JSON already
+                line = _dumps({"error": line, "exit": code})
             _write(2, (line + "\n").encode("utf-8", "replace"))
         except BaseException:
             pass
@@ -63,6 +67,7 @@ def exit_on_signal(signum, frame=None, _state=_State, _names=_NAMES, _sys=sys, _
 def entry() -> None:
     """Run the ``dcr`` command: handlers first, then the imports, the command, and the exit."""
     _State.active = True
+    _State.json = "--json" in sys.argv[1:]
     for sig in SIGNALS:
         signal.signal(sig, exit_on_signal)
     from dcr_log import cli  # the heavy imports; a signal meanwhile exits in exit_on_signal

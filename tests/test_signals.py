@@ -21,7 +21,9 @@ import pytest
 from conftest import assert_file_holds, change_words, cli_env, make_state
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.cli import main
+from dcr_log.errors import DcrError
 from dcr_log.log import DeltaLog
+from dcr_log.receiver import JOURNAL_DIR, Journal
 from dcr_log.write import LogWriter
 
 SPEC = {"w": ("BF16", (512, 256)), "b": ("F32", (256,))}
@@ -72,10 +74,12 @@ def handlers_installed(pid: int) -> bool:
     return bool(int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
 
 
-def signalled(tmp_path: Path, args, delay: float, sig: int) -> tuple[int, str, str, bool]:
+def signalled(tmp_path: Path, args, delay: float, sig: int, until=None) -> tuple[int, str, str, bool]:
     """Start ``python -m dcr_log ARGS``, send SIG DELAY seconds after dcr installed its
-    handlers unless it exited by then; returns (exit code, stdout, stderr, whether the signal
-    was sent). A delay of 0.1 s lands in the imports of numpy, pyarrow, typer and rich."""
+    handlers (and, given UNTIL, once UNTIL() holds: a state to reach, not a time, so that load
+    cannot change what is tested) unless it exited by then; returns (exit code, stdout, stderr,
+    whether the signal was sent). A delay of 0.1 s lands in the imports of numpy, pyarrow,
+    typer and rich."""
     proc = subprocess.Popen([sys.executable, "-m", "dcr_log", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env(tmp_path))
     try:
@@ -83,6 +87,8 @@ def signalled(tmp_path: Path, args, delay: float, sig: int) -> tuple[int, str, s
         while not handlers_installed(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.002)
         time.sleep(delay)
+        while until is not None and not until() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         sent = proc.poll() is None
         if sent:
             proc.send_signal(sig)
@@ -171,11 +177,18 @@ def test_apply(case, sig, delay, capsys):
 @pytest.mark.parametrize("sig", SIGS)
 def test_apply_follow(case, sig, delay, capsys):
     tmp, states = case
+    caught_up = None
+    if delay >= 3.0:  # signalled once it caught up and follows
+        def caught_up() -> bool:
+            try:
+                return Journal.peek(tmp / "rx" / JOURNAL_DIR).version == 2
+            except DcrError:
+                return False
     rc, out, err, sent = signalled(tmp, ["apply", tmp / "log", "--receiver", tmp / "rx", "--follow",
-                                         "--interval", "0.05"], delay, sig)
+                                         "--interval", "0.05"], delay, sig, until=caught_up)
     assert sent  # --follow runs until a signal stops it
     left = interrupted_line(rc, err, sig)
-    if delay >= 3.0:  # by then it caught up and follows: stopped between versions
+    if caught_up is not None:  # caught up and following: stopped between versions
         assert left == "receiver at version 2", (left, out)
     _receiver_consistent(tmp, states, left, capsys)
 

@@ -6,17 +6,28 @@ exit codes (see dcr_log.cli).
 
 from __future__ import annotations
 
+import json
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
-from dcr_log import _entry
+from dcr_log import __version__, _entry
 from dcr_log.errors import DcrError, Interrupted, NotFoundError, StoreError, UsageError, os_error
 from dcr_log.log.deltalog import DeltaLog
 
@@ -24,28 +35,62 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="dcr-log: bit-exact delta logs for refitting model weights.")
 
 
+def _version_callback(value: bool) -> None:
+    if value:
+        out.print(f"dcr {__version__}", markup=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True,
+                                          help="print the version and exit")) -> None:
+    """dcr-log: bit-exact delta logs for refitting model weights."""
+
+
 # emoji=False: ":name:" in a tensor name or path must print as written (JSON output included).
 out = Console(highlight=False, soft_wrap=True, emoji=False)
+if not out.is_terminal:
+    # Without a terminal rich renders tables at 80 columns and cuts cells ("304943…"): a pipe or
+    # a CI log gets every number whole instead (a table is only as wide as its cells).
+    out.width = 1 << 16
 
 
 err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
+JSON_HELP = "one JSON object per result line; failures as {\"error\", \"exit\"} on stderr"
+
+
+def json_option() -> Any:
+    return typer.Option(False, "--json", help=JSON_HELP)
+
+
+def say_result(as_json: bool, row: Mapping[str, Any], prose: str) -> None:
+    """A command's result: one JSON object (--json) or its one line of prose, with the same facts."""
+    out.print(json.dumps(dict(row)) if as_json else prose, markup=False)
+
+
 @contextmanager
-def progress_bar(label: str, total: int | None) -> Iterator:
-    """A rich progress bar on a terminal; a no-op otherwise. Yields advance(n)."""
+def progress_bar(label: str, total: int | None, unit: str = "bytes") -> Iterator:
+    """A rich progress bar on a terminal (bytes with units, rate and time left; or versions
+    done of all); nothing on a pipe. Yields advance(n)."""
     if not err.is_terminal:
         yield lambda n=1: None
         return
-    with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=err, transient=True) as bar:
+    if unit == "bytes":
+        columns: tuple = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                          TimeRemainingColumn())
+    else:
+        columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                   TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n=1: bar.advance(task, n)
 
 
 def version_progress(log: DeltaLog, label: str, upto: int | None = None):
     total = (log.latest_version() if upto is None else upto) + 1
-    return progress_bar(label, total)
+    return progress_bar(label, total, unit="versions")
 
 
 # What an interrupted command leaves behind, said in one line: the newest callable registered
@@ -168,7 +213,7 @@ def _interrupted_line(signum: int) -> str:
             left = _LEFT[-1]()
     except (Exception, KeyboardInterrupt):
         left = "interrupted"
-    return one_line(f"dcr: interrupted ({signal.Signals(signum).name}): {left}")
+    return failure_line(128 + signum, f"dcr: interrupted ({signal.Signals(signum).name}): {left}")
 
 
 def signal_outcome(signum: int) -> tuple[int, str | None]:
@@ -185,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     _LEFT.clear()
     FOLLOW.stop.clear()
     _Outcome.code = None
+    _Json.wanted = "--json" in (sys.argv[1:] if argv is None else argv)
     with _Signals() as signals:
         rc = 0
         try:
@@ -203,9 +249,20 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
+class _Json:
+    """Whether the command line asked for --json: failures are then said as JSON too."""
+
+    wanted = False
+
+
+def failure_line(code: int, line: str) -> str:
+    line = one_line(line)
+    return json.dumps({"error": line, "exit": code}) if _Json.wanted else line
+
+
 def _failed(code: int, line: str) -> int:
     _Outcome.code = code  # set first: a signal while the line is said adds no second line
-    err.print(one_line(line), markup=False)
+    err.print(failure_line(code, line), markup=False)
     return code
 
 

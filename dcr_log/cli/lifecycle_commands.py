@@ -7,13 +7,14 @@ from pathlib import Path
 
 import typer
 
-from dcr_log.cli.app import FOLLOW, TRUST_HELP, open_log, out, say_left
+from dcr_log.cli.app import FOLLOW, TRUST_HELP, json_option, open_log, out, say_left, say_result
 from dcr_log.errors import DcrError, UsageError
 from dcr_log.log.deltalog import DeltaLog
 
 
 def snapshot(log: str = typer.Argument(..., help="log directory or URL"),
-             version: int | None = typer.Option(None, "--version", help="version (default latest)")) -> None:
+             version: int | None = typer.Option(None, "--version", help="version (default latest)"),
+             as_json: bool = json_option()) -> None:
     """Write the full state of a version under snapshots/V/ (checked against the commit's
     digests): new receivers and readers start from it."""
     from dcr_log.lifecycle import write_snapshot
@@ -22,12 +23,14 @@ def snapshot(log: str = typer.Argument(..., help="log directory or URL"),
     v = dlog.latest_version() if version is None else version
     say_left(lambda: f"snapshot {v} not written")
     cu = write_snapshot(dlog, v)
-    out.print(f"snapshot {cu.version}: {len(cu.segments)} segments, {cu.delta_bytes} bytes", markup=False)
+    say_result(as_json, {"snapshot": cu.version, "segments": len(cu.segments), "bytes": cu.delta_bytes},
+               f"snapshot {cu.version}: {len(cu.segments)} segments, {cu.delta_bytes} bytes")
 
 
 def squash(log: str = typer.Argument(..., help="log directory or URL"),
            start: int = typer.Argument(..., help="from this version"),
-           end: int = typer.Argument(..., help="to this version")) -> None:
+           end: int = typer.Argument(..., help="to this version"),
+           as_json: bool = json_option()) -> None:
     """Write one delta from version START to END, stored beside the versions: a receiver at
     START catches up through it when that reads fewer bytes than the chain."""
     from dcr_log.lifecycle import write_squash
@@ -36,8 +39,10 @@ def squash(log: str = typer.Argument(..., help="log directory or URL"),
     say_left(lambda: f"squash {start}-{end} not written")
     cu = write_squash(dlog, start, end)
     chain = sum(dlog.commit(u).delta_bytes for u in range(max(start + 1, dlog.known_start()), end + 1))
-    out.print(f"squash {start}-{end}: {cu.delta_bytes} bytes ({chain} bytes through the versions), "
-              f"{cu.stats.changed_elements} changed elements", markup=False)
+    say_result(as_json, {"squash": [start, end], "bytes": cu.delta_bytes, "chain_bytes": chain,
+                         "changed_elements": cu.stats.changed_elements},
+               f"squash {start}-{end}: {cu.delta_bytes} bytes ({chain} bytes through the versions), "
+               f"{cu.stats.changed_elements} changed elements")
 
 
 def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
@@ -51,7 +56,7 @@ def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
                False, "--no-snapshot", help="expire only up to an existing snapshot; never write one"),
            dry_run: bool = typer.Option(
                False, "--dry-run", help="say exactly what the same gc would write and delete now; change nothing"),
-           as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
+           as_json: bool = json_option()) -> None:
     """Expire versions before latest-N+1 (its snapshot written if missing; with --no-snapshot, the
     newest snapshot at or below it), safely with concurrent writers, readers and receivers
     (FORMAT.md section 25); delete what expired markers and retired snapshots make unneeded, and
@@ -85,7 +90,8 @@ def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory o
                dst: str = typer.Argument(..., help="where the mirror lives (directory or URL)"),
                follow: bool = typer.Option(False, "--follow", help="keep copying new versions"),
                interval: float = typer.Option(1.0, "--interval", help="with --follow: seconds between passes"),
-               trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+               trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
+               as_json: bool = json_option()) -> None:
     """Copy a log to another store, every object checked before it is published and each commit
     record after all it names: the mirror is a valid log with the same log id (FORMAT.md
     section 26). Run again (or --follow) to bring it up to date; SIGINT or SIGTERM stops
@@ -99,10 +105,14 @@ def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory o
     target = Store.open(dst, create=True)
     m = Mirror(source, target)
 
+    def row(r) -> dict:
+        return {"mirror": target.url, "versions": r.versions, "objects": r.objects, "bytes": r.bytes,
+                "latest": r.latest}
+
     def said(r) -> None:
         if r.versions or r.objects:
-            out.print(f"mirrored {r.versions} versions, {r.objects} objects ({r.bytes} bytes); "
-                      f"{target.url} at version {r.latest}", markup=False)
+            say_result(as_json, row(r), f"mirrored {r.versions} versions, {r.objects} objects ({r.bytes} bytes); "
+                                        f"{target.url} at version {r.latest}")
 
     def left() -> str:
         try:
@@ -122,4 +132,4 @@ def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory o
     r = m.run_once()
     said(r)
     if not (r.versions or r.objects):
-        out.print(f"{target.url} is up to date at version {r.latest}", markup=False)
+        say_result(as_json, row(r), f"{target.url} is up to date at version {r.latest}")

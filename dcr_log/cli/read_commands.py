@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import typer
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from dcr_log.checkpoint import save_safetensors
-from dcr_log.cli.app import TRUST_HELP, open_log, out, progress_bar, say_left, version_progress
+from dcr_log.cli.app import (
+    TRUST_HELP,
+    json_option,
+    open_log,
+    out,
+    progress_bar,
+    say_left,
+    say_result,
+    version_progress,
+)
 from dcr_log.errors import IntegrityError, NotFoundError, UsageError
 from dcr_log.log.deltalog import DeltaLog
 
@@ -34,7 +45,7 @@ def _log_rows(dlog: DeltaLog) -> list[dict[str, Any]]:
 
 
 def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
-            as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+            as_json: bool = json_option(),
             trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """One line per version: version, parent, bytes, changed elements and %, and in a log that
     carries files their count and bytes (--json: each file's name, size and sha256)."""
@@ -77,7 +88,7 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
 
 
 def stats(log: str = typer.Argument(..., help="log directory or URL"),
-          as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+          as_json: bool = json_option(),
           plot_path: Path | None = typer.Option(None, "--plot", help="write a PNG plot of bytes and change rate"),
           trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Per version: changed %, bytes, ratio to dense, records by kind and encoding, seconds
@@ -109,7 +120,7 @@ def stats(log: str = typer.Argument(..., help="log directory or URL"),
 
 def show(log: str = typer.Argument(..., help="log directory or URL"),
          version: int = typer.Argument(..., help="version number"),
-         as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+         as_json: bool = json_option(),
          trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
     """Per tensor: records, encodings, changed elements and payload bytes of one version; then
     its files (name, size, sha256), in a log that carries files."""
@@ -154,26 +165,32 @@ def show(log: str = typer.Argument(..., help="log directory or URL"),
 
 def verify(log: str = typer.Argument(..., help="log directory or URL"),
            deep: bool = typer.Option(False, "--deep", help="also replay every version and check every digest"),
-           trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+           trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
+           as_json: bool = json_option()) -> None:
     """Check every commit record, the parent chain and every segment's hash (and, with
     --trust, every version's signature)."""
     dlog = open_log(log, trust)
     versions = dlog.versions()
     if not versions:  # section 13: verifying a log without versions is an integrity error
         raise IntegrityError(f"{dlog.store.url}: log has no versions")
-    with progress_bar("verify", len(versions)) as advance:
+    with progress_bar("verify", len(versions), unit="versions") as advance:
         report = dlog.verify(deep=deep, progress=lambda v: advance())
     files = f", {report.files} files" if dlog.has_files else ""
     start = f" from version {report.start}" if report.start else ""
     catchups = f", {report.catchups} snapshots and squashes" if report.catchups else ""
-    out.print(f"ok: {report.versions} versions{start}, {report.segments} segments{files}{catchups}, "
-              f"{report.bytes_checked} bytes{' (deep)' if deep else ''}{', signed' if trust else ''}")
+    say_result(as_json, {"ok": True, "versions": report.versions, "start": report.start,
+                         "segments": report.segments, "files": report.files if dlog.has_files else None,
+                         "catchups": report.catchups, "bytes_checked": report.bytes_checked, "deep": deep,
+                         "signed": bool(trust)},
+               f"ok: {report.versions} versions{start}, {report.segments} segments{files}{catchups}, "
+               f"{report.bytes_checked} bytes{' (deep)' if deep else ''}{', signed' if trust else ''}")
 
 
 def replay(log: str = typer.Argument(..., help="log directory or URL"),
            version: int | None = typer.Option(None, "--version", help="version (default latest)"),
            out_path: Path = typer.Option(..., "--out", help="output .safetensors file"),
-           trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+           trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
+           as_json: bool = json_option()) -> None:
     """Rebuild a version bit-exactly and write it as one .safetensors file."""
     if not out_path.parent.is_dir():
         raise UsageError(f"no directory {out_path.parent} for --out")
@@ -183,14 +200,25 @@ def replay(log: str = typer.Argument(..., help="log directory or URL"),
         state = dlog.materialize(version, progress=lambda v: advance())
     save_safetensors(state, out_path)  # whole or not at all
     say_left(lambda: f"{out_path} written")
-    out.print(f"wrote {out_path}: version {dlog.latest_version() if version is None else version}, "
-              f"{len(state)} tensors")
+    v = dlog.latest_version() if version is None else version
+    say_result(as_json, {"out": str(out_path), "version": v, "tensors": len(state)},
+               f"wrote {out_path}: version {v}, {len(state)} tensors")
 
 
 def demo(dir: Path | None = typer.Option(
-        None, "--dir", help="where to write the log (default: a temporary directory)")) -> None:
+        None, "--dir", help="where to write the log (default: a temporary directory)"),
+        as_json: bool = json_option()) -> None:
     """Build a small bf16 model, log ~10 training steps, replay and check every version."""
     from dcr_log.demo import run_demo
 
     say_left(lambda: "demo not finished" + (f" (its log under {dir} may be incomplete)" if dir else ""))
-    run_demo(dir, out)
+    if not as_json:
+        run_demo(dir, out)
+        return
+    report = run_demo(dir, Console(file=io.StringIO()))  # the narrative goes nowhere; the rows are the result
+    for r in report.rows:
+        say_result(True, {"version": r.version, "changed_elements": r.changed_elements,
+                          "total_elements": r.total_elements, "bytes": r.delta_bytes, "dense_bytes": r.dense_bytes,
+                          "encode_s": r.encode_s, "replay_s": r.replay_s, "bit_exact": r.bit_exact}, "")
+    say_result(True, {"log": None if report.log_path is None else str(report.log_path), "params": report.params,
+                      "versions": len(report.rows), "all_bit_exact": report.all_bit_exact}, "")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from dcr_log.cli.app import FOLLOW, TRUST_HELP, open_log, out, say_left
+from dcr_log.cli.app import FOLLOW, TRUST_HELP, json_option, open_log, out, say_left, say_result
 from dcr_log.errors import DcrError, UsageError
 
 
@@ -19,7 +19,8 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
               follow: bool = typer.Option(
                   False, "--follow", help="keep running: apply each new version as soon as it is committed"),
               interval: float = typer.Option(
-                  1.0, "--interval", help="with --follow: seconds between polls for the next version")) -> None:
+                  1.0, "--interval", help="with --follow: seconds between polls for the next version"),
+              as_json: bool = json_option()) -> None:
     """Bring a checkpoint directory to a version, in place and crash-safely.
 
     Without a journal (DIR/.dcr), a checkpoint in DIR is bound to the version with its state
@@ -38,9 +39,11 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
     say_left(lambda: _receiver_left(receiver))
     said = []
 
-    def say(text: str) -> None:
+    def say(text: str, row: dict | None = None) -> None:
         said.append(text)
-        out.print(text, markup=False)
+        if as_json:  # what the receiver says as it opens (binding, writing out) is a result too
+            row = {"receiver": str(receiver), "said": text} if row is None else row
+        say_result(as_json, row or {}, text)
 
     with open_directory(dlog, receiver, to=to, say=say) as rx:
         def line(r) -> None:
@@ -48,7 +51,11 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
                      if r.files_written or r.files_removed else "")
             via = {"squash": f" (squash from {r.start})", "snapshot": " (snapshot)"}.get(r.route, "")
             say(f"applied version {r.version}{via}: {r.written} records written, {r.skipped} already applied, "
-                f"{r.repaired} repaired, {r.changed_elements} changed elements{files}, {r.seconds:.3f} s")
+                f"{r.repaired} repaired, {r.changed_elements} changed elements{files}, {r.seconds:.3f} s",
+                {"receiver": str(receiver), "applied": r.version, "route": r.route, "start": r.start,
+                 "written": r.written, "skipped": r.skipped, "repaired": r.repaired,
+                 "changed_elements": r.changed_elements, "files_written": r.files_written,
+                 "files_removed": r.files_removed, "seconds": r.seconds})
         if follow:
             FOLLOW.active = True  # a signal now stops between versions (a second one at once)
             try:
@@ -58,11 +65,11 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
             return
         rx.apply(dlog, to=to, verify=verify, on_version=line)
         if not said:
-            say(f"receiver at version {rx.version}")
+            say(f"receiver at version {rx.version}", {"receiver": str(receiver), "version": rx.version})
 
 
 def status_cmd(receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory"),
-               as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
+               as_json: bool = json_option()) -> None:
     """A receiver's log, current version and digest, and the version in flight if any."""
     from dcr_log.receiver import JOURNAL_DIR, Journal
 

@@ -13,9 +13,10 @@ from dcr_log.cli.app import (
     SIGN_HELP,
     cache_dir_option,
     err,
-    out,
+    json_option,
     progress_bar,
     say_left,
+    say_result,
     signing_key_option,
     version_left,
 )
@@ -25,14 +26,17 @@ from dcr_log.write.files import collect_files
 from dcr_log.write.writer import LogWriter, default_writer_id
 
 
-def keygen(key: Path = typer.Argument(..., help="private key file to create (and KEY.pub)")) -> None:
+def keygen(key: Path = typer.Argument(..., help="private key file to create (and KEY.pub)"),
+           as_json: bool = json_option()) -> None:
     """Create an ed25519 signing key: KEY (private, mode 0600) and KEY.pub (its public key)."""
     from dcr_log.signing import SigningKey, public_text
 
     k = SigningKey.generate()
     say_left(lambda: _keygen_left(key))
     pub = k.save(key)
-    out.print(f"{public_text(k.public)}  key id {k.key_id}; public key in {pub}", markup=False)
+    say_result(as_json, {"key": str(key), "public_key_file": str(pub), "public_key": public_text(k.public),
+                         "key_id": k.key_id},
+               f"{public_text(k.public)}  key id {k.key_id}; public key in {pub}")
 
 
 def _keygen_left(key: Path) -> str:
@@ -47,7 +51,8 @@ def _keygen_left(key: Path) -> str:
 def sign(log: str = typer.Argument(..., help="log directory or URL"),
          key: Path = typer.Option(..., "--key", help="ed25519 private key file"),
          version: int | None = typer.Option(
-             None, "--version", help="only this version (default every version)")) -> None:
+             None, "--version", help="only this version (default every version)"),
+         as_json: bool = json_option()) -> None:
     """Sign existing versions with KEY (a new key of a rotation, or a log written unsigned)."""
     k = signing_key_option(key)
     dlog = DeltaLog.open(log)
@@ -58,7 +63,8 @@ def sign(log: str = typer.Argument(..., help="log directory or URL"),
     for v in versions:
         dlog.sign(v, k)
         signed.append(v)
-    out.print(f"signed {len(versions)} versions with key {k.key_id}", markup=False)
+    say_result(as_json, {"signed": versions, "key_id": k.key_id},
+               f"signed {len(versions)} versions with key {k.key_id}")
 
 
 FILES_HELP = ("carry the checkpoint directory's other files (config, tokenizer, ...: every regular "
@@ -78,6 +84,12 @@ def _checkpoint_files(from_: Path, wanted: bool | None) -> dict[str, Path] | Non
     return collect_files(from_)
 
 
+def _files_json(commit) -> dict:
+    if commit.files is None:
+        return {}
+    return {"files": len(commit.files), "file_bytes": sum(f.size for f in commit.files)}
+
+
 def _files_said(commit) -> str:
     if commit.files is None:
         return ""
@@ -89,7 +101,8 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
          files: bool | None = typer.Option(None, "--files/--no-files", help=FILES_HELP + "; "
                                               "--files makes a log that carries files even if there are none yet"),
          cache: str | None = typer.Option(None, "--cache", help=CACHE_HELP),
-         sign_key: Path | None = typer.Option(None, "--sign", help=SIGN_HELP)) -> None:
+         sign_key: Path | None = typer.Option(None, "--sign", help=SIGN_HELP),
+         as_json: bool = json_option()) -> None:
     """Create LOG; version 0 is the full state of the checkpoint (and its files: the log then
     carries every version's files)."""
     key = signing_key_option(sign_key)
@@ -106,7 +119,9 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
                                   signing_key=key, files=carried, writer_id=writer_id)
     say_left(lambda: "version 0 committed")
     commit = writer.log.commit(0)
-    out.print(f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes{_files_said(commit)}")
+    say_result(as_json, {"version": 0, "tensors": len(commit.tensors), "bytes": commit.delta_bytes,
+                         "state_digest": f"{commit.state_digest:016x}", **_files_json(commit)},
+               f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes{_files_said(commit)}")
 
 
 def append(log: str = typer.Argument(..., help="log directory or URL"),
@@ -117,7 +132,8 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
            allow_layout_change: bool = typer.Option(
                False, "--allow-layout-change",
                help="accept a checkpoint whose tensor table differs from the latest version's "
-                    "(a tensor added, removed, renamed, reshaped or retyped); refused without it")) -> None:
+                    "(a tensor added, removed, renamed, reshaped or retyped); refused without it"),
+           as_json: bool = json_option()) -> None:
     """Append the checkpoint's state as the next version, stored as a delta (and, in a log
     that carries files, the directory's files: the whole set, a file left out is dropped).
     A checkpoint of another tensor table (another model) is refused unless
@@ -147,5 +163,10 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
                                allow_layout_change=allow_layout_change)
     say_left(lambda: f"version {commit.version} committed")
     pct = 100.0 * commit.stats.changed_elements / max(commit.stats.total_elements, 1)
-    out.print(f"version {commit.version}: {commit.stats.changed_elements} changed ({pct:.3f}%), "
-              f"{commit.delta_bytes} bytes{_files_said(commit)}")
+    say_result(as_json, {"version": commit.version, "parent": commit.parent,
+                         "changed_elements": commit.stats.changed_elements,
+                         "total_elements": commit.stats.total_elements, "changed_pct": pct,
+                         "bytes": commit.delta_bytes, "state_digest": f"{commit.state_digest:016x}",
+                         **_files_json(commit)},
+               f"version {commit.version}: {commit.stats.changed_elements} changed ({pct:.3f}%), "
+               f"{commit.delta_bytes} bytes{_files_said(commit)}")

@@ -169,3 +169,20 @@ def dcr_subprocess_ok(*args) -> bool:
     proc = start_cli(*args)
     proc.communicate(timeout=120)
     return proc.returncode == 0
+
+
+def test_tables_are_whole_without_a_terminal(tmp_path, ckpts):
+    """Through a pipe (no terminal) every cell is printed whole, not cut to 80 columns."""
+    from conftest import run_cli
+
+    log = tmp_path / "log"
+    assert run_cli("init", log, "--from", ckpts[0], "--cache", "none")[0] == 0
+    assert run_cli("append", log, "--from", ckpts[1], "--cache", "none")[0] == 0
+    rc, out, err = run_cli("log", log, "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    rc, table, err = run_cli("log", log)
+    assert rc == 0, err
+    for r in rows:
+        line = next(t for t in table.splitlines() if r["created_at"] in t)  # the timestamp whole
+        assert str(r["bytes"]) in line and str(r["changed_elements"]) in line
+    assert "…" not in table

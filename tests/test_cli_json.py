@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -173,15 +175,19 @@ def dcr_subprocess_ok(*args) -> bool:
 
 def test_tables_are_whole_without_a_terminal(tmp_path, ckpts):
     """Through a pipe (no terminal) every cell is printed whole, not cut to 80 columns."""
-    from conftest import run_cli
+    from conftest import cli_env, run_cli
 
     log = tmp_path / "log"
     assert run_cli("init", log, "--from", ckpts[0], "--cache", "none")[0] == 0
     assert run_cli("append", log, "--from", ckpts[1], "--cache", "none")[0] == 0
     rc, out, err = run_cli("log", log, "--json")
     rows = [json.loads(line) for line in out.splitlines()]
-    rc, table, err = run_cli("log", log)
-    assert rc == 0, err
+    env = cli_env()
+    env.pop("COLUMNS")  # as in a CI log: no terminal, no width given
+    proc = subprocess.run([sys.executable, "-m", "dcr_log", "log", str(log)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout
     for r in rows:
         line = next(t for t in table.splitlines() if r["created_at"] in t)  # the timestamp whole
         assert str(r["bytes"]) in line and str(r["changed_elements"]) in line

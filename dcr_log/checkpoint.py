@@ -47,8 +47,11 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
         if len(head) != 8:
             raise IntegrityError(f"{path}: too short for a safetensors file")
         (n,) = struct.unpack("<Q", head)
-        if n > min(_MAX_HEADER, size - 8):
-            raise IntegrityError(f"{path}: header length {n} exceeds the file")
+        if n > _MAX_HEADER:
+            raise IntegrityError(f"{path}: header length {n} is over {_MAX_HEADER} bytes: not a safetensors file")
+        if n > size - 8:
+            raise IntegrityError(f"{path}: truncated: its header needs {8 + n} bytes, the file has {size} "
+                                 "(copy it again)")
         try:
             header = json.loads(f.read(n))
         except (ValueError, RecursionError):
@@ -70,8 +73,11 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             raise IntegrityError(f"{path}: bad header entry for {name[:80]!r}")
         if dtype not in DTYPE_WIDTH:
             raise UsageError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        if not (0 <= begin <= end and base + end <= size and end - begin == numel(shape) * DTYPE_WIDTH[dtype]):
+        if not (0 <= begin <= end and end - begin == numel(shape) * DTYPE_WIDTH[dtype]):
             raise IntegrityError(f"{path}: tensor {name!r} has inconsistent offsets")
+        if base + end > size:
+            raise IntegrityError(f"{path}: truncated: tensor {name!r} ends at byte {base + end}, the file has "
+                                 f"{size} (copy it again)")
         out[name] = TensorLocation(path, dtype, shape, base + begin, base + end)
     spans = sorted((loc.start, loc.end) for loc in out.values() if loc.end > loc.start)
     if any(prev_end > start for (_, prev_end), (start, _) in zip(spans, spans[1:])):

@@ -576,3 +576,24 @@ def test_malformed_safetensors_headers_are_integrity_errors(tmp_path, capsys, he
         read_header(path)
     rc, _, err = dcr(capsys, "init", tmp_path / "log", "--from", path, "--cache", "none")
     assert rc == 3, err
+
+
+@pytest.mark.parametrize("keep", ["half the header", "half the data", "all but one byte"])
+def test_a_truncated_safetensors_file_says_it_is_truncated(tmp_path, capsys, keep):
+    from conftest import make_state
+
+    from dcr_log.checkpoint import read_header, save_safetensors
+
+    rng = np.random.default_rng(5)
+    whole = tmp_path / "whole.safetensors"
+    save_safetensors(make_state(rng, {"a": ("BF16", (64,)), "b": ("F32", (33,))}), whole)
+    blob = whole.read_bytes()
+    n = 8 + int.from_bytes(blob[:8], "little")
+    cut = {"half the header": n // 2, "half the data": (n + len(blob)) // 2, "all but one byte": len(blob) - 1}[keep]
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(blob[:cut])
+    with pytest.raises(IntegrityError, match=f"truncated: .* the file has {cut} "):
+        read_header(path)
+    rc, _, err = dcr(capsys, "init", tmp_path / "log", "--from", path, "--cache", "none")
+    assert rc == 3 and "truncated" in err, err
+    assert_one_line(err)

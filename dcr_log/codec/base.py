@@ -11,11 +11,15 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import zstandard
 
 from dcr_log.errors import IntegrityError
+
+if TYPE_CHECKING:
+    from dcr_log.codec.attempt import Attempt, Candidate
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,26 @@ class ChangeSet:
         return self.n if self.positions is None else int(self.positions.size)
 
 
+def delta_positions(changes: ChangeSet) -> np.ndarray:
+    """The positions of a delta record's change set (which always has them), typed as such.
+    Not a check: a caller passing a tensor's change set fails on None as it always did."""
+    return cast(np.ndarray, changes.positions)
+
+
 class Encoding(ABC):
+    """One payload encoding. ``feature``: the log feature a reader needs to decode it (None:
+    every log allows it). ``try_encode`` is how the writer tries it on one box; the registry
+    (dcr_log.codec.registry) decides the order and keeps the smallest."""
+
     name: str
     kinds: tuple[str, ...]
+    feature: str | None = None
+
+    @classmethod
+    def try_encode(cls, attempt: Attempt) -> Candidate | None:
+        """A candidate for ``attempt`` (whose kind this encoding carries), or None where it
+        cannot win or is not meant for writers (the default: decode only)."""
+        return None
 
     @abstractmethod
     def encode(self, kind: str, changes: ChangeSet) -> tuple[dict, bytes]:
@@ -152,7 +173,7 @@ def _compressor(level: int | str) -> zstandard.ZstdCompressor:
             params = zstandard.ZstdCompressionParameters(write_content_size=True, **_FAST_PARAMS)
             c = zstandard.ZstdCompressor(compression_params=params)
         else:
-            c = zstandard.ZstdCompressor(level=level, write_content_size=True)
+            c = zstandard.ZstdCompressor(level=cast(int, level), write_content_size=True)
         cache[level] = c
     return c
 
@@ -164,9 +185,10 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def zstd_compress(data: np.ndarray | bytes, level: int) -> bytes:
+def zstd_compress(data: np.ndarray | bytes, level: int | str) -> bytes:
+    """One zstd frame; ``level`` a zstd level or FAST_LITERALS."""
     return _compressor(level).compress(
-        memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else data
+        np.ascontiguousarray(data).data.cast("B") if isinstance(data, np.ndarray) else data
     )
 
 
@@ -174,7 +196,7 @@ def zstd_compress(data: np.ndarray | bytes, level: int) -> bytes:
 PLANE_BLOCK_MIN = 4096
 
 
-def zstd_compress_planes(data: np.ndarray, plane_bytes: int, level: int) -> bytes:
+def zstd_compress_planes(data: np.ndarray, plane_bytes: int, level: int | str) -> bytes:
     """One zstd frame of ``data`` (byte planes of ``plane_bytes`` each), a block boundary at
     every plane boundary.
 
@@ -186,7 +208,7 @@ def zstd_compress_planes(data: np.ndarray, plane_bytes: int, level: int) -> byte
     data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if plane_bytes < PLANE_BLOCK_MIN or data.size <= plane_bytes:
         return zstd_compress(data, level)  # small records: the plain one-shot frame
-    view = memoryview(data)
+    view = data.data
     stream = _compressor(level).compressobj(size=data.size)
     parts = []
     for start in range(0, data.size, plane_bytes):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcr_log.codec.attempt import Attempt, Candidate
 from dcr_log.codec.base import (
     FAST_LITERALS,
     ZSTD_LEVELS,
@@ -32,6 +33,22 @@ class DenseEncoding(Encoding):
     def __init__(self, level: int = DEFAULT_LEVEL, fast: bool = False):
         self.level = level
         self.fast = fast  # FAST_LITERALS parameters, reported as ``level`` 1
+
+    @classmethod
+    def try_encode(cls, attempt: Attempt) -> Candidate | None:
+        """``tensor`` records: always, with the fast-literals parameters into a reused planes
+        buffer. ``xor``: from ``policy.dense_min_rate`` of changed elements on (or the higher
+        rate an earlier encoding asked for), where it can win; the whole xor comes from the
+        attempt."""
+        policy = attempt.policy
+        if attempt.kind == "tensor":
+            planes = attempt.buffer("planes", np.dtype(np.uint8), attempt.changes.values.nbytes)
+            return Candidate.encoded(cls.name, *cls(policy.dense_level, fast=True).encode(
+                "tensor", attempt.changes, planes=planes))
+        if attempt.rate < max(policy.dense_min_rate, attempt.whole_box_min_rate):
+            return None
+        return Candidate.encoded(cls.name, *cls(policy.dense_level).encode(
+            attempt.kind, attempt.changes, full=attempt.full_xor()))
 
     def encode(self, kind: str, changes: ChangeSet, full: np.ndarray | None = None,
                planes: np.ndarray | None = None) -> tuple[dict, bytes]:

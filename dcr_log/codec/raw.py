@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcr_log.codec.base import ChangeSet, Encoding, check_params, check_positions
+from dcr_log.codec.attempt import Attempt, Candidate
+from dcr_log.codec.base import ChangeSet, Encoding, check_params, check_positions, delta_positions
 from dcr_log.errors import IntegrityError
+
+
+def payload_size(kind: str, k: int, word_size: int) -> int:
+    """A raw payload's size, known without encoding it."""
+    return k * word_size if kind == "tensor" else k * (8 + word_size)
 
 
 class RawEncoding(Encoding):
     name = "raw"
     kinds = ("xor", "overwrite", "tensor")
 
+    @classmethod
+    def try_encode(cls, attempt: Attempt) -> Candidate:
+        """Always a candidate; the words are copied only if it wins."""
+        size = payload_size(attempt.kind, attempt.changes.k, attempt.word_size)
+        return Candidate(cls.name, size, deferred=cls())
+
     def encode(self, kind: str, changes: ChangeSet) -> tuple[dict, bytes]:
         self.check_kind(kind)
         values = np.ascontiguousarray(changes.values)
         if kind == "tensor":
             return {}, values.tobytes()
-        return {}, changes.positions.astype("<u8").tobytes() + values.tobytes()
+        return {}, delta_positions(changes).astype("<u8").tobytes() + values.tobytes()
 
     def decode(self, kind, params, payload, n, k, word) -> ChangeSet:
         self.check_kind(kind)

@@ -22,11 +22,17 @@ pcodec compression level (informative, 0..12).
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from dcr_log import native
-from dcr_log.codec.base import ChangeSet, Encoding, check_params, positions_from_gaps
+from dcr_log.codec.attempt import Attempt, Candidate
+from dcr_log.codec.base import ChangeSet, Encoding, check_params, delta_positions, positions_from_gaps
+from dcr_log.codec.raw import payload_size
+from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.errors import IntegrityError
+from dcr_log.format.commit import ULP_ENCODING
 
 PCO_LEVELS = tuple(range(0, 13))
 # Level 8: on gaps and distances of bf16 Adam steps, 10.0 bits per change at 1% changed
@@ -142,9 +148,27 @@ def _decompress(data: memoryview, k: int, dtype: np.dtype, what: str) -> np.ndar
 class UlpEncoding(Encoding):
     name = "ulp"
     kinds = ("xor",)
+    feature = ULP_ENCODING
 
     def __init__(self, level: int = DEFAULT_LEVEL):
         self.level = level
+
+    @classmethod
+    def try_encode(cls, attempt: Attempt) -> Candidate | None:
+        """Not above ``policy.sparse_max_rate``. Once tried it steers the rest: below
+        ``policy.ulp_dense_min_rate`` it is smaller than dense on every weight pair measured,
+        and sparse is worth trying only when ulp's payload is above ``policy.ulp_sparse_ratio``
+        of raw's (words that are not floats)."""
+        policy = attempt.policy
+        if attempt.rate > policy.sparse_max_rate:
+            return None
+        params, payload = cls(policy.ulp_level).encode(attempt.kind, attempt.changes,
+                                                       base=attempt.base_values, new=attempt.new_values)
+        if len(payload) <= policy.ulp_sparse_ratio * payload_size(attempt.kind, attempt.changes.k,
+                                                                    attempt.word_size):
+            attempt.skip.add(SparseEncoding.name)
+        attempt.whole_box_min_rate = max(attempt.whole_box_min_rate, policy.ulp_dense_min_rate)
+        return Candidate.encoded(cls.name, params, payload)
 
     def encode(self, kind: str, changes: ChangeSet, base: np.ndarray | None = None,
                new: np.ndarray | None = None) -> tuple[dict, bytes]:
@@ -156,10 +180,10 @@ class UlpEncoding(Encoding):
                 raise ValueError("ulp: encode needs the base and new words, or distances")
             distance = changes.values
         else:
-            distance = ulp_distance(base, new)
+            distance = ulp_distance(base, cast(np.ndarray, new))
         w = distance.dtype.itemsize
         signed = distance.view(np.dtype(f"<i{w}")).astype(distance_dtype(distance.dtype), copy=False)
-        positions = changes.positions.astype(np.int64, copy=False)
+        positions = delta_positions(changes).astype(np.int64, copy=False)
         k = positions.size
         if k == 0:
             raise ValueError("ulp: a record needs at least one change")
@@ -186,7 +210,7 @@ class UlpEncoding(Encoding):
         if gap_len > len(buf) - 8:
             raise IntegrityError(f"ulp: gap file of {gap_len} bytes in a payload of {len(buf)}")
         gap_data = buf[8:8 + gap_len]
-        gap_type = np.uint32 if params["gap_bytes"] == 4 else np.uint64
+        gap_type = np.dtype(np.uint32 if params["gap_bytes"] == 4 else np.uint64)
         gaps = _decompress(gap_data, k, gap_type, "gaps").astype(np.uint64, copy=False)
         dtype = distance_dtype(word)
         signed = _decompress(buf[8 + gap_len:], k, dtype, "distances")

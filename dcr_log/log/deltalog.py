@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from dcr_log.codec.ulp import UlpEncoding
+from dcr_log.codec.registry import required_feature
 from dcr_log.coords import numel
 from dcr_log.digest import MASK64, DigestScheme, scheme_for
 from dcr_log.errors import CommitConflict, CommitStateUnknown, ExpiredError, IntegrityError, NotFoundError, UsageError
@@ -476,13 +476,14 @@ class DeltaLog:
         data = self.read_segment(ref, version) if data is None else data
         mapping = data.map() if isinstance(data, SegmentFile) else None
         count = 0
-        ulp = self.ulp_encoding
+        features = self.identity.features
         try:
             for rec in iter_segment(data if mapping is None else mapping.mm, self.log_id, version):
                 count += 1
-                if rec.encoding == UlpEncoding.name and not ulp:
-                    raise IntegrityError(f"segment {ref.key}: a record uses the encoding 'ulp' in a "
-                                         f"log without the feature {ULP_ENCODING!r}")
+                feature = required_feature(rec.encoding)
+                if feature is not None and feature not in features:
+                    raise IntegrityError(f"segment {ref.key}: a record uses the encoding {rec.encoding!r} in a "
+                                         f"log without the feature {feature!r}")
                 if mapping is not None:
                     rec = dataclasses.replace(rec, done=mapping.hook(rec.payload))
                 yield rec

@@ -6,23 +6,21 @@ Both directions are vectorised: per record the work is a few numpy passes over t
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from dcr_log import native
-from dcr_log.codec import ChangeSet
+from dcr_log.codec import Attempt, ChangeSet, choose
 from dcr_log.codec.dense import DEFAULT_LEVEL as DENSE_LEVEL
-from dcr_log.codec.dense import DenseEncoding
-from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import DEFAULT_LEVEL as SPARSE_LEVEL
-from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.codec.ulp import DEFAULT_LEVEL as ULP_LEVEL
-from dcr_log.codec.ulp import UlpEncoding
 from dcr_log.coords import Box, box_to_tensor_flat, box_view, row_blocks
 from dcr_log.digest import MASK64, XXH3, DigestScheme
 from dcr_log.format import Record
+from dcr_log.format.commit import ULP_ENCODING
 from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
 from dcr_log.state import TensorBits
 
@@ -38,7 +36,8 @@ PARALLEL_MIN_ELEMENTS = 1 << 20
 
 @dataclass(frozen=True)
 class EncodePolicy:
-    """How the writer picks a record's encoding: the smallest of the candidates it tries.
+    """How the writer picks a record's encoding: the smallest of the candidates the encodings
+    of dcr_log.codec.registry offer (each encoding's try_encode reads its own fields here).
 
     Sparse is not tried above ``sparse_max_rate`` and dense not below ``dense_min_rate`` of
     changed elements, where they cannot win; raw is always a candidate (its size is known).
@@ -65,7 +64,7 @@ class _Scratch:
         self._bufs: dict[tuple[str, np.dtype], np.ndarray] = {}
         self.dense_masks = 0  # a speed hint only: boxes to scan plainly before trying again
 
-    def get(self, tag: str, dtype: np.dtype, n: int) -> np.ndarray:
+    def get(self, tag: str, dtype: DTypeLike, n: int) -> np.ndarray:
         key = (tag, np.dtype(dtype))
         buf = self._bufs.get(key)
         if buf is None or buf.size < n:
@@ -208,17 +207,24 @@ class BoxDelta:
 class Differ:
     """Turns (base, new) box pairs into records, reusing scratch buffers across calls.
 
-    Record digests follow ``digests`` (the log's scheme); ``ulp``: the log allows the ulp
-    encoding. The boxes of a large tensor are encoded by ``policy.workers`` threads, each with
-    its own scratch buffers; records come out in box order.
+    Record digests follow ``digests`` (the log's scheme). Encodings are chosen by the codec
+    registry among those the log's ``features`` allow; ``ulp`` (kept for callers that pass
+    it) adds the feature ``ulp-encoding``. The boxes of a large tensor are encoded by
+    ``policy.workers`` threads, each with its own scratch buffers; records come out in box
+    order.
     """
 
     def __init__(self, policy: EncodePolicy | None = None, digests: DigestScheme = XXH3,
-                 ulp: bool = False):
+                 ulp: bool = False, features: Iterable[str] = ()):
         self.policy = policy or EncodePolicy()
         self.digests = digests
-        self.ulp = ulp
+        self.features = frozenset(features) | ({ULP_ENCODING} if ulp else frozenset())
         self._local = threading.local()
+
+    @property
+    def ulp(self) -> bool:
+        """Whether records may use the ulp encoding."""
+        return ULP_ENCODING in self.features
 
     def _scratch(self) -> _Scratch:
         scratch = getattr(self._local, "scratch", None)
@@ -237,7 +243,7 @@ class Differ:
         boxes = row_blocks(new.shape, self.policy.chunk_elements)
 
         def record(box: Box) -> BoxDelta | None:
-            base_box = None if whole else box_view(base.words, base.shape, box)
+            base_box = None if whole or base is None else box_view(base.words, base.shape, box)
             return self.diff_box(name, box, new.shape, base_box, box_view(new.words, new.shape, box), kind)
 
         parallel = new.words.size >= PARALLEL_MIN_ELEMENTS
@@ -258,22 +264,22 @@ class Differ:
             return self._tensor_record(name, box, shape, new)
         return self._delta_record(name, box, shape, base, new, kind)
 
+    def _attempt(self, kind: str, changes: ChangeSet, base_values: np.ndarray | None,
+                 new_values: np.ndarray, full_xor_source: Callable[[], np.ndarray] | None = None
+                 ) -> Attempt:
+        # Encodings get the thread's scratch buffers: a fresh one per box costs page faults.
+        return Attempt(kind, changes, base_values, new_values, self.policy, full_xor_source,
+                       buffer=self._scratch().get)
+
     def _tensor_record(self, name: str, box: Box, shape, values: np.ndarray) -> BoxDelta:
         changes = ChangeSet(values.size, None, values)
-        enc = "dense"
-        # The planes buffer is reused: a fresh one per box costs page faults at every chunk.
-        planes = self._scratch().get("planes", np.uint8, values.nbytes)
-        params, payload = DenseEncoding(self.policy.dense_level, fast=True).encode("tensor", changes,
-                                                                                  planes=planes)
-        if len(payload) >= values.nbytes:  # raw's size is known: copy the words only if it wins
-            enc = "raw"
-            params, payload = RawEncoding().encode("tensor", changes)
+        enc, params, payload = choose(self._attempt("tensor", changes, None, values), self.features)
         target = self.digests.box(box, shape, values)
         rec = Record(name, "tensor", box, enc, params, values.size, 0, target, payload)
         return BoxDelta(rec, None, values, target if self.digests.composable else None)
 
-    def _delta_record(self, name, box, shape, base_box, new_box, kind) -> BoxDelta | None:
-        p = self.policy
+    def _delta_record(self, name: str, box: Box, shape: tuple[int, ...], base_box: np.ndarray,
+                      new_box: np.ndarray, kind: str) -> BoxDelta | None:
         n = new_box.size
         scratch = self._scratch()
         positions, base_vals, new_vals = find_changes(base_box, new_box, scratch)
@@ -282,25 +288,12 @@ class Differ:
             return None
         values = np.bitwise_xor(base_vals, new_vals) if kind == "xor" else new_vals
         changes = ChangeSet(n, positions, values)
-        w = new_box.dtype.itemsize
-        cands = [("raw", {}, None)]  # raw's size is known without encoding it
-        raw_size = k * (8 + w)
-        rate = k / n
-        dense_min_rate = p.dense_min_rate
-        try_sparse = rate <= p.sparse_max_rate
-        if self.ulp and kind == "xor" and rate <= p.sparse_max_rate:
-            ulp = UlpEncoding(p.ulp_level).encode(kind, changes, base=base_vals, new=new_vals)
-            cands.append(("ulp", *ulp))
-            try_sparse = len(ulp[1]) > p.ulp_sparse_ratio * raw_size
-            dense_min_rate = max(dense_min_rate, p.ulp_dense_min_rate)
-        if try_sparse:
-            cands.append(("sparse", *SparseEncoding(p.sparse_level).encode(kind, changes)))
-        if kind == "xor" and rate >= dense_min_rate:
-            xor = np.bitwise_xor(base_box, new_box, out=scratch.get("xor", new_box.dtype, n))
-            cands.append(("dense", *DenseEncoding(p.dense_level).encode(kind, changes, full=xor)))
-        enc, params, payload = min(cands, key=lambda c: raw_size if c[2] is None else len(c[2]))
-        if payload is None:
-            params, payload = RawEncoding().encode(kind, changes)
+
+        def full_xor() -> np.ndarray:
+            return np.bitwise_xor(base_box, new_box, out=scratch.get("xor", new_box.dtype, n))
+
+        attempt = self._attempt(kind, changes, base_vals, new_vals, full_xor)
+        enc, params, payload = choose(attempt, self.features)
         digests = self.digests
         flat = box_to_tensor_flat(box, shape, positions) if digests.composable else positions
         base_d, target_d = digests.at(flat, base_vals), digests.at(flat, new_vals)

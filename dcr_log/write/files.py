@@ -9,14 +9,13 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Union
 
 from dcr_log.errors import UsageError, os_error
 from dcr_log.format import FileEntry, file_name_problem
 from dcr_log.format import limits as L
 from dcr_log.format.files import check_writer_files, is_weights_name
 
-FileSource = Union[bytes, bytearray, memoryview, str, os.PathLike]
+FileSource = bytes | bytearray | memoryview | str | os.PathLike
 Files = Mapping[str, FileSource]
 
 

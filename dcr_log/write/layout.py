@@ -1,4 +1,5 @@
-"""TODO"""
+"""A version's shard layout, agreed by every rank: which rank writes each piece, that the
+pieces cover each tensor exactly, and which layout changes a log allows between versions."""
 
 from __future__ import annotations
 
@@ -138,9 +139,9 @@ def _check_whole(layout: ShardLayout) -> None:
     """Logs without sum-digests need every tensor held whole by one rank (an xxh3 digest
     cannot be put together from parts)."""
     by_name: dict[str, list] = {}
-    for (name, offset, shape) in layout.owner:
+    for (name, _offset, shape) in layout.owner:
         by_name.setdefault(name, []).append(shape)
-    for name, (dtype, shape) in layout.tensors.items():
+    for name, (_dtype, shape) in layout.tensors.items():
         got = by_name.get(name, [])
         if numel(shape) and (len(got) != 1 or tuple(got[0]) != tuple(shape)):
             raise UsageError(f"tensor {name!r} is split over shards, but this log has xxh3 digests "

@@ -1,9 +1,10 @@
-"""TODO"""
+"""Segment uploads on background threads: the write path's overlap of encoding and I/O."""
 
 from __future__ import annotations
 
 import hashlib
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pyarrow as pa
 
@@ -23,17 +24,15 @@ class SegmentUploader:
 
     def __init__(self, store: Store):
         self._store = store
-        self._pool = None
+        self._pool: ThreadPoolExecutor | None = None
         self._in_flight = 1 if store.local_root is not None else UPLOADS_IN_FLIGHT
-        self._pending: deque = deque()
+        self._pending: deque[Future[SegmentRef]] = deque()
         self._buffers: list = [None] * (self._in_flight + 1)
         self._turn = 0
         self.refs: list[SegmentRef] = []    # segments created, in order
         self.keys: list[str] = []           # every key tried (what an abort deletes)
 
     def put(self, key: str, builder: SegmentBuilder) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         while len(self._pending) >= self._in_flight:
             self._wait_one()  # its buffer is free again
         self.keys.append(key)

@@ -1,5 +1,5 @@
 """LogWriter: create a log and append whole states as deltas: the one-rank case of
-ShardedWriter (dcr_log.shard), with no torch needed."""
+ShardedWriter (dcr_log.write.sharded), with no torch needed."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ class DeltaLog:
             data = store.get(IDENTITY_KEY, max_size=limits.MAX_IDENTITY_BYTES)
         except NotFoundError:
             raise NotFoundError(f"{store.url} is not a dcr log (no {IDENTITY_KEY})") from None
-        return DeltaLog(store, LogIdentity.from_bytes(data), trust)
+        return DeltaLog(store, LogIdentity.from_bytes(bytes(data)), trust)
 
     # -- versions -------------------------------------------------------------------------
 
@@ -178,7 +178,7 @@ class DeltaLog:
             if version < self.start():
                 raise self.expired(version, f"version {version}") from None
             raise NotFoundError(f"{self.store.url}: no version {version}") from None
-        record = CommitRecord.from_bytes(data, expect_version=version)
+        record = CommitRecord.from_bytes(bytes(data), expect_version=version)
         if record.log_id != self.log_id:
             raise IntegrityError(f"commit record {version} belongs to log {record.log_id}")
         if record.features != self.identity.features:
@@ -315,7 +315,7 @@ class DeltaLog:
             if v.isdigit() and int(v) <= upto:
                 self._prefetched_bytes -= len(self._prefetched.pop(key))
 
-    def read_segment(self, ref: SegmentRef, version: int | None = None) -> memoryview:
+    def read_segment(self, ref: SegmentRef, version: int | None = None) -> memoryview | SegmentFile:
         """Segment bytes, checked against the commit record's size (from the object's metadata,
         before its bytes are read) and sha256. A missing segment is damage (IntegrityError),
         unless retention removed it while it was being read (ExpiredError)."""
@@ -324,9 +324,9 @@ class DeltaLog:
             self._prefetched_bytes -= len(early)
             if len(early) == ref.size and hashlib.sha256(early).hexdigest() == ref.sha256:
                 return memoryview(early)
-        large = ref.size > segments.SEGMENT_MEMORY_BYTES
+        data: memoryview | SegmentFile
         try:
-            if large:
+            if ref.size > segments.SEGMENT_MEMORY_BYTES:
                 f, sha = self.store.get_file(ref.key, ref.size)
                 data = SegmentFile(f, ref.size, sha)
             else:
@@ -336,7 +336,7 @@ class DeltaLog:
             self._check_removed(ref, version)
             raise IntegrityError(f"segment {ref.key} is missing") from None
         if sha != ref.sha256:
-            if large:
+            if isinstance(data, SegmentFile):
                 data.close()
             raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
         return data

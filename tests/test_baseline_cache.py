@@ -3,6 +3,7 @@ commit's digests, and rebuilds from the log (still bit-exact) whenever it does n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -11,9 +12,12 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_bits, copy_state, make_state, change_words, run_cli
-from dcr_log import DeltaLog, LogWriter
+from dcr_log import DeltaLog, IntegrityError, LogWriter
 from dcr_log.digest import SUM
+from dcr_log.format import version_key
+from dcr_log.format.tensors import state_digest
 from dcr_log.state import TensorBits
+from dcr_log.store import Store
 
 SPEC = {"w": ("BF16", (64, 33)), "b": ("F32", (17,)), "s": ("I64", ()), "e": ("U8", (0, 4))}
 
@@ -225,3 +229,31 @@ def test_a_cache_some_versions_behind_rolls_forward(tmp_path, monkeypatch):
     log = DeltaLog.open(tmp_path / "log")
     assert_same_bits(log.materialize(4), s4)
     log.verify(deep=True)
+
+
+def test_roll_forward_holds_each_version_to_the_step_rules(tmp_path):
+    """A cache some versions behind rolls forward under the rules replay applies: a version
+    whose records name a tensor missing from its table is refused with replay's error (the
+    rank holds no piece of that tensor, so the record used to be skipped)."""
+    rng = np.random.default_rng(9)
+    cache, other = tmp_path / "cache", tmp_path / "other"
+    s0 = make_state(rng, SPEC)
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache)
+    s1 = _step(rng, s0, rate=0.5)
+    LogWriter.open(tmp_path / "log", cache_dir=other).append(s1)
+    store = Store.open(tmp_path / "log")
+    record = DeltaLog.open(store).commit(1)
+    assert any(rec.tensor == "b" for rec in DeltaLog.open(store).records(1))
+    # Version 1 re-sealed without "b" in its tensor table; its segments still hold b's records.
+    tensors = tuple(t for t in record.tensors if t.name != "b")
+    stats = dataclasses.replace(record.stats, total_elements=record.stats.total_elements - 17)
+    forged = dataclasses.replace(record, tensors=tensors, state_digest=state_digest(list(tensors)), stats=stats)
+    store.delete(version_key(1))
+    store.put_new(version_key(1), forged.to_bytes())
+    s2 = {name: bits for name, bits in s1.items() if name != "b"}
+    s2["w"] = change_words(rng, s1["w"], 0.05)
+    message = r"^version 1: record for unknown tensor 'b'$"
+    with pytest.raises(IntegrityError, match=message):
+        LogWriter.open(tmp_path / "log", cache_dir=cache).append(s2)
+    with pytest.raises(IntegrityError, match=message):
+        DeltaLog.open(tmp_path / "log").materialize(1)  # replay refuses it in the same words

@@ -39,7 +39,8 @@ def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -
 
 
 def _native_moves(words: np.ndarray, where) -> bool:
-    return (native.changes is not None and isinstance(where, np.ndarray) and where.dtype == np.int64
+    """Whether the C gather and scatter take these arrays (callers check that the C module loaded)."""
+    return (isinstance(where, np.ndarray) and where.dtype == np.int64
             and where.ndim == 1 and where.flags.c_contiguous and words.ndim == 1
             and words.flags.c_contiguous)
 
@@ -48,23 +49,25 @@ def gather_words(words: np.ndarray, where) -> np.ndarray:
     """``words[where]`` (a copy), with the C gather for index arrays: it requests the cache
     lines of later positions early, where numpy waits for each in turn (on 1% of a 256 MiB
     array, gathers 1.2x and scatters 1.5x faster; tools/bench_codec.py)."""
-    if not _native_moves(words, where):
+    changes = native.changes
+    if changes is None or not _native_moves(words, where):
         return words[where].copy() if isinstance(where, slice) else words[where]
     u = np.dtype(f"<u{words.dtype.itemsize}")
     out = np.empty(where.size, dtype=words.dtype)
-    native.changes.gather(words.view(u), where, u.itemsize, out.view(u))
+    changes.gather(words.view(u), where, u.itemsize, out.view(u))
     return out
 
 
 def scatter_words(words: np.ndarray, where, values: np.ndarray) -> None:
     """``words[where] = values``, with the C scatter for index arrays (see gather_words)."""
-    if (not _native_moves(words, where) or values.shape != where.shape
+    changes = native.changes
+    if (changes is None or not _native_moves(words, where) or values.shape != where.shape
             or values.dtype.itemsize != words.dtype.itemsize):
         words[where] = values
         return
     u = np.dtype(f"<u{words.dtype.itemsize}")
     values = np.ascontiguousarray(values)
-    native.changes.scatter(words.view(u), where, u.itemsize, values.view(u))
+    changes.scatter(words.view(u), where, u.itemsize, values.view(u))
 
 
 def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -1,17 +1,35 @@
-"""TODO"""
+"""Replay: applying steps to in-memory states (``apply_step``), the chain of versions one by
+one (``replay``) and the state of one version by its cheapest route (``materialize``).
+
+Each step's records are checked by ``StepRules`` before they are applied; large records are
+decoded and applied on a few threads with the result of applying them in order. Functions
+take the ``DeltaLog`` they read; its methods of the same names delegate here."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dcr_log.digest import DigestScheme
+from dcr_log.coords import numel
+from dcr_log.digest import MASK64, DigestScheme
+from dcr_log.errors import IntegrityError, NotFoundError
 from dcr_log.format import Record
-from dcr_log.log.records import apply_to_words, decode_record
+from dcr_log.format.tensors import state_digest
+from dcr_log.log.records import apply_to_words, decode_record, empty_words
+from dcr_log.log.routes import Step
+from dcr_log.log.steps import StepRules
 from dcr_log.parallel import DEFAULT_WORKERS, shared_pool
 from dcr_log.state import TensorBits
+
+if TYPE_CHECKING:
+    from dcr_log.log.deltalog import DeltaLog
+
+# Called with each version once it is applied (or checked).
+Progress = Callable[[int], None]
 
 
 def _covers_exactly(pieces: list | None, count: int) -> bool:
@@ -24,8 +42,6 @@ def _covers_exactly(pieces: list | None, count: int) -> bool:
             return False
         end = start + size
     return end == count
-
-
 
 
 # Records of boxes smaller than this are applied on the calling thread: a hop costs more.
@@ -105,3 +121,123 @@ def state_equal(a: dict[str, TensorBits], b: dict[str, TensorBits]) -> bool:
 def as_numpy(state: dict[str, TensorBits]) -> dict[str, np.ndarray]:
     """Shaped word arrays (bf16 as uint16 and so on): the bits, in numpy."""
     return {name: bits.words.reshape(bits.shape) for name, bits in state.items()}
+
+
+def apply_step(log: DeltaLog, state: dict[str, TensorBits], step: Step, check_all: bool = False,
+               tensors: set[str] | None = None) -> None:
+    """Advance ``state`` by one step: a version (from its parent's state), a squash (from
+    its start's state) or a snapshot (from any state).
+
+    Records are checked against their pre/postconditions; tensors created whole and, with
+    ``check_all`` or after a squash or snapshot, every tensor are checked against the
+    target's tensor digests. Large records are decoded and applied on a few threads, with
+    the result of applying them in order. After an error ``state`` is partly advanced and
+    must be discarded. With ``tensors``, only those tensors are built (the others' records
+    are read and counted).
+    """
+    commit = step.target
+    version = step.version
+    what = step.describe()
+    table = commit.tensor_map()
+    wanted = table if tensors is None else {n: i for n, i in table.items() if n in tensors}
+    if state_digest(list(commit.tensors)) != commit.state_digest:
+        raise IntegrityError(f"version {version}: state digest does not match its tensor table")
+    before = None if step.kind == "snapshot" else {n: (b.dtype, b.shape) for n, b in state.items()}
+    rules = StepRules(step.kind, what, table, before, unknown=set(table) - set(wanted))
+    for name in list(state):
+        if name not in wanted or step.kind == "snapshot":
+            del state[name]
+    created = rules.created & set(wanted)
+    for name in created:
+        info = table[name]
+        state[name] = TensorBits(info.dtype, info.shape, empty_words(info))
+    # Per created tensor, the (flat start, size, target digest) of its row-block tensor
+    # records, or None once a record is anything else: with sum digests, records that
+    # cover the tensor exactly once compose to its digest (each one's target digest was
+    # checked against the words it wrote), so no second pass hashes the tensor.
+    spans: dict[str, list | None] = {n: [] for n in created} if log.digests.composable else {}
+    with _ParallelApply(log.digests) as applier:
+        for rec in log.records(step):
+            info = rules.record(rec)
+            if rec.tensor in wanted:
+                applier.submit(rec, info, state[rec.tensor])
+                pieces = spans.get(rec.tensor)
+                if pieces is not None:
+                    if rec.kind == "tensor" and rec.box.is_row_block(info.shape):
+                        pieces.append((rec.box.flat_start(info.shape), rec.box.size, rec.target_digest))
+                    else:
+                        spans[rec.tensor] = None
+    rules.finish(step.stats)
+    for name in (wanted if check_all or step.kind != "version" else created):
+        covering = spans.get(name)
+        if not check_all and covering is not None and _covers_exactly(covering, numel(table[name].shape)):
+            d = sum(p[2] for p in covering) & MASK64
+        else:
+            d = log.digests.tensor(state[name].words, state[name].shape)
+        if d != table[name].digest:
+            raise IntegrityError(f"{what}: tensor {name!r} does not match its digest")
+
+
+def replay(log: DeltaLog, upto: int | None = None, check_all: bool = False,
+           progress: Progress | None = None,
+           tensors: set[str] | None = None) -> Iterator[tuple[int, dict[str, TensorBits]]]:
+    """Yield (version, state) for start..upto (start is 0, or the log start's snapshot after
+    retention); the same state dict is advanced in place."""
+    versions = log.versions()
+    if not versions:
+        raise NotFoundError(f"{log.store.url}: log has no versions")
+    start, latest = versions[0], versions[-1]
+    upto = latest if upto is None else upto
+    if upto < start:
+        raise log.expired(upto, f"version {upto}")
+    if not upto <= latest:
+        raise NotFoundError(f"{log.store.url}: no version {upto} (latest is {latest})")
+    state: dict[str, TensorBits] = {}
+    previous = None
+    for v in range(start, upto + 1):
+        commit = log.commit(v)
+        if previous is not None and commit.parent_state_digest != previous.state_digest:
+            raise IntegrityError(f"version {v}: parent digest does not match version {v - 1}")
+        if v == start and start > 0:
+            snapshot = log.start_snapshot()
+            assert snapshot is not None  # the log starts above 0: start_snapshot found it or raised
+            log.apply_step(state, log.catchup_step(snapshot), tensors=tensors)
+        else:
+            log.apply_version(state, v, check_all=check_all, tensors=tensors)
+        previous = commit
+        if progress:
+            progress(v)
+        yield v, state
+
+
+def materialize(log: DeltaLog, version: int | None = None, progress: Progress | None = None,
+                tensors: set[str] | None = None) -> dict[str, TensorBits]:
+    """The bit-exact state of ``version`` (default latest), every tensor digest checked;
+    with ``tensors``, only those tensors. Read by the route of fewest bytes: from version 0
+    or a snapshot, through versions and squashes (``plan``)."""
+    while True:
+        route = log.plan(version)
+        target = route[-1].version
+        state: dict[str, TensorBits] = {}
+        held = None
+        try:
+            for step in route:
+                if step.parent is not None and step.parent_state_digest != held:
+                    raise IntegrityError(f"{step.describe()}: parent digest does not match version {step.parent}")
+                log.apply_step(state, step, tensors=tensors)
+                held = step.state_digest
+                if progress:
+                    progress(step.version)
+        except IntegrityError as exc:
+            # A damaged snapshot or squash: another route (the chain is always one).
+            if not log.exclude(step, str(exc)):
+                raise
+            continue
+        break
+    commit = log.commit(target)
+    for info in commit.tensors:
+        if tensors is not None and info.name not in tensors:
+            continue
+        if log.digests.tensor(state[info.name].words, info.shape) != info.digest:
+            raise IntegrityError(f"version {target}: tensor {info.name!r} does not match its digest")
+    return state

@@ -30,11 +30,26 @@ import numpy as np
 import xxhash
 
 from dcr_log import buffers
-from dcr_log.coords import DTYPE_WIDTH, Box, box_view, numel, word_dtype
+from dcr_log.coords import (
+    DTYPE_WIDTH,
+    Box,
+    box_to_tensor_flat,
+    box_view,
+    boxes_intersect,
+    flat_inside,
+    numel,
+    tensor_flat_to_box,
+    word_dtype,
+)
 from dcr_log.digest import MASK64
+from dcr_log.errors import UsageError
+from dcr_log.log.records import decode_record, record_targets, scatter_words
+from dcr_log.log.steps import StepRules
+from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
 
 if TYPE_CHECKING:
     from dcr_log.log.deltalog import DeltaLog
+    from dcr_log.state import TableLayout
 
 PieceKey = tuple  # (name, offset tuple, shape tuple)
 CACHE_FORMAT = "dcr-baseline/1"
@@ -158,6 +173,8 @@ class Baseline:
         return Baseline(version, arrays, dtypes, digests)
 
     def _map(self, file: str, layout: list) -> None:
+        if self.slot is None:
+            raise UsageError("a baseline without a cache slot has no file to map")
         self._file = file
         self._layout = layout
         mm = np.memmap(self.slot / file, dtype=np.uint8, mode="r+")
@@ -169,9 +186,6 @@ class Baseline:
 def _scatter(arrays: dict, scatters: Mapping) -> None:
     """The committed changes into the baseline's pieces, pieces on the shared pool's threads
     (the C scatter releases the GIL)."""
-    from dcr_log.log.records import scatter_words
-    from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
-
     def scatter(item) -> None:
         key, parts = item
         arr = arrays[key]
@@ -207,7 +221,7 @@ class Generation:
         """Words ``start ..`` of a piece."""
         words = np.ascontiguousarray(words)
         if words.size:
-            os.pwrite(self.fd, memoryview(words).cast("B"), self.offsets[key] + start * words.itemsize)
+            os.pwrite(self.fd, words.data.cast("B"), self.offsets[key] + start * words.itemsize)
 
     def finish(self, dtypes: Mapping, digests: Mapping) -> Baseline:
         os.close(self.fd)
@@ -288,13 +302,12 @@ def roll_forward(log: DeltaLog, base: Baseline, version: int, needed: list, shap
     """``base`` (cached at an older version) brought to ``version`` by applying the records of
     the versions in between to its pieces: O(those deltas), not a replay from version 0.
 
+    Every version's records are held to the rules of a valid step (``StepRules``, as replay
+    does: IntegrityError otherwise), the records of tensors this rank does not hold included.
     Pieces of a tensor whose dtype or shape changed on the way are left out (rebuilt by the
-    caller). The words are copied first (the cache file keeps its own version), and nothing
-    is checked here: the caller compares the pieces' digests with the commit's.
+    caller). The words are copied first (the cache file keeps its own version); the caller
+    compares the pieces' digests with the commit's.
     """
-    from dcr_log.coords import box_to_tensor_flat, boxes_intersect, flat_inside, tensor_flat_to_box
-    from dcr_log.log.records import decode_record, record_targets
-
     start = log.commit(base.version).tensor_map()
     keep = [p for p in needed if p.key in base.arrays and start.get(p.name) is not None
             and (start[p.name].dtype, start[p.name].shape) == (p.dtype, shapes[p.key])]
@@ -302,19 +315,21 @@ def roll_forward(log: DeltaLog, base: Baseline, version: int, needed: list, shap
     by_name: dict[str, list] = {}
     for p in keep:
         by_name.setdefault(p.name, []).append(p)
+    before: TableLayout = {n: (t.dtype, t.shape) for n, t in start.items()}
     for v in range(base.version + 1, version + 1):
-        commit = log.commit(v)
-        table = commit.tensor_map()
+        step = log.version_step(v)
+        table = step.tensor_map()
+        rules = StepRules(step.kind, step.describe(), table, before)
         for name in list(by_name):
             info = table.get(name)
             if info is None or (info.dtype, info.shape) != (start[name].dtype, start[name].shape):
                 for p in by_name.pop(name):
                     arrays.pop(p.key)
-        for rec in log.records(v):
+        for rec in log.records(step):
+            info = rules.record(rec)
             pieces = by_name.get(rec.tensor)
             if not pieces:
                 continue
-            info = table[rec.tensor]
             hit = [p for p in pieces if boxes_intersect(rec.box, p.box)]
             if not hit:
                 continue
@@ -326,6 +341,8 @@ def roll_forward(log: DeltaLog, base: Baseline, version: int, needed: list, shap
                 local = tensor_flat_to_box(p.box, info.shape, flat[inside])
                 words = arrays[p.key]
                 words[local] = record_targets(rec.kind, changes, words[local], changes.values[inside])
+        rules.finish(step.stats)
+        before = {n: (t.dtype, t.shape) for n, t in table.items()}
     kept = {k: arrays[k] for k in arrays}
     return Baseline(version, kept, {k: base.dtypes[k] for k in kept},
                     {k: digest_box(k, w) for k, w in kept.items()})
@@ -391,11 +408,13 @@ def load_baseline(log: DeltaLog, version: int, needed: list, cache: BaselineCach
             arrays[p.key] = np.array(box_view(bits.words, bits.shape, p.box), copy=True)
             pdigests[p.key] = digest_box(p.key, arrays[p.key])
         else:
+            assert have is not None  # not rebuilt: every owner offered it, this rank from ``have``
             arrays[p.key] = have.words(p.key)
             d = have.digests.get(p.key)
             pdigests[p.key] = digest_box(p.key, arrays[p.key]) if d is None else d
     del state
     # Reuse the cache slot in place only when it holds exactly these pieces, all trusted; any
     # other baseline is written to a new cache generation by the next append.
-    reuse = have is not None and have.slot is not None and not mine_rebuild and set(have.arrays) == set(keys)
-    return Baseline(version, arrays, dtypes, pdigests, *((have.slot, have._file, have._layout) if reuse else ()))
+    if have is not None and have.slot is not None and not mine_rebuild and set(have.arrays) == set(keys):
+        return Baseline(version, arrays, dtypes, pdigests, have.slot, have._file, have._layout)
+    return Baseline(version, arrays, dtypes, pdigests)

@@ -98,7 +98,7 @@ def write_snapshot(log: DeltaLog, version: int | None = None, *, writer_id: str 
     if found is not None:
         return found
     state = log.materialize(version)
-    differ = Differ(policy, log.digests, ulp=log.ulp_encoding)
+    differ = Differ(policy, log.digests, features=log.identity.features)
     records = (rec for name in sorted(state, key=str.encode) for rec in differ.diff(name, None, state[name]))
     refs, count, changed, keys = _write_segments(log, version, prefix, records, writer_id, segment_bytes)
     del state
@@ -126,7 +126,7 @@ def write_squash(log: DeltaLog, start: int, end: int | None = None, *, writer_id
         return found
     base = log.materialize(start)
     new = log.materialize(end)
-    differ = Differ(policy, log.digests, ulp=log.ulp_encoding)
+    differ = Differ(policy, log.digests, features=log.identity.features)
     records = (rec for name in sorted(new, key=str.encode)
                for rec in differ.diff(name, base.get(name), new[name], "xor"))
     refs, count, changed, keys = _write_segments(log, end, prefix, records, writer_id, segment_bytes)

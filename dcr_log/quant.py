@@ -103,8 +103,7 @@ class Fp8BlockQuantizer:
             covers = _over(E4M3_MAX, prev)  # the largest |w| the kept scale takes without saturating
             fits = (amax * prev <= E4M3_MAX) & (amax >= covers * 2.0 ** -self.keep_octaves)
             scale = torch.where(fits, prev, scale)
-        full = scale.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
-        q = torch.clamp(w32 * full, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        q = _per_block(w32, scale, b0, b1, nb0, nb1).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return q, torch.reciprocal(scale)
 
     def quantize_state(self, state: Mapping[str, Any], previous: Mapping[str, Any] | None = None
@@ -143,6 +142,24 @@ def _over(numerator: float, t: Any) -> Any:
     import torch
 
     return torch.full_like(t, numerator).div(t)
+
+
+def _per_block(w32: Any, scale: Any, b0: int, b1: int, nb0: int, nb1: int) -> Any:
+    """``w32`` times its block's scale, as a new (rows, cols) fp32 tensor: the whole blocks
+    through a broadcasting view (no scale tensor of the weight's size), the edges apart."""
+    import torch
+
+    rows, cols = w32.shape
+    out = torch.empty_like(w32)
+    r0, c0 = (rows // b0) * b0, (cols // b1) * b1
+    if r0 and c0:
+        torch.mul(w32[:r0, :c0].reshape(r0 // b0, b0, c0 // b1, b1), scale[:r0 // b0, None, :c0 // b1, None],
+                  out=out[:r0, :c0].view(r0 // b0, b0, c0 // b1, b1))
+    if c0 < cols:  # the last block column, every block row
+        out[:, c0:] = w32[:, c0:] * scale[:, -1:].repeat_interleave(b0, dim=0)[:rows]
+    if r0 < rows and c0:  # the last block row, whole block columns
+        out[r0:, :c0] = w32[r0:, :c0] * scale[-1:, :c0 // b1].repeat_interleave(b1, dim=1)
+    return out
 
 
 def _block_amax(w32: Any, b0: int, b1: int, nb0: int, nb1: int) -> Any:

@@ -1,4 +1,6 @@
-"""TODO"""
+"""What a rank says it holds: ``Shard`` (a box, a flat range or a converter's output of one
+canonical tensor), and the ``ShardPiece`` boxes they resolve to, checked against the canonical
+shapes this rank knows."""
 
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ class Shard:
     def __init__(self, tensor: Any, offset: Sequence[int] | None = None):
         rank = len(tuple(tensor.shape))
         self.tensor = tensor
-        self.offset = (0,) * rank if offset is None else tuple(int(o) for o in offset)
-        if len(self.offset) != rank:
-            raise UsageError(f"shard offset {self.offset} has rank {len(self.offset)}, its tensor {rank}")
+        at = (0,) * rank if offset is None else tuple(int(o) for o in offset)
+        if len(at) != rank:
+            raise UsageError(f"shard offset {at} has rank {len(at)}, its tensor {rank}")
+        # None for a flat shard, and for a converter's box at the origin.
+        self.offset: tuple[int, ...] | None = at
         self.start: int | None = None
         self.convert: Callable[[], Any] | None = None
         self.kind = "xor"

@@ -14,15 +14,17 @@ from dcr_log.errors import (
     CommitConflict,
     CommitStateUnknown,
     DcrError,
+    ReplicaMismatch,
     StoreError,
     UsageError,
 )
 from dcr_log.format.commit import SegmentRef
+from dcr_log.write.baseline import PieceKey
 
 # Why a create or a commit failed: another log or version is there ("conflict"), the caller's
-# request ("usage"), the store refused with the state known
+# request ("usage"), replicas of a box differ ("replica"), the store refused with the state known
 # ("store"), the commit may or may not exist ("unknown"), anything else ("failed").
-Failure = Literal["conflict", "usage", "store", "unknown", "failed"]
+Failure = Literal["conflict", "usage", "replica", "store", "unknown", "failed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +59,7 @@ class CommitOutcome:
 
     def exception(self) -> DcrError:
         error = {"store": StoreError, "conflict": CommitConflict,
-                 "unknown": CommitStateUnknown}.get(self.failure or "", AppendAborted)
+                 "unknown": CommitStateUnknown, "replica": ReplicaMismatch}.get(self.failure or "", AppendAborted)
         return error(self.error)
 
 
@@ -70,6 +72,7 @@ class RankReport:
     segments: list[SegmentRef] = field(default_factory=list)
     contrib: dict[str, int] = field(default_factory=dict)  # sum-digests: per tensor, its digest change
     whole: dict[str, int] = field(default_factory=dict)    # xxh3 logs: per tensor, the new tensor digest
+    replicas: dict[PieceKey, int] = field(default_factory=dict)  # replicated boxes held: xxh3 of their words
     changed: int = 0
     records: int = 0
 

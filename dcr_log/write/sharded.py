@@ -53,14 +53,15 @@ from dcr_log.log.deltalog import DeltaLog
 from dcr_log.parallel import map_ordered
 from dcr_log.signing import as_signing_key
 from dcr_log.store import Store
-from dcr_log.write.baseline import Baseline, BaselineCache, Generation, load_baseline
+from dcr_log.write.baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline
 from dcr_log.write.differ import Differ, EncodePolicy
 from dcr_log.write.files import Files, resolve_files
 from dcr_log.write.identity import create_identity, utc_now
 from dcr_log.write.layout import ShardLayout, _check_whole, _kept, _summary, check_layout_change, validate_layout
 from dcr_log.write.outcomes import CommitOutcome, CreateOutcome, RankReport, describe
 from dcr_log.write.pending import Pending
-from dcr_log.write.pieces import Shard, ShardPiece, resolve_pieces
+from dcr_log.write.pieces import Shard, ShardPiece, carried_shapes, resolve_pieces, shard_lists
+from dcr_log.write.replicas import ReplicaHasher, replica_mismatch, replicated_keys
 from dcr_log.write.uploader import SegmentUploader
 
 # A segment file is closed and uploaded once it holds this many payload bytes.
@@ -114,12 +115,13 @@ class ShardedWriter:
 
     @staticmethod
     def create(location: str | os.PathLike | Store, shards: Mapping[str, Sequence[Shard]],
-               shapes: Mapping[str, Sequence[int]], group: Any = None, *, cache_dir: Any = None,
+               shapes: Mapping[str, Sequence[int]] | None = None, group: Any = None, *, cache_dir: Any = None,
                features: Sequence[str] = DEFAULT_FEATURES, writer_id: str | None = None,
                policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                progress: Callable[[int], None] | None = None, signing_key: Any = None,
-               files: Files | None = None) -> ShardedWriter:
-        """Create a new log whose version 0 is the ranks' shards (collective). With
+               files: Files | None = None, check_replicas: bool = True) -> ShardedWriter:
+        """Create a new log whose version 0 is the ranks' shards (collective; ``shapes`` and
+        ``check_replicas`` as in ``append``). With
         ``signing_key`` (a dcr_log.signing.SigningKey, an ed25519 private key or a key file)
         every version is signed (spec/FORMAT.md, section 21). ``files`` (rank 0's; see
         ``append``) are version 0's non-tensor files: given, they turn the feature ``files``
@@ -129,6 +131,15 @@ class ShardedWriter:
             features = tuple(features) + (FILES,)
         features = tuple(sorted(set(features)))
         store = location if isinstance(location, Store) else Store.open(location, create=True)
+        # What is not a Shard (a DTensor given as one) is refused on every rank before dcr.json.
+        try:
+            shard_lists(shards)
+            problem = ""
+        except UsageError as exc:
+            problem = str(exc)
+        for r, said in enumerate(g.all_gather(problem)):
+            if said:
+                raise UsageError(f"rank {r}: {said}")
         outcome: CreateOutcome | None = None
         if g.rank == 0:
             outcome, files = create_identity(store, features, files)
@@ -140,7 +151,7 @@ class ShardedWriter:
         writer = ShardedWriter(log, g, -1, BaselineCache.resolve(cache_dir, store, identity.log_id),
                                writer_id, policy, segment_bytes, signing_key)
         writer._baseline = Baseline.empty(-1)
-        writer.append(shards, shapes, progress=progress, files=files)
+        writer.append(shards, shapes, progress=progress, files=files, check_replicas=check_replicas)
         return writer
 
     @staticmethod
@@ -163,10 +174,12 @@ class ShardedWriter:
 
     def append(self, shards: Mapping[str, Sequence[Shard]], shapes: Mapping[str, Sequence[int]] | None = None,
                kind: str = "xor", progress: Callable[[int], None] | None = None,
-               files: Files | None = None, *, allow_layout_change: bool = False) -> CommitRecord:
+               files: Files | None = None, *, allow_layout_change: bool = False,
+               check_replicas: bool = True) -> CommitRecord:
         """Commit this step as the next version (collective; every rank gets the same commit
         record). ``shapes`` gives the canonical shapes of new or reshaped tensors (and of
-        tensors held by flat shards); ``kind`` is ``xor`` or ``overwrite`` for the box shards.
+        tensors held by flat shards; a DTensor's Shard carries its own); ``kind`` is ``xor`` or
+        ``overwrite`` for the box shards.
 
         ``files`` (feature ``files``): the version's non-tensor files, the whole set, as a
         mapping of file names to bytes or paths; None keeps the parent version's files. The
@@ -176,6 +189,10 @@ class ShardedWriter:
         A version whose tensor table differs from the parent's (a tensor added, removed,
         renamed, reshaped or retyped) is refused with UsageError on every rank, before anything
         is written, unless every rank passes ``allow_layout_change=True``.
+
+        Ranks holding the same box (replicas) compare digests of it; when they differ the
+        version is refused with ReplicaMismatch on every rank, naming the tensor and the ranks,
+        unless every rank passes ``check_replicas=False`` (the lowest rank's copy is logged).
 
         A rank's exception, a conflict or a dead rank aborts the step on every rank: nothing is
         committed and the baselines stay as they were.
@@ -188,7 +205,6 @@ class ShardedWriter:
         prev_layout = {n: (t.dtype, t.shape) for n, t in previous.items()}
         canonical: dict[str, tuple[int, ...]] = {} if shapes is None else {
             n: tuple(int(d) for d in s) for n, s in shapes.items()}
-        known = {**{n: s for n, (_, s) in prev_layout.items()}, **canonical}
 
         # Phase 0: the layout, validated identically on every rank before anything is written.
         # A bad description (UsageError) fails everywhere as such; any other exception (a
@@ -197,12 +213,16 @@ class ShardedWriter:
         file_set = None
         try:
             file_set = self._resolve_files(files)
-            pieces = resolve_pieces(shards, known)
+            shard_map = shard_lists(shards)
+            canonical = carried_shapes(shard_map, canonical)
+            known = {**{n: s for n, (_, s) in prev_layout.items()}, **canonical}
+            pieces = resolve_pieces(shard_map, known)
             for p in pieces:
                 if p.kind == "xor":
                     p.kind = kind
-            summary = _summary(pieces, canonical, list(shards))
+            summary = _summary(pieces, canonical, list(shard_map))
             summary["allow_layout_change"] = bool(allow_layout_change)
+            summary["check_replicas"] = bool(check_replicas)
         except UsageError as exc:
             pieces, summary = [], {"error": str(exc)}
         except Exception as exc:
@@ -226,6 +246,8 @@ class ShardedWriter:
         owned = layout.owned(g.rank)  # replicas of lower ranks' boxes are not written here
         mine = [p for p in pieces if p.key in owned]
         mine.sort(key=lambda p: (p.name.encode(), p.box.offset))
+        replicated = replicated_keys(summaries)
+        copies = [p for p in pieces if p.key in replicated and p.key not in owned]  # hashed, not written
         try:
             self._ensure_baseline(layout, previous, mine)
             baseline_error = None
@@ -236,7 +258,8 @@ class ShardedWriter:
 
         # Phase 1: every rank diffs its pieces and writes its segments.
         if baseline_error is None:
-            report, pending, error = self._write_rank(version, layout, previous, mine, progress)
+            report, pending, error = self._write_rank(version, layout, previous, mine, progress,
+                                                      replicated, copies)
         else:
             report, pending, error = (RankReport(ok=False, error=describe(baseline_error)),
                                       Pending(True, set(), None), baseline_error)
@@ -320,6 +343,7 @@ class ShardedWriter:
 
     def _write_rank(self, version: int, layout: ShardLayout, previous: Mapping[str, TensorInfo],
                     mine: list[ShardPiece], progress: Callable[[int], None] | None,
+                    replicated: set[PieceKey], copies: list[ShardPiece],
                     ) -> tuple[RankReport, Pending, Exception | None]:
         """Diff this rank's pieces, write its segments; never raises (the error is reported)."""
         kept = {p.key for p in mine if _kept(p.name, layout, previous)}
@@ -332,6 +356,7 @@ class ShardedWriter:
         changed = records = 0
         contrib: dict[str, int] = {}
         whole_digests: dict[str, int] = {}
+        replicas = ReplicaHasher(p.key for p in mine + copies if p.key in replicated)
         writer_id = self.writer_id if self.group.size == 1 else f"{self.writer_id}-r{self.group.rank}"[-64:]
         store = self.log.store
         builder = SegmentBuilder(self.log.log_id, version)
@@ -379,6 +404,8 @@ class ShardedWriter:
                 piece = infos[i][0]
                 if wholes:
                     wholes[i].update(np.ascontiguousarray(new).data.cast("B"))
+                if replicas.wants(piece.key):
+                    replicas.update(piece.key, new)
                 if progress:
                     progress((r1 - r0) * piece.row * DTYPE_WIDTH[piece.dtype])
                 if delta is None:
@@ -394,9 +421,10 @@ class ShardedWriter:
             for (name, _, _), d in pending.contrib.items():  # the pieces' digest changes, per tensor
                 contrib[name] = (contrib.get(name, 0) + d) & MASK64
             flush()
+            replicas.hash_pieces(copies, policy.chunk_elements)
             uploads.finish()
             report = RankReport(ok=True, segments=list(uploads.refs), contrib=contrib, whole=whole_digests,
-                                changed=changed, records=records)
+                                replicas=replicas.digests(), changed=changed, records=records)
         except Exception as exc:  # reported to the coordinator, re-raised on this rank after
             uploads.finish(raise_errors=False)
             error = exc
@@ -412,6 +440,9 @@ class ShardedWriter:
             r, rep = failed[0]
             return CommitOutcome(failure="failed",
                                  error=f"version {version} not committed: rank {r} failed: {rep.error}")
+        mismatch = replica_mismatch(version, reports)
+        if mismatch is not None:
+            return CommitOutcome(failure="replica", error=mismatch)
         digests = self.log.digests
         table = []
         for name, (dtype, shape) in layout.tensors.items():

@@ -88,7 +88,8 @@ class Shard:
 
     def __repr__(self) -> str:
         if getattr(self, "convert", None) is not None:
-            return f"Shard.converted({self.convert!r}, offset={self.offset})"
+            how = "lazy" if self.kind == "xor" else "converted"
+            return f"Shard.{how}({self.convert!r}, offset={self.offset})"
         if getattr(self, "start", None) is not None:
             return f"Shard.flat(<{tuple(self.tensor.shape)}>, start={self.start})"
         return f"Shard(<{tuple(self.tensor.shape)}>, offset={self.offset})"

@@ -8,7 +8,8 @@ shard), or the output of a converter (a canonical tensor the local layout cannot
 box map). Nothing is gathered: each rank compares its shards with its own baseline of them,
 writes the records of the changed boxes to segments of its own, and adds up its part of each
 tensor digest (composable ``sum-digests``). One coordinator writes the commit record only after
-every rank reported success; every rank learns the outcome.
+every rank reported success, and only when the ranks holding the same box (replicas) hold the
+same bits (write/replicas.py); every rank learns the outcome (write/outcomes.py).
 
 The collectives go through a small ``Group`` interface: ``LocalGroup`` (one process, no torch)
 or ``TorchGroup`` (any ``torch.distributed`` process group: gloo in the tests, nccl on GPUs;

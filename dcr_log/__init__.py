@@ -3,9 +3,9 @@
 The public API, in one place. A user imports from two modules:
 
 - ``dcr_log``: writing and reading logs (``LogWriter``, ``create_log``, ``ShardedWriter``,
-  ``Shard``, ``SegmentUploader``, ``DeltaLog``), tensor bits (``TensorBits``, ``to_bits``,
-  ``to_state``, ``state_equal``, ``as_numpy``), the collectives (``Group``, ``LocalGroup``,
-  ``TorchGroup``) and every error class (``DcrError`` and its subclasses, from
+  ``Shard``, ``shards_from_module`` for DTensor trainers, ``SegmentUploader``, ``DeltaLog``),
+  tensor bits (``TensorBits``, ``to_bits``, ``to_state``, ``state_equal``, ``as_numpy``), the
+  collectives (``Group``, ``LocalGroup``, ``TorchGroup``) and every error class (``DcrError`` and its subclasses, from
   ``dcr_log.errors``);
 - ``dcr_log.receiver``: applying a log in place (``Receiver``, ``ApplyReport``, the storages
   ``NumpyStorage``, ``TorchStorage``, ``CheckpointStorage``, ``open_storage``, ``Journal``).
@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 _ERRORS = (
     "DcrError", "UsageError", "PlacementError", "LayoutError", "IntegrityError", "WrongSize", "LineageError",
     "CommitConflict", "NotFoundError", "ExpiredError", "CommitStateUnknown", "AppendAborted", "CollectiveFailed",
-    "StoreError", "AlreadyExists", "TrustError",
+    "StoreError", "AlreadyExists", "TrustError", "ReplicaMismatch",
 )
 
 # name -> the submodule that defines it
@@ -34,7 +34,7 @@ _LAZY = {
     "DeltaLog": "log", "as_numpy": "log", "state_equal": "log",
     "TensorBits": "state", "to_bits": "state", "to_state": "state",
     "LogWriter": "write", "create_log": "write", "ShardedWriter": "write", "Shard": "write",
-    "SegmentUploader": "write",
+    "SegmentUploader": "write", "shards_from_module": "dtensor",
     "Group": "collective", "LocalGroup": "collective", "TorchGroup": "collective",
 }
 

@@ -1,4 +1,6 @@
-"""TODO"""
+"""The collectives a sharded writer needs (all_gather, gather, broadcast of picklable objects),
+behind one small interface: ``LocalGroup`` (one process, no torch) or ``TorchGroup`` (a
+torch.distributed process group; a failure or the group's timeout becomes CollectiveFailed)."""
 
 from __future__ import annotations
 

@@ -23,6 +23,12 @@ class LayoutError(PlacementError):
     (an engine's layout; a caller's own tensors); refused before any write."""
 
 
+class ReplicaMismatch(UsageError):
+    """Ranks that hold the same box of a tensor (replicas: data-parallel copies, Replicate
+    placements) hold different values; the version is refused before its commit. The message
+    names the tensor, the box and the ranks."""
+
+
 class IntegrityError(DcrError):
     """Stored bytes fail a hash, digest, length or format check."""
 

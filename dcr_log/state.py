@@ -98,12 +98,27 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a torch DTensor (one rank's part of a tensor sharded over a device
+    mesh), without importing torch.distributed when the caller never did."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return cls is not None and isinstance(x, cls)
+
+
+# Where a whole tensor goes, a DTensor is refused with this (never read as a whole tensor).
+DTENSOR_NOT_WHOLE = ("a DTensor is one rank's part of a sharded tensor, not a whole tensor: log the ranks' "
+                     "parts with ShardedWriter and Shard.from_dtensor(dt) (or shards_from_module), "
+                     "or give dt.full_tensor()")
+
 
 def to_bits(x: Any) -> TensorBits:
     """View a numpy array, a torch tensor (copied to host if needed) or TensorBits as words."""
     if isinstance(x, TensorBits):
         return x
     if is_torch_tensor(x):
+        if is_dtensor(x):
+            raise UsageError(DTENSOR_NOT_WHOLE)
         dtype = _TORCH_TO_DTYPE.get(str(x.dtype))
         if dtype is None:
             raise UsageError(f"unsupported torch dtype {x.dtype}")
@@ -133,6 +148,8 @@ def dtype_of(x: Any) -> str:
     if isinstance(x, TensorBits):
         return x.dtype
     if is_torch_tensor(x):
+        if is_dtensor(x):
+            raise UsageError(DTENSOR_NOT_WHOLE)
         dtype = _TORCH_TO_DTYPE.get(str(x.dtype))
     else:
         dtype = _NUMPY_TO_DTYPE.get(np.asarray(x).dtype.name) if hasattr(x, "dtype") else None
@@ -145,6 +162,8 @@ def to_state(tensors: Mapping[str, Any]) -> dict[str, TensorBits]:
     state = {}
     for name, x in tensors.items():
         check_name(name)
+        if is_dtensor(x):
+            raise UsageError(f"tensor {name!r}: {DTENSOR_NOT_WHOLE}")
         state[name] = to_bits(x)
     return state
 

@@ -1,4 +1,6 @@
-"""TODO"""
+"""What a rank says it holds: ``Shard`` (a box, a flat range or a converter's output of one
+canonical tensor), and the ``ShardPiece`` boxes they resolve to, checked against the canonical
+shapes this rank knows."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 
 from dcr_log.coords import Box, flat_range_boxes, numel
 from dcr_log.errors import UsageError
-from dcr_log.state import TensorBits, check_name, dtype_of, to_bits
+from dcr_log.state import TensorBits, check_name, dtype_of, is_dtensor, to_bits
 from dcr_log.write.baseline import PieceKey, piece_key
 
 
@@ -22,17 +24,40 @@ class Shard:
     ``offset`` (default: the origin) and has ``tensor.shape``.
     """
 
-    __slots__ = ("tensor", "offset", "start", "convert", "kind")
+    __slots__ = ("tensor", "offset", "start", "convert", "kind", "global_shape")
 
     def __init__(self, tensor: Any, offset: Sequence[int] | None = None):
+        if is_dtensor(tensor):
+            raise UsageError(DTENSOR_SHARD)
         rank = len(tuple(tensor.shape))
         self.tensor = tensor
-        self.offset = (0,) * rank if offset is None else tuple(int(o) for o in offset)
-        if len(self.offset) != rank:
-            raise UsageError(f"shard offset {self.offset} has rank {len(self.offset)}, its tensor {rank}")
+        at = (0,) * rank if offset is None else tuple(int(o) for o in offset)
+        if len(at) != rank:
+            raise UsageError(f"shard offset {at} has rank {len(at)}, its tensor {rank}")
+        # None for a flat shard, and for a converter's box at the origin.
+        self.offset: tuple[int, ...] | None = at
         self.start: int | None = None
         self.convert: Callable[[], Any] | None = None
         self.kind = "xor"
+        # The canonical tensor's shape when the shard knows it (a DTensor's): shapes= not needed.
+        self.global_shape: tuple[int, ...] | None = None
+
+    @staticmethod
+    def from_dtensor(dt: Any, dtype: Any = None) -> Shard:
+        """This rank's shard of a torch DTensor (FSDP2, tensor parallel, HSDP): its local tensor
+        at the global offset its placements give, read at every append (converted to ``dtype``
+        first when given). See dcr_log.dtensor."""
+        from dcr_log.dtensor import shard_from_dtensor
+
+        return shard_from_dtensor(dt, dtype)
+
+    @staticmethod
+    def lazy(fn: Callable[[], Any], offset: Sequence[int] | None = None) -> Shard:
+        """A box whose local tensor ``fn()`` returns at every append (a cast of a parameter,
+        a DTensor's local tensor), logged like any box: xor records (or the append's kind)."""
+        shard = Shard.converted(fn, offset)
+        shard.kind = "xor"
+        return shard
 
     @staticmethod
     def flat(tensor1d: Any, start: int) -> Shard:
@@ -58,11 +83,13 @@ class Shard:
         shard.start = None
         shard.convert = fn
         shard.kind = "overwrite"
+        shard.global_shape = None
         return shard
 
     def __repr__(self) -> str:
         if getattr(self, "convert", None) is not None:
-            return f"Shard.converted({self.convert!r}, offset={self.offset})"
+            how = "lazy" if self.kind == "xor" else "converted"
+            return f"Shard.{how}({self.convert!r}, offset={self.offset})"
         if getattr(self, "start", None) is not None:
             return f"Shard.flat(<{tuple(self.tensor.shape)}>, start={self.start})"
         return f"Shard(<{tuple(self.tensor.shape)}>, offset={self.offset})"
@@ -118,6 +145,9 @@ def _pieces(name: str, shard: Shard, shape: tuple[int, ...] | None) -> list[Shar
         tensor = shard.convert()
         if tensor is None or not hasattr(tensor, "shape"):
             raise UsageError(f"{name}: the converter returned {type(tensor).__name__}, not a tensor")
+        if is_dtensor(tensor):
+            raise UsageError(f"{name}: the converter returned a DTensor, not this rank's box of the tensor: "
+                             "return its local tensor (Shard.from_dtensor(dt) gives it with its offset)")
     dtype = dtype_of(tensor)
     local_shape = tuple(int(s) for s in tensor.shape)
     if isinstance(tensor, TensorBits):  # words with a dtype: sliced like an array below
@@ -155,19 +185,56 @@ class _TypedWords:
         return TensorBits(self.dtype, tuple(w.shape), np.ascontiguousarray(w).reshape(-1))
 
 
+DTENSOR_SHARD = ("Shard() was given a DTensor (a rank's part of a tensor sharded over a device mesh), whose "
+                 "offset it cannot know: use Shard.from_dtensor(dt) (or dcr_log.dtensor.shards_from_module)")
+
+
+def _dtensor_value(name: str) -> str:
+    return (f"{name}: a DTensor where Shards go: give [Shard.from_dtensor(dt)] (its local tensor at its "
+            "global offset), or dcr_log.dtensor.shards_from_module(model) for a whole module")
+
+
+def shard_lists(shards: Mapping[str, Sequence[Shard] | Shard]) -> dict[str, list[Shard]]:
+    """The shards by canonical name, checked for their types only (nothing is read or
+    converted): UsageError for anything but Shards, a DTensor included."""
+    if not isinstance(shards, Mapping):
+        raise UsageError("shards must map canonical names to lists of Shard")
+    out: dict[str, list[Shard]] = {}
+    for name, lst in shards.items():
+        check_name(name)
+        if is_dtensor(lst):
+            raise UsageError(_dtensor_value(name))
+        items = [lst] if isinstance(lst, Shard) else lst
+        for shard in items:
+            if is_dtensor(shard):
+                raise UsageError(_dtensor_value(name))
+            if not isinstance(shard, Shard):
+                raise UsageError(f"{name}: expected Shard objects, got {type(shard).__name__}")
+        out[name] = list(items)
+    return out
+
+
+def carried_shapes(shards: Mapping[str, list[Shard]],
+                   shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """``shapes`` with the canonical shapes the shards carry (a DTensor's); UsageError when
+    they disagree with each other or with ``shapes``."""
+    out = dict(shapes)
+    for name, lst in shards.items():
+        for shard in lst:
+            if shard.global_shape is None:
+                continue
+            if out.setdefault(name, shard.global_shape) != shard.global_shape:
+                raise UsageError(f"tensor {name!r}: a shard of a tensor of shape {shard.global_shape}, but its "
+                                 f"shape is given as {out[name]}")
+    return out
+
+
 def resolve_pieces(shards: Mapping[str, Sequence[Shard] | Shard],
                    shapes: Mapping[str, tuple[int, ...]]) -> list[ShardPiece]:
     """This rank's shards as pieces, checked against the canonical shapes it knows."""
-    if not isinstance(shards, Mapping):
-        raise UsageError("shards must map canonical names to lists of Shard")
     out: list[ShardPiece] = []
-    for name, lst in shards.items():
-        check_name(name)
-        if isinstance(lst, Shard):
-            lst = [lst]
+    for name, lst in shard_lists(shards).items():
         for shard in lst:
-            if not isinstance(shard, Shard):
-                raise UsageError(f"{name}: expected Shard objects, got {type(shard).__name__}")
             shape = shapes.get(name)
             for piece in _pieces(name, shard, None if shape is None else tuple(shape)):
                 if shape is not None:

@@ -8,7 +8,8 @@ shard), or the output of a converter (a canonical tensor the local layout cannot
 box map). Nothing is gathered: each rank compares its shards with its own baseline of them,
 writes the records of the changed boxes to segments of its own, and adds up its part of each
 tensor digest (composable ``sum-digests``). One coordinator writes the commit record only after
-every rank reported success; every rank learns the outcome.
+every rank reported success, and only when the ranks holding the same box (replicas) hold the
+same bits (write/replicas.py); every rank learns the outcome (write/outcomes.py).
 
 The collectives go through a small ``Group`` interface: ``LocalGroup`` (one process, no torch)
 or ``TorchGroup`` (any ``torch.distributed`` process group: gloo in the tests, nccl on GPUs;
@@ -19,8 +20,6 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,6 @@ from dcr_log.errors import (
 )
 from dcr_log.format import (
     FILES,
-    IDENTITY_KEY,
     CommitRecord,
     CommitStats,
     FileEntry,
@@ -50,18 +48,21 @@ from dcr_log.format import (
     segment_key,
 )
 from dcr_log.format.commit import ULP_ENCODING
-from dcr_log.format.keys import VERSIONS_PREFIX, check_writer_id, parse_version_key
-from dcr_log.format.limits import MAX_IDENTITY_BYTES
+from dcr_log.format.keys import check_writer_id
 from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.log.deltalog import DeltaLog
 from dcr_log.parallel import map_ordered
 from dcr_log.signing import as_signing_key
-from dcr_log.store import AlreadyExists, Store
+from dcr_log.store import Store
 from dcr_log.write.baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline
 from dcr_log.write.differ import Differ, EncodePolicy
 from dcr_log.write.files import Files, resolve_files
+from dcr_log.write.identity import create_identity, utc_now
 from dcr_log.write.layout import ShardLayout, _check_whole, _kept, _summary, check_layout_change, validate_layout
-from dcr_log.write.pieces import Shard, ShardPiece, resolve_pieces
+from dcr_log.write.outcomes import CommitOutcome, CreateOutcome, RankReport, describe
+from dcr_log.write.pending import Pending
+from dcr_log.write.pieces import Shard, ShardPiece, carried_shapes, resolve_pieces, shard_lists
+from dcr_log.write.replicas import ReplicaHasher, replica_mismatch, replicated_keys
 from dcr_log.write.uploader import SegmentUploader
 
 # A segment file is closed and uploaded once it holds this many payload bytes.
@@ -72,29 +73,12 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_FEATURES = (SUM_DIGESTS, ULP_ENCODING)
 
 
-def utc_now() -> str:
-    from datetime import datetime
-
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def default_writer_id() -> str:
     import re
     import socket
 
     host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
     return f"{host}-{os.getpid()}"
-
-
-@dataclass
-class _RankReport:
-    ok: bool
-    error: str = ""
-    segments: list = field(default_factory=list)
-    contrib: dict = field(default_factory=dict)   # sum-digests: per tensor, its digest change
-    whole: dict = field(default_factory=dict)     # xxh3 logs: per tensor, the new tensor digest
-    changed: int = 0
-    records: int = 0
 
 
 class ShardedWriter:
@@ -132,12 +116,13 @@ class ShardedWriter:
 
     @staticmethod
     def create(location: str | os.PathLike | Store, shards: Mapping[str, Sequence[Shard]],
-               shapes: Mapping[str, Sequence[int]], group: Any = None, *, cache_dir: Any = None,
+               shapes: Mapping[str, Sequence[int]] | None = None, group: Any = None, *, cache_dir: Any = None,
                features: Sequence[str] = DEFAULT_FEATURES, writer_id: str | None = None,
                policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                progress: Callable[[int], None] | None = None, signing_key: Any = None,
-               files: Files | None = None) -> ShardedWriter:
-        """Create a new log whose version 0 is the ranks' shards (collective). With
+               files: Files | None = None, check_replicas: bool = True) -> ShardedWriter:
+        """Create a new log whose version 0 is the ranks' shards (collective; ``shapes`` and
+        ``check_replicas`` as in ``append``). With
         ``signing_key`` (a dcr_log.signing.SigningKey, an ed25519 private key or a key file)
         every version is signed (spec/FORMAT.md, section 21). ``files`` (rank 0's; see
         ``append``) are version 0's non-tensor files: given, they turn the feature ``files``
@@ -147,30 +132,27 @@ class ShardedWriter:
             features = tuple(features) + (FILES,)
         features = tuple(sorted(set(features)))
         store = location if isinstance(location, Store) else Store.open(location, create=True)
-        outcome = None
+        # What is not a Shard (a DTensor given as one) is refused on every rank before dcr.json.
+        try:
+            shard_lists(shards)
+            problem = ""
+        except UsageError as exc:
+            problem = str(exc)
+        for r, said in enumerate(g.all_gather(problem)):
+            if said:
+                raise UsageError(f"rank {r}: {said}")
+        outcome: CreateOutcome | None = None
         if g.rank == 0:
-            identity = LogIdentity(log_id=uuid.uuid4().hex, created_at=utc_now(), features=features)
-            try:
-                if files is not None:  # read and checked before the log exists
-                    files = {e.name: data for e, data in resolve_files(files)}
-                store.put_new(IDENTITY_KEY, identity.to_bytes())
-                outcome = {"ok": True, "identity": identity.to_bytes()}
-            except AlreadyExists:
-                outcome = _incomplete(store, features)
-            except UsageError as exc:
-                outcome = {"ok": False, "usage": True, "error": str(exc)}
-            except Exception as exc:
-                outcome = {"ok": False, "error": f"cannot create {store.url}: {_describe(exc)}"}
-        outcome = g.broadcast(outcome)
-        if not outcome["ok"]:
-            error = CommitConflict if outcome.get("conflict") else UsageError if outcome.get("usage") else DcrError
-            raise error(outcome["error"])
-        identity = LogIdentity.from_bytes(outcome["identity"])
+            outcome, files = create_identity(store, features, files)
+        created: CreateOutcome = g.broadcast(outcome)
+        if not created.ok or created.identity is None:
+            raise created.exception()
+        identity = LogIdentity.from_bytes(created.identity)
         log = DeltaLog(store, identity)
         writer = ShardedWriter(log, g, -1, BaselineCache.resolve(cache_dir, store, identity.log_id),
                                writer_id, policy, segment_bytes, signing_key)
         writer._baseline = Baseline.empty(-1)
-        writer.append(shards, shapes, progress=progress, files=files)
+        writer.append(shards, shapes, progress=progress, files=files, check_replicas=check_replicas)
         return writer
 
     @staticmethod
@@ -193,10 +175,12 @@ class ShardedWriter:
 
     def append(self, shards: Mapping[str, Sequence[Shard]], shapes: Mapping[str, Sequence[int]] | None = None,
                kind: str = "xor", progress: Callable[[int], None] | None = None,
-               files: Files | None = None, *, allow_layout_change: bool = False) -> CommitRecord:
+               files: Files | None = None, *, allow_layout_change: bool = False,
+               check_replicas: bool = True) -> CommitRecord:
         """Commit this step as the next version (collective; every rank gets the same commit
         record). ``shapes`` gives the canonical shapes of new or reshaped tensors (and of
-        tensors held by flat shards); ``kind`` is ``xor`` or ``overwrite`` for the box shards.
+        tensors held by flat shards; a DTensor's Shard carries its own); ``kind`` is ``xor`` or
+        ``overwrite`` for the box shards.
 
         ``files`` (feature ``files``): the version's non-tensor files, the whole set, as a
         mapping of file names to bytes or paths; None keeps the parent version's files. The
@@ -207,6 +191,10 @@ class ShardedWriter:
         renamed, reshaped or retyped) is refused with UsageError on every rank, before anything
         is written, unless every rank passes ``allow_layout_change=True``.
 
+        Ranks holding the same box (replicas) compare digests of it; when they differ the
+        version is refused with ReplicaMismatch on every rank, naming the tensor and the ranks,
+        unless every rank passes ``check_replicas=False`` (the lowest rank's copy is logged).
+
         A rank's exception, a conflict or a dead rank aborts the step on every rank: nothing is
         committed and the baselines stay as they were.
         """
@@ -216,8 +204,8 @@ class ShardedWriter:
         version = self._version + 1
         previous = {} if version == 0 else self.log.commit(self._version).tensor_map()
         prev_layout = {n: (t.dtype, t.shape) for n, t in previous.items()}
-        shapes = {} if shapes is None else {n: tuple(int(d) for d in s) for n, s in shapes.items()}
-        known = {**{n: s for n, (_, s) in prev_layout.items()}, **shapes}
+        canonical: dict[str, tuple[int, ...]] = {} if shapes is None else {
+            n: tuple(int(d) for d in s) for n, s in shapes.items()}
 
         # Phase 0: the layout, validated identically on every rank before anything is written.
         # A bad description (UsageError) fails everywhere as such; any other exception (a
@@ -226,17 +214,21 @@ class ShardedWriter:
         file_set = None
         try:
             file_set = self._resolve_files(files)
-            pieces = resolve_pieces(shards, known)
+            shard_map = shard_lists(shards)
+            canonical = carried_shapes(shard_map, canonical)
+            known = {**{n: s for n, (_, s) in prev_layout.items()}, **canonical}
+            pieces = resolve_pieces(shard_map, known)
             for p in pieces:
                 if p.kind == "xor":
                     p.kind = kind
-            summary = _summary(pieces, shapes, list(shards))
+            summary = _summary(pieces, canonical, list(shard_map))
             summary["allow_layout_change"] = bool(allow_layout_change)
+            summary["check_replicas"] = bool(check_replicas)
         except UsageError as exc:
             pieces, summary = [], {"error": str(exc)}
         except Exception as exc:
             local_error, pieces = exc, []
-            summary = {"failure": _describe(exc)}
+            summary = {"failure": describe(exc)}
         try:
             summaries = g.all_gather(summary)
         except CollectiveFailed as exc:
@@ -255,6 +247,8 @@ class ShardedWriter:
         owned = layout.owned(g.rank)  # replicas of lower ranks' boxes are not written here
         mine = [p for p in pieces if p.key in owned]
         mine.sort(key=lambda p: (p.name.encode(), p.box.offset))
+        replicated = replicated_keys(summaries)
+        copies = [p for p in pieces if p.key in replicated and p.key not in owned]  # hashed, not written
         try:
             self._ensure_baseline(layout, previous, mine)
             baseline_error = None
@@ -265,10 +259,11 @@ class ShardedWriter:
 
         # Phase 1: every rank diffs its pieces and writes its segments.
         if baseline_error is None:
-            report, pending, error = self._write_rank(version, layout, previous, mine, progress)
+            report, pending, error = self._write_rank(version, layout, previous, mine, progress,
+                                                      replicated, copies)
         else:
-            report, pending, error = (_RankReport(ok=False, error=_describe(baseline_error)),
-                                      _Pending(True, set(), None), baseline_error)
+            report, pending, error = (RankReport(ok=False, error=describe(baseline_error)),
+                                      Pending(True, set(), None), baseline_error)
         # The coordinator's files: their objects are created after the segments and before
         # the commit record (content-addressed: a failed commit leaves only orphans).
         file_entries = None
@@ -277,23 +272,23 @@ class ShardedWriter:
                 file_entries = self._write_files(version, file_set)
             except Exception as exc:
                 error = error or exc
-                report = _RankReport(ok=False, error=_describe(exc))
+                report = RankReport(ok=False, error=describe(exc))
         local_error = local_error or error
 
         # Phase 2: the coordinator commits only if every rank succeeded.
         try:
             reports = g.gather(report)
-            outcome = self._decide(version, layout, previous, reports, file_entries) if g.rank == 0 else None
-            outcome = g.broadcast(outcome)
+            decided = self._decide(version, layout, previous, reports, file_entries) if reports is not None else None
+            outcome: CommitOutcome = g.broadcast(decided)
         except CollectiveFailed as exc:
             # Another rank may have died after reporting: the commit may exist. Keep our
             # segments (a commit record may list them) and let the caller reopen.
             pending.abort()
             raise AppendAborted(f"version {version} not committed by this group ({exc}); "
                                 "reopen the writer to learn the log's state") from exc
-        if not outcome["ok"]:
+        if not outcome.ok or outcome.commit is None:
             pending.abort()
-            if not outcome.get("unknown"):
+            if outcome.failure != "unknown":
                 for key in pending.segment_keys:
                     try:
                         self.log.store.delete(key)  # referenced by no commit record
@@ -301,18 +296,18 @@ class ShardedWriter:
                         break  # an orphan is harmless (section 12); the cause is raised below
             if local_error is not None:
                 raise local_error
-            if outcome.get("store"):
-                raise StoreError(outcome["error"])
-            if outcome.get("conflict"):
-                raise CommitConflict(outcome["error"])
-            if outcome.get("unknown"):
-                raise CommitStateUnknown(outcome["error"])
-            raise AppendAborted(outcome["error"])
-        commit = CommitRecord.from_bytes(outcome["commit"], expect_version=version)
+            raise outcome.exception()
+        commit = CommitRecord.from_bytes(outcome.commit, expect_version=version)
         self.log.remember_commit(commit)
-        self._baseline = self._baseline.advance(version, commit, pending, mine)
+        self._baseline = self._ready_baseline().advance(version, commit, pending, mine)
         self._version = version
         return commit
+
+    def _ready_baseline(self) -> Baseline:
+        """The baseline, loaded by _ensure_baseline before any rank writes."""
+        if self._baseline is None:
+            raise AssertionError("the baseline is loaded before a version is written")
+        return self._baseline
 
     def _resolve_files(self, files: Files | None) -> list[tuple[FileEntry, bytes]] | None:
         """Rank 0: the version's new file set, read and checked (UsageError on every rank), or
@@ -347,16 +342,22 @@ class ShardedWriter:
         self._baseline = load_baseline(self.log, version, needed, self._cache, self.group, layout,
                                        current=base if base is not None and base.version == version else None)
 
-    def _write_rank(self, version: int, layout: ShardLayout, previous, mine: list[ShardPiece], progress):
+    def _write_rank(self, version: int, layout: ShardLayout, previous: Mapping[str, TensorInfo],
+                    mine: list[ShardPiece], progress: Callable[[int], None] | None,
+                    replicated: set[PieceKey], copies: list[ShardPiece],
+                    ) -> tuple[RankReport, Pending, Exception | None]:
         """Diff this rank's pieces, write its segments; never raises (the error is reported)."""
-        report = _RankReport(ok=True)
         kept = {p.key for p in mine if _kept(p.name, layout, previous)}
-        base = self._baseline
+        base = self._ready_baseline()
         generation = None
         if self._cache is not None and (base.slot is None or not set(base.arrays) == {p.key for p in mine} == kept):
             generation = Generation(self._cache, self.group.rank, version, {p.key: p.dtype for p in mine})
-        pending = _Pending(self.log.digests.composable, kept, generation)
+        pending = Pending(self.log.digests.composable, kept, generation)
         error = None
+        changed = records = 0
+        contrib: dict[str, int] = {}
+        whole_digests: dict[str, int] = {}
+        replicas = ReplicaHasher(p.key for p in mine + copies if p.key in replicated)
         writer_id = self.writer_id if self.group.size == 1 else f"{self.writer_id}-r{self.group.rank}"[-64:]
         store = self.log.store
         builder = SegmentBuilder(self.log.log_id, version)
@@ -376,13 +377,13 @@ class ShardedWriter:
             # Every chunk of every piece in one ordered stream, so the encoding threads never
             # wait at a tensor boundary.
             infos = [(p, _kept(p.name, layout, previous), layout.tensors[p.name][1]) for p in mine]
-            bases = [self._baseline.words(p.key) if kept else None for p, kept, _ in infos]
+            bases = [base.words(p.key) if kept else None for p, kept, _ in infos]
             tasks = [(i, chunk) for i, (p, _, _) in enumerate(infos) for chunk in p.chunks(policy.chunk_elements)]
             if generation is None:
                 # The baseline's words of new pieces, filled by the encoding threads (their
                 # page faults in parallel, not on this thread after each chunk).
-                for p, kept, _ in infos:
-                    if not kept:
+                for p, is_kept, _ in infos:
+                    if not is_kept:
                         pending.fresh[p.key] = buffers.zeros(p.box.size, word_dtype(p.dtype))
 
             def one(task):
@@ -403,38 +404,46 @@ class ShardedWriter:
             for (i, (r0, r1)), new, delta in map_ordered(one, tasks, policy.workers, parallel):
                 piece = infos[i][0]
                 if wholes:
-                    wholes[i].update(memoryview(np.ascontiguousarray(new)).cast("B"))
+                    wholes[i].update(np.ascontiguousarray(new).data.cast("B"))
+                if replicas.wants(piece.key):
+                    replicas.update(piece.key, new)
                 if progress:
                     progress((r1 - r0) * piece.row * DTYPE_WIDTH[piece.dtype])
                 if delta is None:
                     continue
                 pending.add(piece, r0 * piece.row, delta)
                 builder.add(delta.record)
-                report.changed += delta.record.n_changed
-                report.records += 1
+                changed += delta.record.n_changed
+                records += 1
                 if builder.payload_bytes >= self.segment_bytes:
                     flush()
             for i, whole in wholes.items():
-                report.whole[infos[i][0].name] = whole.intdigest()
+                whole_digests[infos[i][0].name] = whole.intdigest()
             for (name, _, _), d in pending.contrib.items():  # the pieces' digest changes, per tensor
-                report.contrib[name] = (report.contrib.get(name, 0) + d) & MASK64
+                contrib[name] = (contrib.get(name, 0) + d) & MASK64
             flush()
+            replicas.hash_pieces(copies, policy.chunk_elements)
             uploads.finish()
-            report.segments = uploads.refs
+            report = RankReport(ok=True, segments=list(uploads.refs), contrib=contrib, whole=whole_digests,
+                                replicas=replicas.digests(), changed=changed, records=records)
         except Exception as exc:  # reported to the coordinator, re-raised on this rank after
             uploads.finish(raise_errors=False)
             error = exc
-            report = _RankReport(ok=False, error=_describe(exc))
+            report = RankReport(ok=False, error=describe(exc))
         pending.segment_keys = uploads.keys
         return report, pending, error
 
     def _decide(self, version: int, layout: ShardLayout, previous: Mapping[str, TensorInfo],
-                reports: list[_RankReport], files: tuple[FileEntry, ...] | None = None) -> dict:
+                reports: list[RankReport], files: tuple[FileEntry, ...] | None = None) -> CommitOutcome:
         """The coordinator: write the commit record if every rank succeeded."""
         failed = [(r, rep) for r, rep in enumerate(reports) if not rep.ok]
         if failed:
             r, rep = failed[0]
-            return {"ok": False, "error": f"version {version} not committed: rank {r} failed: {rep.error}"}
+            return CommitOutcome(failure="failed",
+                                 error=f"version {version} not committed: rank {r} failed: {rep.error}")
+        mismatch = replica_mismatch(version, reports)
+        if mismatch is not None:
+            return CommitOutcome(failure="replica", error=mismatch)
         digests = self.log.digests
         table = []
         for name, (dtype, shape) in layout.tensors.items():
@@ -466,39 +475,16 @@ class ShardedWriter:
                 self.log.write_signature(commit, self.signing_key)
             self.log.write_commit(commit)
         except CommitConflict as exc:
-            return {"ok": False, "conflict": True, "error": str(exc)}
+            return CommitOutcome(failure="conflict", error=str(exc))
         except CommitStateUnknown as exc:
-            return {"ok": False, "unknown": True, "error": str(exc)}
+            return CommitOutcome(failure="unknown", error=str(exc))
         except StoreError as exc:
             # The record was read back and is not there: not committed, for a known reason.
-            return {"ok": False, "store": True, "error": f"version {version} not committed: {exc}"}
+            return CommitOutcome(failure="store", error=f"version {version} not committed: {exc}")
         except Exception as exc:
-            return {"ok": False, "unknown": True,
-                    "error": f"version {version}: commit failed ({type(exc).__name__}: {exc})"}
-        return {"ok": True, "commit": commit.to_bytes()}
-
-
-def _incomplete(store: Store, features: tuple[str, ...]) -> dict:
-    """The outcome of creating a log where a dcr.json exists: an incomplete log (dcr.json and
-    no version: an interrupted creation, FORMAT.md section 12) of the same features is finished
-    under its identity; anything else is a conflict."""
-    try:
-        existing = LogIdentity.from_bytes(bytes(store.get(IDENTITY_KEY, max_size=MAX_IDENTITY_BYTES)))
-        versions = [o.key for o in store.list(VERSIONS_PREFIX) if parse_version_key(o.key) is not None]
-    except Exception as exc:
-        return {"ok": False, "conflict": True, "error": f"{store.url} already holds a log ({_describe(exc)})"}
-    if versions:
-        return {"ok": False, "conflict": True, "error": f"{store.url} already holds a log"}
-    if existing.features != tuple(features):
-        return {"ok": False, "conflict": True,
-                "error": f"{store.url} holds an incomplete log (an interrupted creation) with features "
-                         f"{list(existing.features)}, not {list(features)}: create it with the same options "
-                         "to finish it"}
-    return {"ok": True, "identity": existing.to_bytes(), "resumed": True}
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+            return CommitOutcome(failure="unknown",
+                                 error=f"version {version}: commit failed ({type(exc).__name__}: {exc})")
+        return CommitOutcome(commit=commit.to_bytes())
 
 
 def _try(fn):
@@ -506,40 +492,3 @@ def _try(fn):
         return fn()
     except DcrError as exc:
         return exc
-
-
-
-
-class _Pending:
-    """What a successful commit does to this rank's baseline: scatters of changed words into
-    kept pieces, new words for pieces of new, reshaped or retyped tensors (into a new cache
-    generation when there is a cache), and each piece's digest change (sum-digests)."""
-
-    def __init__(self, composable: bool, kept: set, generation: Generation | None) -> None:
-        self.composable = composable
-        self.kept = kept
-        self.generation = generation
-        self.scatters: dict[PieceKey, list[tuple[np.ndarray, np.ndarray]]] = {}
-        self.fresh: dict[PieceKey, np.ndarray] = {}  # the whole new words of a fresh piece (no cache)
-        self.contrib: dict[PieceKey, int] = {}
-        self.segment_keys: list[str] = []  # every segment this rank tried to write
-
-    def add(self, piece: ShardPiece, start: int, delta) -> None:
-        key = piece.key
-        if delta.digest_delta is not None:
-            self.contrib[key] = (self.contrib.get(key, 0) + delta.digest_delta) & MASK64
-        if delta.positions is None:
-            # A tensor record: the chunk's words replace the baseline's (copied: the caller's
-            # buffers may change after append returns).
-            values = delta.new_values
-            if key in self.kept:
-                pos = np.arange(start, start + values.size, dtype=np.int64)
-                self.scatters.setdefault(key, []).append((pos, np.array(values, copy=True)))
-            # Otherwise the worker that encoded the chunk wrote it to the new cache generation
-            # or to the piece's fresh words.
-            return
-        self.scatters.setdefault(key, []).append((delta.positions + start, delta.new_values))
-
-    def abort(self) -> None:
-        if self.generation is not None:
-            self.generation.abort()

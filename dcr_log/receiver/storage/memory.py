@@ -14,7 +14,7 @@ from dcr_log.digest import XXH3, DigestScheme
 from dcr_log.errors import StoreError, UsageError
 from dcr_log.log.records import gather_words, scatter_words
 from dcr_log.receiver.storage.base import _MISSING, Storage, Where
-from dcr_log.state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TableLayout, TensorBits
+from dcr_log.state import _NUMPY_TO_DTYPE, _TORCH_TO_DTYPE, TableLayout, TensorBits, is_dtensor
 
 
 def _signed(width: int) -> np.dtype:
@@ -172,6 +172,10 @@ class TorchStorage(Storage):
             self._register(name, t)
 
     def _register(self, name: str, t: Any) -> None:
+        if is_dtensor(t):
+            raise UsageError(f"tensor {name!r} is a DTensor (one rank's part of a sharded tensor): a receiver "
+                             "updates whole tensors in place; give it plain tensors (dt.full_tensor()), and log "
+                             "from DTensors with ShardedWriter and Shard.from_dtensor")
         dtype = _TORCH_TO_DTYPE.get(str(t.dtype))
         if dtype is None:
             raise UsageError(f"tensor {name!r}: unsupported torch dtype {t.dtype}")

@@ -171,7 +171,7 @@ class PlacedStorage(Storage):
         rank = self.group.rank
         self._held: set[str] = set()
         self._owned: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for t, (dtype, shape) in table.items():
+        for t, (_dtype, shape) in table.items():
             n = numel(shape)
             parts = [ranks.get(t) for ranks in every]
             if all(p is None or p[0].size == 0 for p in parts):

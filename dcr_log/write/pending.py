@@ -1,0 +1,47 @@
+"""What a sharded append keeps on a rank until its version is committed: the changes to apply
+to the rank's baseline (scatters, fresh words, a new cache generation), the pieces' digest
+changes, and the segments it wrote (deleted again when nothing references them)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dcr_log.digest import MASK64
+from dcr_log.write.baseline import Generation, PieceKey
+from dcr_log.write.differ import BoxDelta
+from dcr_log.write.pieces import ShardPiece
+
+
+class Pending:
+    """What a successful commit does to this rank's baseline: scatters of changed words into
+    kept pieces, new words for pieces of new, reshaped or retyped tensors (into a new cache
+    generation when there is a cache), and each piece's digest change (sum-digests)."""
+
+    def __init__(self, composable: bool, kept: set[PieceKey], generation: Generation | None) -> None:
+        self.composable = composable
+        self.kept = kept
+        self.generation = generation
+        self.scatters: dict[PieceKey, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.fresh: dict[PieceKey, np.ndarray] = {}  # the whole new words of a fresh piece (no cache)
+        self.contrib: dict[PieceKey, int] = {}
+        self.segment_keys: list[str] = []  # every segment this rank tried to write
+
+    def add(self, piece: ShardPiece, start: int, delta: BoxDelta) -> None:
+        key = piece.key
+        if delta.digest_delta is not None:
+            self.contrib[key] = (self.contrib.get(key, 0) + delta.digest_delta) & MASK64
+        if delta.positions is None:
+            # A tensor record: the chunk's words replace the baseline's (copied: the caller's
+            # buffers may change after append returns).
+            values = delta.new_values
+            if key in self.kept:
+                pos = np.arange(start, start + values.size, dtype=np.int64)
+                self.scatters.setdefault(key, []).append((pos, np.array(values, copy=True)))
+            # Otherwise the worker that encoded the chunk wrote it to the new cache generation
+            # or to the piece's fresh words.
+            return
+        self.scatters.setdefault(key, []).append((delta.positions + start, delta.new_values))
+
+    def abort(self) -> None:
+        if self.generation is not None:
+            self.generation.abort()

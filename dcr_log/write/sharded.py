@@ -98,7 +98,7 @@ class ShardedWriter:
         self.group = group
         self.writer_id = check_writer_id(writer_id or default_writer_id())
         self.segment_bytes = segment_bytes
-        self._differ = Differ(policy, log.digests, ulp=log.ulp_encoding)
+        self._differ = Differ(policy, log.digests, features=log.identity.features)
         self._version = version
         self._cache = cache
         self._baseline: Baseline | None = None

@@ -829,6 +829,25 @@ def test_valid_vector_spec_reader(name):
             check_tensors(versions[c["from"] - got["start"]][1], {"tensors": c["from_tensors"]}, features)
 
 
+def test_routes_follow_the_tie_order():
+    """FORMAT.md section 24: the reference's route, ties included. In squash-equal-states,
+    squashes 0-2 and 2-3 and version 3 have no segments (0 bytes)."""
+    log = DeltaLog.open(VECTORS / "squash-equal-states" / "log")
+
+    def route(target, holding=None):
+        return [s.describe() for s in log.plan(target, holding=holding)]
+
+    assert route(2) == ["version 0", "squash 0-2"]  # fewest bytes
+    assert route(2, holding=1) == ["version 2"]  # one version behind: that version, whatever else
+    assert route(2, holding=0) == ["squash 0-2"]
+    # at 3 from 2: version 3 and squash 2-3 both cost (0 bytes, one step): the version step wins
+    assert route(3, holding=0) == ["squash 0-2", "version 3"]
+    assert route(3) == ["version 0", "squash 0-2", "version 3"]
+    log = DeltaLog.open(VECTORS / "retention" / "log")
+    assert route(6) == ["snapshot 3", "squash 3-6"]
+    assert route(5) == ["snapshot 5"]
+
+
 def expected_from_states(expected: dict) -> dict[int, dict]:
     """from -> state of every squash in expected.json (the reader uses those it cannot replay)."""
     return {c["from"]: from_tensors(c) for c in expected.get("catchups", []) if c["kind"] == "squash"}

@@ -1207,7 +1207,8 @@ def v_retention() -> LogBuilder:
 
 def v_squash_equal_states() -> LogBuilder:
     """Version 2 has version 0's state again (sum-digests): the squash 0-2 has no records and
-    no segments (section 24); the squash 1-2 undoes version 1."""
+    no segments (section 24); the squash 1-2 undoes version 1. Version 3 changes nothing (no
+    segments), and neither does the squash 2-3: a route tie at 0 bytes (section 24)."""
     b = LogBuilder("squash-equal-states", features=(SUM_DIGESTS,))
     st0 = {"b": det_tensor("eb0", "F32", (6,)), "w": det_tensor("ew0", "BF16", (2, 4))}
     s = b.step(st0)
@@ -1217,8 +1218,11 @@ def v_squash_equal_states() -> LogBuilder:
     b.commit(s, [Seg([s.xor("b", "raw"), s.xor("w", "sparse")])])
     s = b.step(dict(st0))
     b.commit(s, [Seg([s.xor("b", "raw"), s.xor("w", "raw")])])
+    s = b.step(dict(st0))
+    b.commit(s, [])
     add_catchup(b, 0, 2, lambda s: [])
     add_catchup(b, 1, 2, lambda s: [[s.xor("b", "raw"), s.xor("w", "raw")]])
+    add_catchup(b, 2, 3, lambda s: [])
     return b
 
 
@@ -1322,7 +1326,7 @@ VALID = [
      "changed back at 5"),
     (v_squash_equal_states, "section 24 (with sum-digests): version 2 returns to version 0's "
      "state; the squash from 0 to 2 has no records and no segments, the squash from 1 to 2 undoes "
-     "version 1"),
+     "version 1; version 3 and the squash from 2 to 3 change nothing (no segments: 0 bytes each)"),
 ]
 
 

@@ -2000,6 +2000,10 @@ RETENTION_INVALID = [
      "of version 6), not under squashes/3-6/", None, _squash_segment_under_segments),
     ("catchup-snapshot-segment-missing", "IntegrityError", "catchup", 5, "snapshots/5/manifest.json",
      "the second segment of snapshot 5 is missing (its manifest is there)", None, _drop_snapshot_5_segment),
+    ("catchup-retire-marker-bad-checksum", "IntegrityError", "catchup", 4, "snapshots/4/manifest.json",
+     "snapshot 4's retire marker has its created_at edited after sealing (the snapshot itself is "
+     "intact)", None,
+     lambda b: replace_file(b, "snapshots/4/retired.json", lambda d: d.replace(b"2025-01-01", b"2025-01-02"))),
     ("start-snapshot-segment-sha256", "IntegrityError", "start", 3, None,
      "a byte of the segment of snapshot 3, the log start's, is flipped; its manifest still has the "
      "old sha256 (the marker and the manifest are intact)", None, _flip_snapshot_3_segment),
@@ -2242,8 +2246,9 @@ The stages are listed in the order a reader goes through them (for each version 
 `files`, then `apply`, before version `u + 1`; then `catchup`, every snapshot and squash, once
 every version has been read; the snapshot of the log start alone is read with version `start`,
 since replay begins there). Plain verification (FORMAT.md section 13) goes through the versions
-in the same order; each vector has one defect, so its stage does not depend on the order in
-which a verifier checks the log's objects. A defect at
+in the same order, but reads the segments of every snapshot, the log start's included, after
+the versions; each vector has one defect, so its stage does not depend on the order in which a
+verifier checks the log's objects. A defect at
 `files` is found by reading the version's files and by verification; a replay of the tensors
 alone does not read files and reads such a log back. `version` is the version
 whose reading fails (at `catchup`, the manifest's `version`; at `start`, the log start), and

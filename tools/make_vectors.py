@@ -28,9 +28,9 @@ import hashlib
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pcodec
@@ -42,7 +42,6 @@ from dcr_log.codec.base import ChangeSet
 from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import SparseEncoding
-from dcr_log.format.commit import ULP_ENCODING
 from dcr_log.codec.ulp import UlpEncoding
 from dcr_log.coords import DTYPE_WIDTH, Box, numel, word_dtype
 from dcr_log.digest import SUM
@@ -52,20 +51,21 @@ from dcr_log.format import (
     CommitRecord,
     CommitStats,
     FileEntry,
-    file_name_problem,
     LogIdentity,
     Record,
     SegmentRef,
     encode_segment,
+    file_name_problem,
     segment_key,
     version_key,
 )
 from dcr_log.format.canonical import canonical_bytes, seal
+from dcr_log.format.commit import ULP_ENCODING
 from dcr_log.format.lifecycle import CatchUp, Marker, check_object_key
 from dcr_log.format.signature import signature_message
+from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.signing import SigningKey, public_text
 from dcr_log.state import TensorBits
-from dcr_log.format.tensors import TensorInfo, state_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "spec" / "vectors"
@@ -1205,6 +1205,27 @@ def v_retention() -> LogBuilder:
     return retention_log("retention")
 
 
+def v_squash_equal_states() -> LogBuilder:
+    """Version 2 has version 0's state again (sum-digests): the squash 0-2 has no records and
+    no segments (section 24); the squash 1-2 undoes version 1. Version 3 changes nothing (no
+    segments), and neither does the squash 2-3: a route tie at 0 bytes (section 24)."""
+    b = LogBuilder("squash-equal-states", features=(SUM_DIGESTS,))
+    st0 = {"b": det_tensor("eb0", "F32", (6,)), "w": det_tensor("ew0", "BF16", (2, 4))}
+    s = b.step(st0)
+    b.commit(s, [Seg([s.tensor("b", "raw"), s.tensor("w", "raw")])])
+    st1 = {**st0, "b": flipped(st0["b"], "eb1", 2), "w": flipped(st0["w"], "ew1", 3)}
+    s = b.step(st1)
+    b.commit(s, [Seg([s.xor("b", "raw"), s.xor("w", "sparse")])])
+    s = b.step(dict(st0))
+    b.commit(s, [Seg([s.xor("b", "raw"), s.xor("w", "raw")])])
+    s = b.step(dict(st0))
+    b.commit(s, [])
+    add_catchup(b, 0, 2, lambda s: [])
+    add_catchup(b, 1, 2, lambda s: [[s.xor("b", "raw"), s.xor("w", "raw")]])
+    add_catchup(b, 2, 3, lambda s: [])
+    return b
+
+
 def spec_unkey(keys: np.ndarray, bits: int) -> np.ndarray:
     top = np.uint64(1 << (bits - 1))
     return np.where(keys >= top, keys ^ top, keys ^ np.uint64((1 << bits) - 1))
@@ -1303,6 +1324,9 @@ VALID = [
      "segments); a squash from the expired version 1 to 5 that creates a tensor (tensor "
      "records) and drops one (no record); a squash from 3 to 6 over a word changed at 4 and "
      "changed back at 5"),
+    (v_squash_equal_states, "section 24 (with sum-digests): version 2 returns to version 0's "
+     "state; the squash from 0 to 2 has no records and no segments, the squash from 1 to 2 undoes "
+     "version 1; version 3 and the squash from 2 to 3 change nothing (no segments: 0 bytes each)"),
 ]
 
 
@@ -1845,6 +1869,33 @@ INVALID = [
 ]
 
 
+def _shape_nested(obj) -> None:
+    """Tensor x's shape [6] as [[6]]: depth 5, one more than any member takes (section 20)."""
+    (x,) = [t for t in obj["tensors"] if t["name"] == "x"]
+    x["shape"] = [x["shape"]]
+
+
+def _schema_with_dictionary_kind() -> pa.Schema:
+    return pa.schema([f if f.name != "kind" else
+                      pa.field("kind", pa.dictionary(pa.int32(), pa.utf8()), nullable=False)
+                      for f in SEGMENT_SCHEMA])
+
+
+INVALID += [
+    ("commit-json-too-deep", "IntegrityError", "commit", 1,
+     "commit record 1 gives tensor x the shape [[6]] (re-sealed): JSON nested to depth 5, one "
+     "more than any member takes", {}, lambda b: replace_commit(b, 1, reseal(_shape_nested))),
+    ("segment-dictionary-field", "IntegrityError", "segment", 1,
+     "version 1's segment stores the kind column dictionary-encoded (an Arrow dictionary of "
+     "utf8, not utf8)", {"seg_kw": {"schema": _schema_with_dictionary_kind()}}, None),
+    ("identity-features-out-of-order", "IntegrityError", "identity", None,
+     "dcr.json (and every commit record) lists ulp-encoding before sum-digests: the features of "
+     "section 14, not in its order",
+     {"features": (ULP_ENCODING, SUM_DIGESTS), "identity_kw": {"features": (ULP_ENCODING, SUM_DIGESTS)}},
+     None),
+]
+
+
 # Invalid vectors of sections 23 to 25: the log of the vector retention with one defect.
 
 
@@ -1904,6 +1955,12 @@ def _squash_segment_under_segments(b: LogBuilder) -> None:
     replace_file(b, "squashes/3-6/manifest.json", reseal(edit))
 
 
+def _flip_snapshot_3_segment(b: LogBuilder) -> None:
+    """A byte of the log start's snapshot segment flipped; its manifest keeps the old sha256."""
+    key = json.loads(b.files["snapshots/3/manifest.json"])["segments"][0]["key"]
+    replace_file(b, key, lambda d: flip_byte(d, len(d) // 2))
+
+
 def _drop_snapshot_5_segment(b: LogBuilder) -> None:
     key = json.loads(b.files["snapshots/5/manifest.json"])["segments"][1]["key"]
     del b.files[key]
@@ -1943,6 +2000,13 @@ RETENTION_INVALID = [
      "of version 6), not under squashes/3-6/", None, _squash_segment_under_segments),
     ("catchup-snapshot-segment-missing", "IntegrityError", "catchup", 5, "snapshots/5/manifest.json",
      "the second segment of snapshot 5 is missing (its manifest is there)", None, _drop_snapshot_5_segment),
+    ("catchup-retire-marker-bad-checksum", "IntegrityError", "catchup", 4, "snapshots/4/manifest.json",
+     "snapshot 4's retire marker has its created_at edited after sealing (the snapshot itself is "
+     "intact)", None,
+     lambda b: replace_file(b, "snapshots/4/retired.json", lambda d: d.replace(b"2025-01-01", b"2025-01-02"))),
+    ("start-snapshot-segment-sha256", "IntegrityError", "start", 3, None,
+     "a byte of the segment of snapshot 3, the log start's, is flipped; its manifest still has the "
+     "old sha256 (the marker and the manifest are intact)", None, _flip_snapshot_3_segment),
 ]
 
 
@@ -2035,6 +2099,15 @@ def _replaced_history(b: LogBuilder) -> None:
     b.commit(s, [Seg([s.xor("x", "raw")], writer="intruder")])
 
 
+def _malformed_signature(b: LogBuilder) -> None:
+    """Version 1's only signature object (key A's) with its signature member edited and not
+    re-sealed: it fails its checksum."""
+    (key,) = _sig_keys(b, 1)
+    obj = json.loads(b.files[key])
+    sig = obj["signature"]
+    b.files[key] = b.files[key].replace(sig.encode(), (sig[:-1] + ("0" if sig[-1] != "0" else "1")).encode())
+
+
 SIGNED_OK = "signed"
 SIGNED = [
     # name, trust (key labels), first version refused (None: accepted), reason, edit
@@ -2056,6 +2129,10 @@ SIGNED = [
     ("signed-replaced-history", ("A", "B"), 2,
      "another writer replaced version 2 by a valid version of its own (it passes deep "
      "verification); the only signature of version 2 signs the original record", _replaced_history),
+    ("signed-malformed", ("A", "B"), 1,
+     "version 1's only signature object, by the trusted key A, fails its checksum (its signature "
+     "edited, not re-sealed): not a valid signature, so TrustError (not IntegrityError)",
+     _malformed_signature),
 ]
 
 
@@ -2152,28 +2229,41 @@ which the defect must be reported; every earlier step must succeed:
 | stage | step |
 |---|---|
 | `identity` | reading `dcr.json` |
-| `listing` | listing the versions and the log start (FORMAT.md section 25): the log-start marker of the largest version checked, the versions exactly start to latest, the SHA-256 of the start's snapshot manifest equal to the marker's `snapshot_sha256` |
+| `listing` | listing the versions and the log start (FORMAT.md section 25; below) |
 | `commit` | reading and checking commit record `version` (parent chain and state digest included) |
+| `start` | reading snapshot `version`, the log start's (FORMAT.md section 25): manifest, segments, records, digests |
 | `segment` | reading the segments of `version`: size, sha256, Arrow schema and metadata, record fields |
 | `files` | reading the file objects of `version` (feature `files`): each one's size and sha256 |
 | `apply` | decoding and applying the records of `version`: payloads, digests, stats |
 | `catchup` | reading a snapshot or squash and applying it: manifest, segments, records, digests |
 
+At `listing` the log-start marker of the largest version is checked, the versions are exactly
+start to latest, and the SHA-256 of the start's snapshot manifest equals the marker's
+`snapshot_sha256`.
+
 The stages are listed in the order a reader goes through them (for each version `u`, its
-`commit`, then its `segment`s, then its `files`, then `apply`, before version `u + 1`; then
-`catchup`, every snapshot and squash, once every version has been read; the snapshot of the
-log start alone is read with version `start`, since replay begins there). A defect at
+`commit`, then, for the log start `u` after retention, `start`, then its `segment`s, then its
+`files`, then `apply`, before version `u + 1`; then `catchup`, every snapshot and squash, once
+every version has been read; the snapshot of the log start alone is read with version `start`,
+since replay begins there). Plain verification (FORMAT.md section 13) goes through the versions
+in the same order, but reads the segments of every snapshot, the log start's included, after
+the versions; each vector has one defect, so its stage does not depend on the order in which a
+verifier checks the log's objects. A defect at
 `files` is found by reading the version's files and by verification; a replay of the tensors
 alone does not read files and reads such a log back. `version` is the version
-whose reading fails (at `catchup`, the manifest's `version`), and `null` for the stages
-`identity` and `listing`, which concern no version. At `commit`, `segment`, `files` and
-`apply`, every version before `version` reads back; at `catchup`, every version reads back
-(replayed from the log start), and so does every other snapshot and squash.
+whose reading fails (at `catchup`, the manifest's `version`; at `start`, the log start), and
+`null` for the stages `identity` and `listing`, which concern no version. At `commit`,
+`segment`, `files` and `apply`, every version before `version` reads back; at `start`, no
+version reads back by replay from the log start (its commit record and the marker are
+intact); at `catchup`, every version reads back (replayed from the log start), and so does
+every other snapshot and squash.
 
 A reader may report a defect earlier than its stage (for example a reader that checks payloads
 while listing records); it must never accept the log.
 
 ## Vectors
+
+{count}
 
 {valid}
 
@@ -2246,8 +2336,10 @@ def generate(out: Path) -> list[str]:
     versions = (f"pyarrow {pa.__version__}, zstandard {zstandard.__version__} "
                 f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}), "
                 f"xxhash {xxhash.VERSION}, numpy {np.__version__}.\n")
+    count = (f"{len(names)} vectors: {len(valid_lines)} valid, {len(invalid_lines)} invalid and "
+             f"{len(signed_lines)} signed.")
     (out / "README.md").write_text(README.format(
-        valid="\n".join(valid_lines), invalid="\n".join(invalid_lines),
+        count=count, valid="\n".join(valid_lines), invalid="\n".join(invalid_lines),
         signed="\n".join(signed_lines), versions=versions))
     (out / ".gitattributes").write_text("# vectors are compared byte for byte\n* -text\n*.arrow binary\n")
     return names

@@ -83,6 +83,8 @@ def check_features(features, what: str) -> tuple[str, ...]:
     if unknown:
         raise IntegrityError(f"{what}: unsupported features {unknown}; upgrade dcr-log")
     _expect(len(set(features)) == len(features), what, "a feature is listed twice")
+    _expect(features == sorted(features, key=lambda f: f.encode()), what,
+            "features are not in increasing order (FORMAT.md section 14)")
     return tuple(features)
 
 

@@ -85,6 +85,18 @@ class Undo:
     records: list[UndoRecord] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A record of the batch that the storage holds, with what pass one kept of it (its
+    decoded changes and located place, or None: decoded and located again)."""
+
+    index: int
+    record: Record
+    info: TensorInfo
+    changes: ChangeSet | None
+    place: Any
+
+
 @dataclass(slots=True)
 class _Gathered:
     """A record with a precondition, gathered: its digests decide whether it is skipped,
@@ -145,7 +157,7 @@ class BatchWriter:
         undo, torn = ctx.undo, batch.torn
         work: list[Write] = []
         gathered: list[_Gathered] = []
-        items: list[tuple[int, Record, TensorInfo, ChangeSet | None, Any]] = []
+        items: list[_Held] = []
         for i in range(batch.start, batch.end):
             rec = batch.records[i]
             info = record_info(ctx.table, rec, version)
@@ -153,17 +165,17 @@ class BatchWriter:
             if not storage.holds(rec.tensor):
                 report.unheld += 1
                 continue
-            items.append((i, rec, info, ctx.cache.take_changes(seg, i), ctx.cache.take_place(seg, i)))
+            items.append(_Held(i, rec, info, ctx.cache.take_changes(seg, i), ctx.cache.take_place(seg, i)))
             report.changed_elements += rec.n_changed
             ctx.touched.add(rec.tensor)
 
-        def prepare(item: tuple[int, Record, TensorInfo, ChangeSet | None, Any]) -> Write | _Gathered:
+        def prepare(item: _Held) -> Write | _Gathered:
             """Gather, targets and digest parts of one record: reads only, so records run
             on the shared pool's threads (numpy, the digests and pcodec release the GIL)."""
-            i, rec, info, changes, place = item
-            changes = changes or decode_record(rec, info)
+            i, rec, info = item.index, item.record, item.info
+            changes = item.changes or decode_record(rec, info)
             where = flat_positions(rec, info.shape, changes)
-            place = place or storage.locate(rec.tensor, where)
+            place = item.place or storage.locate(rec.tensor, where)
             values = storage.select(place, changes.values)
             if rec.kind == "tensor":
                 # Whole values and no precondition: writing them again is harmless.
@@ -176,7 +188,7 @@ class BatchWriter:
             parts = (self.digests.part(place, where, cur), self.digests.part(place, where, target))
             return _Gathered(i, rec, info, place, where, cur, values, target, parts)
 
-        parallel = sum(it[1].n_changed for it in items) >= PARALLEL_MIN_CHANGES
+        parallel = sum(it.record.n_changed for it in items) >= PARALLEL_MIN_CHANGES
         for prepared in map_ordered(prepare, items, APPLY_WORKERS, parallel):
             if isinstance(prepared, Write):
                 work.append(prepared)

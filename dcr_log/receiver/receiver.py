@@ -408,7 +408,7 @@ class Receiver:
         st = self.journal.state()
         if st.log_id is not None and st.log_id != log.log_id:
             raise LineageError(f"receiver belongs to log {st.log_id}, not {log.log_id}")
-        _held(st)
+        _held(st)  # refuses a receiver not bound yet
         self.digests = log.digests
         storage = self.storage
         if isinstance(storage, PlacedStorage):

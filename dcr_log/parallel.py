@@ -1,16 +1,24 @@
-"""TODO"""
+"""The process-wide thread pools and ``map_ordered``, the one way work goes to them.
+
+Writers, readers and receivers come and go; their threads should not pile up, so every pool
+of one size is shared (and forgotten in a forked child)."""
 
 from __future__ import annotations
 
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TypeVar
 
 # Threads that encode the boxes of one tensor (numpy and zstd release the GIL); more than a
 # few only add memory traffic to a pass that is already bound by it.
 DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -36,7 +44,8 @@ def _forget_pools() -> None:
     _POOLS_LOCK = threading.Lock()  # nor a lock another thread held at the fork
 
 
-def map_ordered(fn, items: list, workers: int, parallel: bool = True) -> Iterator:
+def map_ordered(fn: Callable[[T], R], items: Sequence[T], workers: int,
+                parallel: bool = True) -> Generator[R, None, None]:
     """``fn(item)`` for each item, on ``workers`` threads of the shared pool, yielded in order,
     with at most ``workers + 1`` results in flight."""
     if workers <= 1 or len(items) < 2 or not parallel:
@@ -44,7 +53,7 @@ def map_ordered(fn, items: list, workers: int, parallel: bool = True) -> Iterato
             yield fn(item)
         return
     pool = shared_pool(workers)
-    pending: deque = deque()
+    pending: deque[Future[R]] = deque()
     try:
         for item in items:
             pending.append(pool.submit(fn, item))

@@ -21,7 +21,7 @@ from dcr_log.format import version_key
 from dcr_log.format.canonical import seal
 from dcr_log.format.segment import encode_segment, iter_segment
 from dcr_log.receiver import Receiver, open_directory
-from dcr_log.receiver.receiver import _sampled
+from dcr_log.receiver.checks import sampled as _sampled
 from test_hardening import dcr, log_dir, reseal_commit
 from test_receiver import LAYOUT_VERSION, build_log
 

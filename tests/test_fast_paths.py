@@ -301,7 +301,7 @@ def test_receivers_write_in_parallel_only_disjoint_records():
     """A batch's writes go to the pool only when no two records' flat spans meet in a tensor."""
     from types import SimpleNamespace
 
-    from dcr_log.receiver.receiver import _disjoint
+    from dcr_log.receiver.batch import disjoint as _disjoint
 
     def work(tensor, where):
         return SimpleNamespace(record=SimpleNamespace(tensor=tensor), where=where)

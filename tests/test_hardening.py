@@ -26,6 +26,7 @@ from dcr_log.errors import IntegrityError, StoreError, UsageError
 from dcr_log.format import version_key
 from dcr_log.format.canonical import seal
 from dcr_log.receiver import Journal, Receiver
+from dcr_log.receiver.batch import BatchWriter
 from dcr_log.receiver import journal as journal_mod
 from dcr_log.receiver import fs as storage_mod
 from dcr_log.format.tensors import TensorInfo, state_digest
@@ -299,7 +300,7 @@ def test_interrupted_append_says_what_is_left(tmp_path, capsys, monkeypatch, sig
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupted_apply_says_what_is_left(receiver_at_2, capsys, monkeypatch, sig, code):
     log, states, rx = receiver_at_2
-    real = Receiver._apply_segment
+    real = BatchWriter.apply_segment
     calls = []
 
     def once(self, *args, **kwargs):
@@ -308,11 +309,11 @@ def test_interrupted_apply_says_what_is_left(receiver_at_2, capsys, monkeypatch,
             _kill_self(sig)()
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Receiver, "_apply_segment", once)
+    monkeypatch.setattr(BatchWriter, "apply_segment", once)
     rc, out, err = dcr(capsys, "apply", log_dir(log), "--receiver", rx)
     assert rc == code
     assert err == f"dcr: interrupted ({signal.Signals(sig).name}): receiver in flight at 3: run dcr apply again\n"
-    monkeypatch.setattr(Receiver, "_apply_segment", real)
+    monkeypatch.setattr(BatchWriter, "apply_segment", real)
     rc, out, err = dcr(capsys, "apply", log_dir(log), "--receiver", rx)
     assert rc == 0, err
     assert_file_holds(rx / "model.safetensors", states[5])

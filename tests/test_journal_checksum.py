@@ -17,6 +17,8 @@ from dcr_log import DeltaLog
 from dcr_log.errors import DcrError, IntegrityError, StoreError
 from dcr_log.receiver import Receiver, open_directory
 from dcr_log.receiver import journal as jm
+from dcr_log.receiver import journal_entries as je
+from dcr_log.receiver import journal_pages as jp
 from test_receiver import build_log
 
 
@@ -42,7 +44,7 @@ def template(tmp_path_factory):
         receiver.apply(log, to=3)
     entries = read_entries(rx / ".dcr")
     assert entries[b"inflight"] and any(k.startswith(b"seg/") for k in entries)
-    assert any(k.startswith(b"redo/") for k in entries) and jm.K_CHECKSUM in entries
+    assert any(k.startswith(b"redo/") for k in entries) and je.K_CHECKSUM in entries
     return root, log, states
 
 
@@ -96,7 +98,7 @@ def test_undamaged_copy_recovers_and_applies(copy):
         receiver.apply(log)
         assert receiver.version == 5
     entries = read_entries(rx / ".dcr")
-    assert entries[jm.K_FORMAT] == jm.JOURNAL_FORMAT
+    assert entries[je.K_FORMAT] == je.JOURNAL_FORMAT
     with Receiver.open(rx) as receiver:
         assert receiver.version == 5
 
@@ -132,19 +134,19 @@ def test_every_entry_flipped_is_refused(copy, tmp_path):
 def _resealed(txn, total_of=None):
     """Store the checksum entry again with the id of the transaction writing it (so only the
     sum can find what changed); ``total_of`` recomputes the sum too (only the id is stale)."""
-    stored = jm._parse_checksum(txn.get(jm.K_CHECKSUM))
+    stored = je._parse_checksum(txn.get(je.K_CHECKSUM))
     total = stored[0] if total_of is None else total_of(txn)
-    txn.put(jm.K_CHECKSUM, jm._checksum_value(total, txn.id() if total_of is None else stored[1] + 5))
+    txn.put(je.K_CHECKSUM, je._checksum_value(total, txn.id() if total_of is None else stored[1] + 5))
 
 
 def test_the_sum_and_the_transaction_id_are_each_checked(copy, tmp_path):
     log, states, rx = copy
     jdir = rx / ".dcr"
     entries = read_entries(jdir)
-    redo = next(k for k in entries if k.startswith(jm.REDO_PREFIX))
+    redo = next(k for k in entries if k.startswith(je.REDO_PREFIX))
     pristine = tmp_path / "pristine"
     shutil.copytree(rx, pristine)
-    for key in (jm.K_CURRENT, jm.K_INFLIGHT, redo):
+    for key in (je.K_CURRENT, je.K_INFLIGHT, redo):
         shutil.rmtree(rx)
         shutil.copytree(pristine, rx)
 
@@ -158,7 +160,7 @@ def test_the_sum_and_the_transaction_id_are_each_checked(copy, tmp_path):
     # snapshot read in place of the newest one.
     shutil.rmtree(rx)
     shutil.copytree(pristine, rx)
-    rewrite(jdir, lambda txn: _resealed(txn, total_of=jm._entries_sum))
+    rewrite(jdir, lambda txn: _resealed(txn, total_of=je._entries_sum))
     assert "transaction" in str(assert_refused(log, rx))
 
 
@@ -172,17 +174,17 @@ def test_raw_bit_flips_of_data_mdb(copy, tmp_path):
     entries = read_entries(jdir)
     psize = struct.unpack_from("<I", data, 40)[0]
     positions = [p * psize + i for p in (0, 1) for i in range(16, 152)]
-    for page in sorted(jm.check_pages(jdir)):  # the pages in use (free ones may hold anything)
+    for page in sorted(jp.check_pages(jdir)):  # the pages in use (free ones may hold anything)
         pgno, _, flags, lower, upper = struct.unpack_from("<QHHHH", data, page * psize)
         if pgno != page:  # a page of a large value after its first: the value's bytes
             used = range(0, psize, 331)
-        elif flags == jm._P_OVERFLOW:
+        elif flags == jp._P_OVERFLOW:
             used = [*range(8), *range(10, 16), *range(16, psize, 331)]
         else:  # the header (but its unused pad, bytes 8 and 9), pointers and nodes
             used = [*range(8), *range(10, lower)]
             for ptr in struct.unpack_from("<%dH" % ((lower - 16) // 2), data, page * psize + 16):
                 lo, hi, nflags, ksize = struct.unpack_from("<HHHH", data, page * psize + ptr)
-                dsize = 0 if flags == jm._P_BRANCH else 8 if nflags else lo | hi << 16
+                dsize = 0 if flags == jp._P_BRANCH else 8 if nflags else lo | hi << 16
                 used += range(ptr, ptr + 8 + ksize + dsize)
         positions += [page * psize + i for i in used]
     work = tmp_path / "work"
@@ -230,8 +232,8 @@ def test_raw_bit_flips_of_data_mdb(copy, tmp_path):
 def _legacy(jdir: Path) -> None:
     """The journal as the code before the checksum wrote it: format 1, no checksum entry."""
     def edit(txn):
-        txn.delete(jm.K_CHECKSUM)
-        txn.put(jm.K_FORMAT, jm.LEGACY_FORMAT)
+        txn.delete(je.K_CHECKSUM)
+        txn.put(je.K_FORMAT, je.LEGACY_FORMAT)
     rewrite(jdir, edit)
 
 
@@ -239,12 +241,12 @@ def test_legacy_journal_applies_and_gets_its_checksum(copy):
     log, states, rx = copy
     jdir = rx / ".dcr"
     _legacy(jdir)
-    assert jm.K_CHECKSUM not in read_entries(jdir)
+    assert je.K_CHECKSUM not in read_entries(jdir)
     assert jm.Journal.peek(jdir).inflight == 3
     with Receiver.open(rx) as receiver:
         receiver.apply(log, to=4)
     entries = read_entries(jdir)
-    assert entries[jm.K_FORMAT] == jm.JOURNAL_FORMAT and jm.K_CHECKSUM in entries
+    assert entries[je.K_FORMAT] == je.JOURNAL_FORMAT and je.K_CHECKSUM in entries
     with Receiver.open(rx) as receiver:  # verified on open, now with its checksum
         receiver.apply(log)
         assert receiver.version == 5
@@ -258,25 +260,25 @@ def test_legacy_journal_is_checked_structurally(copy, tmp_path):
     shutil.copytree(rx, pristine)
     for edit in (lambda txn: txn.put(b"zz", b"1"),                       # an unknown entry
                  lambda txn: txn.put(b"seg/0000000x", b"{}"),            # a malformed key
-                 lambda txn: txn.put(jm.K_CURRENT, b'{"version":"x"}'),
-                 lambda txn: txn.put(jm.K_PLACEMENT, b"not a digest")):
+                 lambda txn: txn.put(je.K_CURRENT, b'{"version":"x"}'),
+                 lambda txn: txn.put(je.K_PLACEMENT, b"not a digest")):
         shutil.rmtree(rx)
         shutil.copytree(pristine, rx)
         rewrite(jdir, edit)
         assert_refused(log, rx, IntegrityError)
-        assert jm.K_CHECKSUM not in read_entries(jdir)
+        assert je.K_CHECKSUM not in read_entries(jdir)
 
 
 def test_format_2_without_its_checksum_is_refused(copy):
     log, states, rx = copy
-    rewrite(rx / ".dcr", lambda txn: txn.delete(jm.K_CHECKSUM))
+    rewrite(rx / ".dcr", lambda txn: txn.delete(je.K_CHECKSUM))
     assert "missing" in str(assert_refused(log, rx, IntegrityError))
 
 
 def test_status_verifies_too(copy):
     log, states, rx = copy
     jdir = rx / ".dcr"
-    rewrite(jdir, lambda txn: txn.put(jm.K_CURRENT, flip(txn.get(jm.K_CURRENT), 5)))
+    rewrite(jdir, lambda txn: txn.put(je.K_CURRENT, flip(txn.get(je.K_CURRENT), 5)))
     with pytest.raises(IntegrityError, match="is damaged"):
         jm.Journal.peek(jdir)
 
@@ -290,8 +292,8 @@ def test_a_transaction_hashes_only_what_it_changes(tmp_path, monkeypatch):
     big = os.urandom(1 << 20)
     j.stage(0, 0, 64, {r: big for r in range(64)})
     hashed = []
-    real = jm.entry_hash
-    monkeypatch.setattr(jm, "entry_hash", lambda k, v: hashed.append(len(v)) or real(k, v))
+    real = je.entry_hash
+    monkeypatch.setattr(je, "entry_hash", lambda k, v: hashed.append(len(v)) or real(k, v))
     j.stage(1, 0, 1, {})
     assert sum(hashed) < 1000, hashed
     hashed.clear()

@@ -24,7 +24,7 @@ from dcr_log.receiver import (
     TorchStorage,
     write_checkpoint,
 )
-from dcr_log.receiver.receiver import SAMPLE_DIVISOR, sample_tensors
+from dcr_log.receiver.checks import SAMPLE_DIVISOR, sample_tensors
 from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.state import to_torch
 from dcr_log.write import LogWriter
@@ -498,7 +498,7 @@ def test_journal_is_exclusive(tmp_path, logged):
 
 def test_torn_range_survives_other_batch_boundaries(tmp_path, logged, monkeypatch):
     """A batch torn by one crash, resumed with smaller batches and crashed again, finishes."""
-    from dcr_log.receiver import receiver as apply_module
+    from dcr_log.receiver import batch as apply_module
 
     log, states = logged
     directory = ckpt_receiver(tmp_path, log, states[0])

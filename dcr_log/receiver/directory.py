@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from dcr_log.checkpoint import INDEX_NAME, save_safetensors
@@ -15,7 +16,8 @@ from dcr_log.log.deltalog import DeltaLog
 from dcr_log.receiver.files import FilePlan, plan_files, write_files
 from dcr_log.receiver.fs import check_regular, check_space, fsync_dir, write_file_atomic
 from dcr_log.receiver.journal import Journal, JournalState
-from dcr_log.receiver.receiver import JOURNAL_DIR, Receiver
+from dcr_log.receiver.opening import JOURNAL_DIR
+from dcr_log.receiver.receiver import Receiver
 from dcr_log.receiver.storage import FaultHook, storage_state_digest
 from dcr_log.receiver.storage.checkpoint import CheckpointStorage, has_checkpoint
 from dcr_log.state import TensorBits
@@ -70,7 +72,7 @@ def write_checkpoint(state: Mapping[str, TensorBits], directory: str | Path,
     return paths
 
 
-def _remove_ours(directory: Path, keep: set[str] = frozenset()) -> None:
+def _remove_ours(directory: Path, keep: AbstractSet[str] = frozenset()) -> None:
     """Remove files an interrupted materialization of ours may have left behind."""
     for p in directory.iterdir():
         if p.is_file() and p.name not in keep and (_OURS.match(p.name) or _OUR_TMP.match(p.name)):
@@ -148,9 +150,9 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
         st = journal.state() if journal is not None else JournalState(None, None, None, None, None)
         if st.log_id is not None and st.log_id != log.log_id:
             raise LineageError(f"receiver {directory} belongs to log {st.log_id}, not {log.log_id}")
-        if st.bound:
+        if journal is not None and st.bound:
             return Receiver(CheckpointStorage(directory), journal, fault)
-        if st.materializing is not None:
+        if journal is not None and st.materializing is not None:
             _materialize(log, directory, st.materializing, journal, say, fault=fault)
             return Receiver(CheckpointStorage(directory), journal, fault)
         if has_checkpoint(directory):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dcr_log.errors import UsageError, os_error
 from dcr_log.format import CommitRecord, FileEntry
-from dcr_log.log.deltalog import DeltaLog
+from dcr_log.log.deltalog import DeltaLog, Step
 from dcr_log.receiver.fs import check_regular, fsync_dir, write_file_atomic
 
 # The bytes of a version's files kept in memory between the plan and the writes, beyond
@@ -81,7 +81,7 @@ def file_sha256(directory: Path, name: str, size: int | None = None) -> str | No
             raise os_error(exc, f"cannot read {path}") from None
 
 
-def plan_files(log: DeltaLog, commit: CommitRecord, directory: Path, owned: Iterable[str] = (),
+def plan_files(log: DeltaLog, commit: CommitRecord | Step, directory: Path, owned: Iterable[str] = (),
                reserved: Iterable[str] = ()) -> FilePlan:
     """Before any write: the files of ``commit`` that ``directory`` lacks or holds with other
     bytes, fetched and checked (size, then SHA-256: IntegrityError), and the files of
@@ -98,7 +98,7 @@ def plan_files(log: DeltaLog, commit: CommitRecord, directory: Path, owned: Iter
     for e in entries:
         if file_sha256(directory, e.name, e.size) == e.sha256:
             continue
-        data = log.read_file(e)
+        data: bytes | None = log.read_file(e)
         if kept + e.size <= FILE_CACHE_BYTES:
             kept += e.size
         else:

@@ -1,8 +1,11 @@
-"""TODO"""
+"""A version's segments between pass one and the writes: fetched once (ahead, on threads),
+kept in memory within a budget or spooled to local disk, with the records pass one decoded
+and located kept for the write pass (SegmentCache)."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +13,7 @@ import numpy as np
 
 from dcr_log.errors import IntegrityError
 from dcr_log.format import CommitRecord, Record
-from dcr_log.log.deltalog import DeltaLog
+from dcr_log.log.deltalog import DeltaLog, Step
 from dcr_log.log.segments import SegmentFile
 
 # Segment bytes kept between pass 1 and the writes (and for rollback), beyond which they
@@ -31,7 +34,7 @@ class SegmentCache:
     it is read through a memory map (log.SegmentFile), as is a segment too large for the
     reader to hold in memory at all (which read_segment gives as a local file)."""
 
-    def __init__(self, log: DeltaLog, commit: CommitRecord, budget: int | None = None,
+    def __init__(self, log: DeltaLog, commit: CommitRecord | Step, budget: int | None = None,
                  spool: Path | None = None):
         self.log = log
         self.commit = commit
@@ -44,8 +47,8 @@ class SegmentCache:
         self._decoded: dict[tuple[int, int], Any] = {}
         self._decoded_used = 0
         self._places: dict[tuple[int, int], Any] = {}
-        self._pending: dict[int, Any] = {}
-        self._pool = None
+        self._pending: dict[int, Future[memoryview | SegmentFile]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def _fetch(self, index: int) -> memoryview | SegmentFile:
@@ -56,32 +59,33 @@ class SegmentCache:
         refs = self.commit.segments
         if len(refs) <= 1:
             return
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._pool = ThreadPoolExecutor(PREFETCH_SEGMENTS, thread_name_prefix="dcr-fetch")
+        pool = self._pool
+        if pool is None:
+            pool = self._pool = ThreadPoolExecutor(PREFETCH_SEGMENTS, thread_name_prefix="dcr-fetch")
         for j in range(index + 1, min(len(refs), index + 1 + PREFETCH_SEGMENTS)):
             if j not in self._pending and j not in self._data and j not in self._spooled and j not in self._files:
-                self._pending[j] = self._pool.submit(self._fetch, j)
+                self._pending[j] = pool.submit(self._fetch, j)
 
     def data(self, index: int) -> memoryview | SegmentFile:
         """The segment's bytes in memory, or a local file holding them (SegmentFile)."""
-        data = self._data.get(index)
-        if data is None:
-            data = self._files.get(index)
-        if data is not None:
-            return data
+        held: memoryview | SegmentFile | None = self._data.get(index)
+        if held is None:
+            held = self._files.get(index)
+        if held is not None:
+            return held
         path = self._spooled.get(index)
         if path is not None:
             ref = self.commit.segments[index]
+            spooled: SegmentFile | None
             try:
-                data = SegmentFile.open(path)
+                spooled = SegmentFile.open(path)
             except OSError:
-                data = None
-            if data is None or data.size != ref.size or data.sha256 != ref.sha256:
-                if data is not None:
-                    data.close()
+                spooled = None
+            if spooled is None or spooled.size != ref.size or spooled.sha256 != ref.sha256:
+                if spooled is not None:
+                    spooled.close()
                 raise IntegrityError(f"spooled segment {ref.key} at {path} changed on local disk")
-            return data
+            return spooled
         future = self._pending.pop(index, None)
         self._ahead(index)
         data = future.result() if future is not None else self._fetch(index)

@@ -1,0 +1,330 @@
+"""The write pass's one applier core: ``BatchWriter`` writes a version's records, segment by
+segment, in batches (spec/RECEIVER.md section 5, step 5).
+
+A batch is one journal transaction with its redo images and extent, the writes (overwrites of
+target values, so that a torn batch is finished by writing them again and an xor is never
+applied twice), a flush, and one transaction marking it applied. Every write goes through the
+Storage interface; memory storage keeps an ``Undo`` instead of a journal, so that a failed
+version is rolled back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dcr_log.codec import ChangeSet
+from dcr_log.coords import DTYPE_WIDTH, word_dtype
+from dcr_log.errors import IntegrityError, LineageError
+from dcr_log.format import Record
+from dcr_log.format.tensors import TensorInfo
+from dcr_log.log.records import decode_record, flat_positions, record_bases, record_targets
+from dcr_log.parallel import map_ordered
+from dcr_log.receiver.checks import sampled
+from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, ApplyContext, GroupDigests
+from dcr_log.receiver.journal import Journal, SegmentProgress
+from dcr_log.receiver.segments import SegmentCache
+from dcr_log.receiver.storage import FaultHook, Storage, Where
+from dcr_log.receiver.storage.placed import PlacedStorage
+
+# A batch holds records up to about this many decoded bytes (positions, values, targets).
+BATCH_BYTES = 256 << 20
+
+
+def redo_journal_bytes(redo_bytes: int) -> int:
+    """About how many journal bytes the redo images of a version's largest batch take, given
+    the bytes of all its xor records' targets (checked against free space before any write)."""
+    return 2 * min(redo_bytes, BATCH_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Records ``[start, end)`` of a segment, written as one batch."""
+
+    segment: int
+    records: Sequence[Record]
+    start: int
+    end: int
+    # Records an interrupted apply may have left half written, and the redo images that
+    # finish their xors (durable storage).
+    torn: range
+    redo: Mapping[int, bytes]
+
+
+@dataclass(slots=True)
+class Write:
+    """One record's write: its target words at its place."""
+
+    index: int
+    record: Record
+    place: Any
+    where: Where             # flat indices or a slice: what the record digests are keyed by
+    target: np.ndarray
+    base: np.ndarray | None  # gathered words before the write (memory rollback)
+    redo: bool               # an xor whose target goes to the journal as a redo image
+    repaired: bool
+
+
+@dataclass(frozen=True, slots=True)
+class UndoRecord:
+    """A written record to undo: ``base`` words to put back, or None for an xor (undone by
+    xor-ing again)."""
+
+    segment: int
+    record: int
+    base: np.ndarray | None
+
+
+@dataclass(slots=True)
+class Undo:
+    """Memory storage only: how to take the storage back to the journal's version."""
+
+    layout: Any = None
+    records: list[UndoRecord] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A record of the batch that the storage holds, with what pass one kept of it (its
+    decoded changes and located place, or None: decoded and located again)."""
+
+    index: int
+    record: Record
+    info: TensorInfo
+    changes: ChangeSet | None
+    place: Any
+
+
+@dataclass(slots=True)
+class _Gathered:
+    """A record with a precondition, gathered: its digests decide whether it is skipped,
+    written or repaired."""
+
+    index: int
+    record: Record
+    info: TensorInfo
+    place: Any
+    where: Where
+    current: np.ndarray
+    values: np.ndarray
+    target: np.ndarray
+    parts: tuple[int, int]   # digest parts of the current words and of the target
+
+
+def record_info(table: Mapping[str, TensorInfo], rec: Record, version: int) -> TensorInfo:
+    info = table.get(rec.tensor)
+    if info is None:
+        raise IntegrityError(f"version {version}: record for unknown tensor {rec.tensor!r}")
+    return info
+
+
+class BatchWriter:
+    """Writes one version's records into a storage, batch by batch, with its journal."""
+
+    def __init__(self, storage: Storage, journal: Journal, digests: GroupDigests,
+                 fault: FaultHook | None = None):
+        self.storage = storage
+        self.journal = journal
+        self.digests = digests
+        self.fault = fault
+
+    def _hook(self, point: str, **info: Any) -> None:
+        if self.fault is not None:
+            self.fault(point, **info)
+
+    def apply_segment(self, ctx: ApplyContext, seg: int, prog: SegmentProgress) -> None:
+        ref = ctx.commit.segments[seg]
+        if prog.done >= ref.records:
+            return
+        records = ctx.cache.records(seg)
+        torn = range(prog.done, prog.started_end)
+        redo = self.journal.redo_images(seg) if len(torn) else {}
+        start = prog.done
+        while start < len(records):
+            end, budget = start, 0
+            while end < len(records) and (end == start or budget < BATCH_BYTES):
+                rec = records[end]
+                width = DTYPE_WIDTH[record_info(ctx.table, rec, ctx.version).dtype]
+                budget += rec.n_changed * (8 + 3 * width)
+                end += 1
+            self.apply_batch(ctx, Batch(seg, records, start, end, torn, redo))
+            start = end
+
+    def apply_batch(self, ctx: ApplyContext, batch: Batch) -> None:
+        storage, report, version, seg = self.storage, ctx.report, ctx.version, batch.segment
+        undo, torn = ctx.undo, batch.torn
+        work: list[Write] = []
+        gathered: list[_Gathered] = []
+        items: list[_Held] = []
+        for i in range(batch.start, batch.end):
+            rec = batch.records[i]
+            info = record_info(ctx.table, rec, version)
+            report.records += 1
+            if not storage.holds(rec.tensor):
+                report.unheld += 1
+                continue
+            items.append(_Held(i, rec, info, ctx.cache.take_changes(seg, i), ctx.cache.take_place(seg, i)))
+            report.changed_elements += rec.n_changed
+            ctx.touched.add(rec.tensor)
+
+        def prepare(item: _Held) -> Write | _Gathered:
+            """Gather, targets and digest parts of one record: reads only, so records run
+            on the shared pool's threads (numpy, the digests and pcodec release the GIL)."""
+            i, rec, info = item.index, item.record, item.info
+            changes = item.changes or decode_record(rec, info)
+            where = flat_positions(rec, info.shape, changes)
+            place = item.place or storage.locate(rec.tensor, where)
+            values = storage.select(place, changes.values)
+            if rec.kind == "tensor":
+                # Whole values and no precondition: writing them again is harmless.
+                base = None
+                if undo is not None and rec.tensor not in ctx.created:
+                    base = storage.gather(place)
+                return Write(i, rec, place, where, values, base, False, i in torn)
+            cur = storage.gather(place)
+            target = record_targets(rec.kind, changes, cur, values)
+            parts = (self.digests.part(place, where, cur), self.digests.part(place, where, target))
+            return _Gathered(i, rec, info, place, where, cur, values, target, parts)
+
+        parallel = sum(it.record.n_changed for it in items) >= PARALLEL_MIN_CHANGES
+        for prepared in map_ordered(prepare, items, APPLY_WORKERS, parallel):
+            if isinstance(prepared, Write):
+                work.append(prepared)
+            else:
+                gathered.append(prepared)
+        sums = self.digests.sums([d for g in gathered for d in g.parts])
+        for n, g in enumerate(gathered):
+            rec, target = g.record, g.target
+            d, d_target = sums[2 * n], sums[2 * n + 1]
+            if d == rec.target_digest:
+                report.skipped += 1
+                continue
+            repaired = False
+            if d == rec.base_digest:
+                if ctx.verify != "none" and d_target != rec.target_digest:
+                    raise IntegrityError(f"version {version}: record of {rec.tensor!r} does not lead to "
+                                         "its target digest")
+            elif g.index in torn:  # durable storage: a group of one, so digests are local
+                repaired = True
+                if rec.kind == "xor":
+                    image = batch.redo.get(g.index)
+                    if image is None:
+                        raise LineageError(f"version {version}: torn xor record of {rec.tensor!r} "
+                                           "has no redo image: changed behind the journal's back")
+                    target = np.frombuffer(image, dtype=word_dtype(g.info.dtype))
+                    if target.size != g.current.size:
+                        raise IntegrityError(f"version {version}: redo image of {rec.tensor!r} has "
+                                             f"{target.size} words, expected {g.current.size}")
+                else:
+                    target = g.values
+                if ctx.verify != "none" and self.digests.part(g.place, g.where, target) != rec.target_digest:
+                    raise IntegrityError(f"version {version}: record of {rec.tensor!r} does not lead to "
+                                         "its target digest")
+            else:
+                raise LineageError(f"version {version}: tensor {rec.tensor!r} holds neither the record's "
+                                   "base nor its target: changed behind the journal's back")
+            work.append(Write(g.index, rec, g.place, g.where, target, g.current, rec.kind == "xor", repaired))
+        work.sort(key=lambda w: w.index)
+        self._write_batch(ctx, batch, work, parallel)
+
+    def _write_batch(self, ctx: ApplyContext, batch: Batch, work: list[Write], parallel: bool) -> None:
+        """The batch's journal transactions around its writes, then its checks after writing."""
+        storage, report, version, seg = self.storage, ctx.report, ctx.version, batch.segment
+        start, end, torn = batch.start, batch.end, batch.torn
+        durable = storage.durable
+        # A torn range left by an interrupted apply stays declared until passed, whatever
+        # the batch boundaries of this run.
+        started_end = max(end, torn.stop)
+        if durable and work:
+            self.journal.stage(seg, start, started_end,
+                               {w.index: np.ascontiguousarray(w.target).data.cast("B")
+                                for w in work if w.redo})
+            self._hook("redo", version=version, segment=seg, start=start, end=end)
+        if self.fault is None and parallel and disjoint(work):
+            # Records that do not overlap are written in parallel. (Those of a version must
+            # not, but a reader does not take it on trust: overlapping ones are written in
+            # order. With a fault hook installed too, so that a test stops at a known record.)
+            for _ in map_ordered(lambda w: self._write(w, seg, ctx.undo), work, APPLY_WORKERS):
+                pass
+            report.written += len(work)
+            report.repaired += sum(w.repaired for w in work)
+        else:
+            for n, w in enumerate(work):
+                self._write(w, seg, ctx.undo)
+                report.written += 1
+                report.repaired += w.repaired
+                self._hook("record", version=version, segment=seg, record=w.index, written=n + 1)
+        if durable:
+            if work:
+                storage.flush()
+                self._hook("flushed", version=version, segment=seg, end=end)
+            self.journal.mark_applied(seg, end, max(end, torn.stop), range(start, end))
+            self._hook("applied", version=version, segment=seg, end=end)
+        if ctx.verify != "none":
+            checks = [w for w in work if ctx.verify == "full" or sampled(version, seg, w.index)]
+            sums = self.digests.sums([self.digests.part(w.place, w.where, storage.gather(w.place))
+                                      for w in checks])
+            for w, d in zip(checks, sums):
+                if d != w.record.target_digest:
+                    raise IntegrityError(f"version {version}: tensor {w.record.tensor!r} differs from "
+                                         "the record's target after writing")
+
+    def _write(self, w: Write, seg: int, undo: Undo | None) -> None:
+        if undo is None:
+            self.storage.write(w.place, w.target)
+            return
+        try:
+            self.storage.write(w.place, w.target)
+        except BaseException:
+            if w.base is not None:  # possibly half written: restore the gathered base
+                undo.records.append(UndoRecord(seg, w.index, w.base))
+            raise
+        if w.record.kind == "xor":
+            undo.records.append(UndoRecord(seg, w.index, None))
+        elif w.base is not None:
+            undo.records.append(UndoRecord(seg, w.index, w.base))
+
+    def rollback(self, table: Mapping[str, TensorInfo], cache: SegmentCache, undo: Undo) -> None:
+        """Memory storage: undo the residual rebuild, the written records (newest first),
+        then the layout change."""
+        storage = self.storage
+        if isinstance(storage, PlacedStorage):
+            storage.abort()
+        records_by_seg: dict[int, list[Record]] = {}
+        for undone in reversed(undo.records):
+            recs = records_by_seg.get(undone.segment)
+            if recs is None:
+                recs = records_by_seg[undone.segment] = cache.records(undone.segment)
+            rec = recs[undone.record]
+            info = table[rec.tensor]
+            changes = decode_record(rec, info)
+            place = storage.locate(rec.tensor, flat_positions(rec, info.shape, changes))
+            if undone.base is None:  # an xor is its own inverse
+                values = storage.select(place, changes.values)
+                storage.write(place, record_bases(rec.kind, changes, storage.gather(place), values))
+            else:
+                storage.write(place, undone.base)
+        if undo.layout:
+            storage.restore_layout(undo.layout)
+        self.journal.abort()
+
+
+def disjoint(work: Iterable[Write]) -> bool:
+    """Whether the records' flat spans (first to last position, per tensor) are disjoint."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for w in work:
+        where = w.where
+        if isinstance(where, slice):
+            span = (where.start, where.stop - 1)
+        elif where.size:
+            span = (int(where[0]), int(where[-1]))  # flat positions of a box increase
+        else:
+            continue
+        spans.setdefault(w.record.tensor, []).append(span)
+    for pieces in spans.values():
+        pieces.sort()
+        if any(start <= prev_end for (_, prev_end), (start, _) in zip(pieces, pieces[1:])):
+            return False
+    return True

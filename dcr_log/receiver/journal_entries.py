@@ -1,0 +1,283 @@
+"""The receiver journal's entries: their keys, their JSON encoding and decoding, and the
+checksum over them (spec/RECEIVER.md, "Journal").
+
+LMDB pages carry no checksums, so the journal keeps its own: the ``checksum`` entry holds the
+sum (mod 2**64) of one keyed xxh3 per entry and the id of the transaction that wrote it, and
+every write transaction (``SumTxn``) updates it with the entries it changes. ``verify_entries``
+checks it, with the structure of every entry, when the journal is first read. Pure decoding
+over an LMDB transaction: no environment is opened here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+from dcr_log.errors import IntegrityError
+from dcr_log.format import file_name_problem
+from dcr_log.format.tensors import digest_hex
+
+JOURNAL_FORMAT = b"dcr-receiver-journal/2"
+# Written before the journal had a checksum: still read, and upgraded at its next write.
+LEGACY_FORMAT = b"dcr-receiver-journal/1"
+
+K_FORMAT = b"format"
+K_LOG_ID = b"log_id"
+K_CURRENT = b"current"
+K_INFLIGHT = b"inflight"
+K_MATERIALIZING = b"materializing"
+K_PLACEMENT = b"placement"
+K_FILES = b"files"
+K_CHECKSUM = b"checksum"
+SEG_PREFIX = b"seg/"
+REDO_PREFIX = b"redo/"
+_KEYS = frozenset((K_FORMAT, K_LOG_ID, K_CURRENT, K_INFLIGHT, K_MATERIALIZING, K_PLACEMENT, K_FILES))
+_KEY_PATTERN = re.compile(rb"seg/[0-9]{8}|redo/[0-9]{8}/[0-9]{8}")
+_MASK = (1 << 64) - 1
+
+
+def seg_key(segment: int) -> bytes:
+    return SEG_PREFIX + b"%08d" % segment
+
+
+def redo_key(segment: int, record: int) -> bytes:
+    return REDO_PREFIX + b"%08d/%08d" % (segment, record)
+
+
+def json_bytes(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def entry_hash(key: bytes, value) -> int:
+    """One entry's share of the checksum: xxh3_64 (seed 0) of the key's length (8 bytes,
+    little-endian), the key and the value, hashed as one stream (no copy of a large value)."""
+    h = xxhash.xxh3_64(len(key).to_bytes(8, "little"))
+    h.update(key)
+    h.update(value)
+    return h.intdigest()
+
+
+def _checksum_value(total: int, txn_id: int) -> bytes:
+    return json_bytes({"entries": f"{total:016x}", "txn": txn_id})
+
+
+def _parse_checksum(value) -> tuple[int, int] | None:
+    """(entries sum, transaction id) of a ``checksum`` entry; None if it does not parse."""
+    try:
+        obj = json.loads(bytes(value))
+        entries, txn_id = obj["entries"], obj["txn"]
+        if (set(obj) != {"entries", "txn"} or type(entries) is not str or len(entries) != 16
+                or entries.strip("0123456789abcdef") or type(txn_id) is not int or txn_id < 0):
+            return None
+        return int(entries, 16), txn_id
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+
+
+def _entries_sum(txn) -> int:
+    total = 0
+    for key, value in txn.cursor():
+        key = bytes(key)
+        if key != K_CHECKSUM:
+            total += entry_hash(key, value)
+    return total & _MASK
+
+
+class SumTxn:
+    """A write transaction that keeps the ``checksum`` entry: every put and delete adds the
+    new entry's hash and subtracts the old one's, so a transaction hashes only what it
+    changes. (The transaction is opened with buffers: values are hashed where LMDB keeps
+    them, not copied.)"""
+
+    def __init__(self, txn):
+        self.txn = txn
+        stored = txn.get(K_CHECKSUM)
+        if stored is None:
+            # A new or a format-1 journal (verified structurally on open): sum what is there.
+            self.total = _entries_sum(txn)
+        else:
+            parsed = _parse_checksum(stored)
+            if parsed is None:
+                raise IntegrityError("journal checksum entry is not readable")
+            self.total = parsed[0]
+
+    def get(self, key: bytes):
+        return self.txn.get(key)
+
+    def put(self, key: bytes, value) -> None:
+        old = self.txn.get(key)
+        if old is not None:
+            self.total -= entry_hash(key, old)  # before the put: LMDB may reuse its buffer
+        self.txn.put(key, value)
+        self.total = (self.total + entry_hash(key, value)) & _MASK
+
+    def delete(self, key: bytes) -> None:
+        old = self.txn.get(key)
+        if old is not None:
+            self.total = (self.total - entry_hash(key, old)) & _MASK
+            self.txn.delete(key)
+
+    def delete_prefix(self, prefix: bytes) -> None:
+        cur = self.txn.cursor()
+        if not cur.set_range(prefix):
+            return
+        while True:
+            key = bytes(cur.key())
+            if not key.startswith(prefix):
+                break
+            self.total = (self.total - entry_hash(key, cur.value())) & _MASK
+            if not cur.delete():
+                break
+
+    def seal(self) -> None:
+        """Store the checksum, with this transaction's id (it ties the entry to the LMDB
+        snapshot that holds it: an older snapshot read in its place is found)."""
+        self.txn.put(K_CHECKSUM, _checksum_value(self.total, self.txn.id()))
+
+
+@dataclass(frozen=True)
+class JournalState:
+    log_id: str | None
+    version: int | None
+    state_digest: int | None
+    inflight: int | None
+    materializing: int | None
+    # The step in flight (RECEIVER.md section 8): "version", or a catch-up route's "squash"
+    # (from ``inflight_from``) or "snapshot".
+    inflight_kind: str = "version"
+    inflight_from: int | None = None
+
+    @property
+    def bound(self) -> bool:
+        return self.version is not None
+
+    def to_json(self) -> dict:
+        return {
+            "log_id": self.log_id,
+            "version": self.version,
+            "state_digest": None if self.state_digest is None else digest_hex(self.state_digest),
+            "inflight": self.inflight,
+            "inflight_kind": None if self.inflight is None else self.inflight_kind,
+            "inflight_from": self.inflight_from,
+            "materializing": self.materializing,
+        }
+
+
+@dataclass(frozen=True)
+class SegmentProgress:
+    """Records ``[0, done)`` of a segment are applied and flushed; records ``[done,
+    started_end)`` form the batch being written, whose xor records have redo images."""
+
+    done: int = 0
+    started_end: int = 0
+
+
+def read_state(txn) -> JournalState:
+    fmt = txn.get(K_FORMAT)
+    if fmt is not None and bytes(fmt) not in (JOURNAL_FORMAT, LEGACY_FORMAT):
+        raise IntegrityError(f"journal format {bytes(fmt)!r} is not {JOURNAL_FORMAT!r}")
+    log_id = txn.get(K_LOG_ID)
+    current = txn.get(K_CURRENT)
+    inflight = txn.get(K_INFLIGHT)
+    materializing = txn.get(K_MATERIALIZING)
+    try:
+        cur = json.loads(bytes(current)) if current is not None else None
+        step = json.loads(bytes(inflight)) if inflight is not None else {}
+        kind = step.get("kind", "version")
+        if kind not in ("version", "squash", "snapshot"):
+            raise ValueError(kind)
+        start = step.get("from")
+        if (start is None) != (kind != "squash"):
+            raise ValueError(start)
+        return JournalState(
+            log_id=None if log_id is None else bytes(log_id).decode(),
+            version=None if cur is None else int(cur["version"]),
+            state_digest=None if cur is None else int(cur["state_digest"], 16),
+            inflight=None if inflight is None else int(step["version"]),
+            materializing=None if materializing is None
+            else int(json.loads(bytes(materializing))["version"]),
+            inflight_kind=kind,
+            inflight_from=None if start is None else int(start),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise IntegrityError("journal entries are not readable") from None
+
+
+def read_progress(txn) -> dict[int, SegmentProgress]:
+    out: dict[int, SegmentProgress] = {}
+    for suffix, value in scan(txn, SEG_PREFIX):
+        try:
+            obj = json.loads(value)
+            prog = SegmentProgress(obj["done"], obj["started_end"])
+            if not (type(prog.done) is int and type(prog.started_end) is int
+                    and 0 <= prog.done <= prog.started_end):
+                raise ValueError
+            out[int(suffix)] = prog
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            raise IntegrityError("segment progress is not readable") from None
+    return out
+
+
+def read_files(txn) -> list[str]:
+    value = txn.get(K_FILES)
+    if value is None:
+        return []
+    try:
+        names = json.loads(bytes(value))
+        if not isinstance(names, list) or any(file_name_problem(n) is not None for n in names):
+            raise ValueError
+    except (ValueError, RecursionError):
+        raise IntegrityError("the file list is not readable") from None
+    return names
+
+
+def verify_entries(txn) -> bool:
+    """Check a journal snapshot (a read transaction) before anything is decided on it: its
+    checksum against its entries and the transaction that wrote it, then the structure of
+    every entry. Returns False for a journal without a checksum (format 1, or empty), which
+    gets one at its next write. Raises IntegrityError naming what is wrong."""
+    total = _entries_sum(txn)
+    stored, fmt = txn.get(K_CHECKSUM), txn.get(K_FORMAT)
+    stored = None if stored is None else bytes(stored)
+    fmt = None if fmt is None else bytes(fmt)
+    strange = next((key for key in map(bytes, txn.cursor().iternext(keys=True, values=False))
+                    if key not in _KEYS and key != K_CHECKSUM and _KEY_PATTERN.fullmatch(key) is None), None)
+    if stored is not None:
+        parsed = _parse_checksum(stored)
+        if parsed is None:
+            raise IntegrityError("its checksum entry is not readable")
+        if parsed[0] != total:
+            raise IntegrityError("its entries do not match their checksum")
+        if parsed[1] != txn.id():
+            raise IntegrityError(f"its checksum was written by transaction {parsed[1]}, "
+                                 f"not by the one LMDB reads ({txn.id()})")
+        if fmt != JOURNAL_FORMAT:
+            raise IntegrityError(f"format {fmt!r} with a checksum")
+    elif fmt == JOURNAL_FORMAT:
+        raise IntegrityError("its checksum entry is missing")
+    # The structure, as every reader below expects it (a format-1 journal has only this).
+    if strange is not None:
+        raise IntegrityError(f"unknown entry {strange[:40]!r}")
+    read_state(txn)
+    read_progress(txn)
+    read_files(txn)
+    placement = txn.get(K_PLACEMENT)
+    if placement is not None and re.fullmatch(rb"[0-9a-f]{64}", bytes(placement)) is None:
+        raise IntegrityError("the placement digest is not readable")
+    return stored is not None
+
+
+def scan(txn, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(key without prefix, value) of every key starting with ``prefix``, in key order."""
+    cur = txn.cursor()
+    if not cur.set_range(prefix):
+        return
+    for key, value in cur:
+        key = bytes(key)
+        if not key.startswith(prefix):
+            return
+        yield key[len(prefix):], bytes(value)

@@ -37,9 +37,6 @@ INVALID = sorted(p.name for p in (VECTORS / "invalid").iterdir() if (p / "expect
 # Invalid vectors that this implementation accepts although FORMAT.md says a reader MUST reject
 # them. strict: once the reader is fixed the test fails until the entry is removed.
 KNOWN_READER_GAPS: dict[str, str] = {
-    "catchup-retire-marker-bad-checksum": "DeltaLog.catchup does not check a snapshot's retire marker, nor "
-                                          "does plain verification (dcr_log/log/verify.py; FORMAT.md "
-                                          "sections 13 and 25)",
 }
 
 

@@ -17,6 +17,7 @@ from dcr_log.format import CommitRecord, CommitStats, SegmentRef
 from dcr_log.format.lifecycle import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    RETIRED,
     SNAPSHOTS_PREFIX,
     SQUASHES_PREFIX,
     CatchUp,
@@ -103,8 +104,23 @@ def catchup(log: DeltaLog, key: str) -> tuple[CatchUp, str]:
             raise IntegrityError(f"{what}: does not start from version {cu.start}'s state")
     if cu.start is None and cu.stats.changed_elements != cu.stats.total_elements:
         raise IntegrityError(f"{what}: a snapshot changes every element")
-    result = log.manifests[key] = (cu, hashlib.sha256(data).hexdigest())
+    sha256 = hashlib.sha256(data).hexdigest()
+    if cu.start is None:
+        _check_retire_marker(log, cu.version, sha256)
+    result = log.manifests[key] = (cu, sha256)
     return result
+
+
+def _check_retire_marker(log: DeltaLog, version: int, manifest_sha256: str) -> None:
+    """A retired snapshot is still read (by routes until it is deleted, and by verification):
+    its retire marker, if any, must be sound and name this manifest (FORMAT.md section 25)."""
+    key = snapshot_prefix(version) + RETIRED
+    try:
+        marker = log.marker(key)
+    except NotFoundError:
+        return
+    if marker.kind != "retired" or marker.snapshot_sha256 != manifest_sha256:
+        raise IntegrityError(f"{key}: does not name snapshot {version}'s manifest")
 
 
 def snapshots(log: DeltaLog, retired: bool = False) -> dict[int, CatchUp]:

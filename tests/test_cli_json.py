@@ -192,3 +192,25 @@ def test_tables_are_whole_without_a_terminal(tmp_path, ckpts):
         line = next(t for t in table.splitlines() if r["created_at"] in t)  # the timestamp whole
         assert str(r["bytes"]) in line and str(r["changed_elements"]) in line
     assert "…" not in table
+
+
+@pytest.mark.parametrize("features,expected", [("sum-digests", ["sum-digests"]), ("none", []),
+                                               ("ulp-encoding,sum-digests", ["sum-digests", "ulp-encoding"])])
+def test_init_features(tmp_path, ckpts, capsys, features, expected):
+    """``dcr init --features``: a log for readers without pcodec (no ulp records in any version)."""
+    from dcr_log.log.deltalog import DeltaLog
+
+    log = tmp_path / "log"
+    assert dcr(capsys, "init", log, "--from", ckpts[0], "--cache", "none", "--features", features, "--json")[0] == 0
+    assert dcr(capsys, "append", log, "--from", ckpts[1], "--cache", "none", "--json")[0] == 0
+    dlog = DeltaLog.open(log)
+    assert list(dlog.identity.features) == expected
+    encodings = {rec.encoding for rec in dlog.records(1)}
+    if "ulp-encoding" not in expected:
+        assert "ulp" not in encodings and encodings, encodings
+
+
+def test_init_refuses_unknown_features_before_writing(tmp_path, ckpts, capsys):
+    rc, rows, err = dcr(capsys, "init", tmp_path / "log", "--from", ckpts[0], "--features", "ulp", "--json")
+    assert rc == 2 and rows == [] and "unknown 'ulp'" in failure(err, rc)["error"]
+    assert not (tmp_path / "log").exists()

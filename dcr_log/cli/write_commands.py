@@ -21,8 +21,10 @@ from dcr_log.cli.app import (
     version_left,
 )
 from dcr_log.errors import UsageError
+from dcr_log.format import KNOWN_FEATURES
 from dcr_log.log.deltalog import DeltaLog
 from dcr_log.write.files import collect_files
+from dcr_log.write.sharded import DEFAULT_FEATURES
 from dcr_log.write.writer import LogWriter, default_writer_id
 
 
@@ -84,6 +86,15 @@ def _checkpoint_files(from_: Path, wanted: bool | None) -> dict[str, Path] | Non
     return collect_files(from_)
 
 
+def _features(text: str) -> tuple[str, ...]:
+    names = () if text.strip() in ("", "none") else tuple(f.strip() for f in text.split(","))
+    unknown = sorted(set(names) - KNOWN_FEATURES)
+    if unknown or "" in names:
+        raise UsageError(f"--features: unknown {', '.join(map(repr, unknown or ['']))}; known: "
+                         f"{', '.join(sorted(KNOWN_FEATURES))} (or none)")
+    return names
+
+
 def _files_json(commit) -> dict:
     if commit.files is None:
         return {}
@@ -102,10 +113,15 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
                                               "--files makes a log that carries files even if there are none yet"),
          cache: str | None = typer.Option(None, "--cache", help=CACHE_HELP),
          sign_key: Path | None = typer.Option(None, "--sign", help=SIGN_HELP),
+         features: str = typer.Option(
+             ",".join(DEFAULT_FEATURES), "--features",
+             help="the log's format features, comma-separated ('none': a plain format-1 log); leave out "
+                  "ulp-encoding for readers without pcodec (FORMAT.md section 14); files is added by --files"),
          as_json: bool = json_option()) -> None:
     """Create LOG; version 0 is the full state of the checkpoint (and its files: the log then
     carries every version's files)."""
     key = signing_key_option(sign_key)
+    chosen = _features(features)
     state = load_checkpoint(from_)
     carried = _checkpoint_files(from_, files)
     if carried is not None and not carried and files is None:
@@ -116,7 +132,7 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
     say_left(lambda: version_left(log, 0, writer_id))
     with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
         writer = LogWriter.create(log, state, progress=advance, cache_dir=cache_dir_option(cache),
-                                  signing_key=key, files=carried, writer_id=writer_id)
+                                  signing_key=key, files=carried, writer_id=writer_id, features=chosen)
     say_left(lambda: "version 0 committed")
     commit = writer.log.commit(0)
     say_result(as_json, {"version": 0, "tensors": len(commit.tensors), "bytes": commit.delta_bytes,

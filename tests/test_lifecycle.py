@@ -671,3 +671,26 @@ def test_gc_removes_temporary_files_a_killed_writer_left(tmp_path):
     report = gc(DeltaLog.open(root), keep_last=10, grace=3600, now=time.time() + 3601)
     assert report.orphans == 2 and not any(p.exists() for p in stale)
     assert DeltaLog.open(root).versions() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_verify_reads_the_log_starts_own_segments(tmp_path, deep):
+    """After retention the log start S > 0 is replayed from snapshot S, not from version S's own
+    segments (their parent expired); verification still reads those, deep or not."""
+    rng = np.random.default_rng(0)
+    state = make_state(rng, {"w": ("BF16", (64, 64))})
+    writer = LogWriter.create(tmp_path / "log", state, cache_dir=False)
+    for _ in range(4):
+        state = {n: change_words(rng, b, 0.05) for n, b in state.items()}
+        writer.append(state)
+    gc(DeltaLog.open(tmp_path / "log"), 2, grace=0)
+    log = DeltaLog.open(tmp_path / "log")
+    start = log.start()
+    assert start == 3
+    log.verify(deep=deep)
+    path = tmp_path / "log" / log.commit(start).segments[0].key
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="sha256"):
+        DeltaLog.open(tmp_path / "log").verify(deep=deep)

@@ -49,7 +49,9 @@ def verify(log: DeltaLog, deep: bool = False, progress: Progress | None = None) 
             raise IntegrityError(f"version {v}: parent digest does not match version {v - 1}")
         if state_digest(list(commit.tensors)) != commit.state_digest:
             raise IntegrityError(f"version {v}: state digest does not match its tensor table")
-        if not deep:
+        # Deep verification reads segments by replaying; a log start's own version (S > 0) is
+        # replayed from snapshot S, so its segments (a delta from the expired S - 1) are read here.
+        if not deep or (v == versions[0] and v > 0):
             for ref in commit.segments:
                 for _ in log.segment_records(v, ref):
                     pass

@@ -6,7 +6,7 @@ times at 0.1%, 1% and 3% changed, as ratios to ``np.copyto`` of the engine's par
                                  [--layers L] [--vocab V] [--rates 0.001,0.01,0.03] [--reps 3]
                                  [--engines torch,numpy] [--threads 1] [--json FILE] [--dir DIR]
 
-The engines are the test engines of ``tests/engines.py`` (vLLM-style placement: fused qkv and
+The engines are the test engines of ``tests/helpers/engines.py`` (vLLM-style placement: fused qkv and
 gate/up, MoE experts stacked, vocabulary padded, tied head, a scaled and an fp32 parameter
 rebuilt by the loader), one rank (tp 1). The tests directory is put on ``sys.path`` to import
 them. ``torch``: a ``TestEngine`` (torch parameters); ``numpy``: a ``NumpyEngine`` (numpy
@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
+from helpers.engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
 from dcr_log.engines.placement import Placement

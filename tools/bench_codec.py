@@ -54,11 +54,6 @@ def entropy_bits(values: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def best(fn, repeats: int) -> float:
-    """The fastest call's wall seconds (absolute speeds: no baseline)."""
-    return fastest(fn, repeats).wall
-
-
 def versus(pairing: Pairing, c_key: str, numpy_key: str) -> dict:
     """A C kernel (op) against numpy (baseline): median milliseconds and the median pair's ratio."""
     return {c_key: pairing.op_wall * 1e3, numpy_key: pairing.baseline_wall * 1e3, "c_to_numpy": pairing.ratio}
@@ -85,7 +80,7 @@ def rans_row(gaps: np.ndarray, distances: np.ndarray, k: int, repeats: int) -> d
         for symbols, model in streams:
             d.decode(model, symbols.size)
 
-    seconds = best(decode, repeats)
+    seconds = fastest(decode, repeats).wall
     return {"bits_per_change": words.nbytes * 8 / k, "decode_msym_s": 2 * k / seconds / 1e6}
 
 
@@ -109,8 +104,8 @@ def codec_rows(rates: list[float], n: int, levels: list[int], repeats: int, seed
         for level in levels:
             enc = UlpEncoding(level)
             params, payload = enc.encode("xor", changes, base=b, new=v)
-            encode_s = best(lambda: enc.encode("xor", changes, base=b, new=v), repeats)
-            decode_s = best(lambda: enc.decode("xor", params, payload, n, k, np.dtype("<u2")), repeats)
+            encode_s = fastest(lambda: enc.encode("xor", changes, base=b, new=v), repeats).wall
+            decode_s = fastest(lambda: enc.decode("xor", params, payload, n, k, np.dtype("<u2")), repeats).wall
             gap_file = int.from_bytes(payload[:8], "little")
             row["ulp"][level] = {
                 "bits_per_change": len(payload) * 8 / k,
@@ -126,7 +121,7 @@ def kernel_rows(n: int, gather_mib: int, repeats: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
     out = np.empty_like(base)
-    xor_s = best(lambda: np.bitwise_xor(base, base, out=out), repeats)
+    xor_s = fastest(lambda: np.bitwise_xor(base, base, out=out), repeats).wall
     found = {}
     for rate in (0.01, 0.03, 0.10):
         new = base.copy()

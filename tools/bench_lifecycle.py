@@ -23,6 +23,7 @@ On a bf16 Llama-shaped model (dcr_log.synthetic) trained by Adam steps that chan
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,10 @@ def remove_copy(dest: Path, cache_copy, no_cache) -> None:
         shutil.rmtree(cache_copy)
 
 
+def open_append(root: Path, cache, state) -> None:
+    LogWriter.open(root, cache_dir=cache).append(state)
+
+
 def open_and_append(long_: tuple, short: tuple, work: Path, repeats: int) -> Pairing:
     """LogWriter.open + append of the next step on the long log (op) and on the short one
     (baseline), alternately, each on a fresh copy of its log (the copies are not timed).
@@ -97,8 +102,8 @@ def open_and_append(long_: tuple, short: tuple, work: Path, repeats: int) -> Pai
         (lcopy, scopy) = (work / f"copy-long{i}", work / f"copy-short{i}")
         lcache = fresh_copy(long_[0], long_[1], lcopy, False)
         scache = fresh_copy(short[0], short[1], scopy, False)
-        pairings.append(paired(lambda: LogWriter.open(lcopy, cache_dir=lcache).append(states[0]),
-                               lambda: LogWriter.open(scopy, cache_dir=scache).append(states[1]), 1))
+        pairings.append(paired(functools.partial(open_append, lcopy, lcache, states[0]),
+                               functools.partial(open_append, scopy, scache, states[1]), 1))
         remove_copy(lcopy, lcache, False)
         remove_copy(scopy, scache, False)
     return Pairing.join(pairings)
@@ -124,7 +129,8 @@ def cli_append(long_: tuple, short: tuple, work: Path, repeats: int) -> Pairing:
         (lcopy, scopy) = (work / f"cli-long{i}", work / f"cli-short{i}")
         lcache = fresh_copy(long_[0], long_[1], lcopy, None)
         scache = fresh_copy(short[0], short[1], scopy, None)
-        pairings.append(paired(lambda: append(lcopy, lcache, ckpts[0]), lambda: append(scopy, scache, ckpts[1]), 1))
+        pairings.append(paired(functools.partial(append, lcopy, lcache, ckpts[0]),
+                               functools.partial(append, scopy, scache, ckpts[1]), 1))
         remove_copy(lcopy, lcache, None)
         remove_copy(scopy, scache, None)
     return Pairing.join(pairings)

@@ -4,8 +4,9 @@
 measurement has its baseline beside it, within the same second, on a machine whose load
 drifts; each pair gives a ratio (op wall time / baseline wall time) and the report is the
 median ratio with the medians of both and the spread of the ratios. ``timed(fn)`` measures
-one call; ``fastest(fn, repeats)`` is for an absolute speed with no baseline. All record wall time and CPU time (the whole process, every thread), read from an
-injectable ``Clock`` (tests/test_timing.py uses a fake one).
+one call; ``fastest(fn, repeats)`` is for an absolute speed with no baseline. All record wall
+time and CPU time (the whole process, every thread), read from an injectable ``Clock``
+(tests/test_timing.py uses a fake one).
 """
 
 from __future__ import annotations

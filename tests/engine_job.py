@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engines import EngineConfig, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
+from helpers.engines import EngineConfig, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
 
 VERSIONS = 8
 LAYOUT_CHANGES = (2, 3, 4, 5)  # the versions of canonical_at whose tensor table changes

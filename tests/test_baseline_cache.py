@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_same_bits, copy_state, make_state, change_words, run_cli
+from helpers import assert_same_bits, copy_state, make_state, change_words, run_cli
 from dcr_log import DeltaLog, IntegrityError, LogWriter
 from dcr_log.digest import SUM
 from dcr_log.format import version_key

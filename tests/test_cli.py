@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_file_holds, assert_one_line, change_words, copy_state, make_state, run_cli, snapshot_files
+from helpers import assert_file_holds, assert_one_line, change_words, copy_state, make_state, run_cli, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.state import TensorBits

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import change_words, make_state, start_cli
+from helpers import change_words, make_state, start_cli
 
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.cli import main
@@ -175,7 +175,7 @@ def dcr_subprocess_ok(*args) -> bool:
 
 def test_tables_are_whole_without_a_terminal(tmp_path, ckpts):
     """Through a pipe (no terminal) every cell is printed whole, not cut to 80 columns."""
-    from conftest import cli_env, run_cli
+    from helpers import cli_env, run_cli
 
     log = tmp_path / "log"
     assert run_cli("init", log, "--from", ckpts[0], "--cache", "none")[0] == 0

@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
-from conftest import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli, start_cli
+from helpers import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli, start_cli
 from dcr_log import CommitConflict, DeltaLog, LogWriter, create_log
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.write.differ import EncodePolicy

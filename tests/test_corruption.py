@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line, change_words, copy_state, make_state, run_cli, snapshot_files
+from helpers import assert_one_line, change_words, copy_state, make_state, run_cli, snapshot_files
 from dcr_log import CommitConflict, DeltaLog, IntegrityError, LogWriter, create_log
 from dcr_log.write.differ import EncodePolicy
 from dcr_log.format import CommitRecord, SegmentRef, version_key

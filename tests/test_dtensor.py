@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import dtensor_job as job
-from conftest import free_port, run_ranks
+from helpers import free_port, run_ranks
 from dcr_log import DeltaLog, ReplicaMismatch, UsageError
 
 JOB = Path(__file__).with_name("dtensor_job.py")

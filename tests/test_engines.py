@@ -1,4 +1,4 @@
-"""The vLLM-like test engines (tests/engines.py) place checkpoint tensors where vLLM would.
+"""The vLLM-like test engines (tests/helpers/engines.py) place checkpoint tensors where vLLM would.
 
 Expected placements are written out here from vLLM's rules, independently of the engine code,
 and compared as integer words (``bits``), never as floats."""
@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engines import (EngineConfig, NumpyEngine, TestEngine, canonical_shapes, engine_params,  # noqa: E402
+from helpers.engines import (EngineConfig, NumpyEngine, TestEngine, canonical_shapes, engine_params,  # noqa: E402
                      fresh_engine, fuse_bert_qkv, random_canonical)
 
 CFG = EngineConfig()

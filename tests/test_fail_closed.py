@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line, copy_state, snapshot_files
+from helpers import assert_one_line, copy_state, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.codec import ChangeSet, decode_changes, get_encoding
 from dcr_log.coords import Box, tiles, word_dtype

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (assert_file_holds, assert_one_line, change_words, cli_env, copy_state, make_state, minilm_dir,
+from helpers import (assert_file_holds, assert_one_line, change_words, cli_env, copy_state, make_state, minilm_dir,
                       run_cli, snapshot_files)
 from dcr_log import DeltaLog, IntegrityError, LogWriter, TensorBits, UsageError
 from dcr_log.checkpoint import save_safetensors

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from dcr_log.format.lifecycle import Marker
 from dcr_log.lifecycle import gc, write_snapshot
 from dcr_log.log import DeltaLog

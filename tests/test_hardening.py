@@ -18,7 +18,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from conftest import assert_file_holds, assert_one_line, cli_env, copy_state, snapshot_files
+from helpers import assert_file_holds, assert_one_line, cli_env, copy_state, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.checkpoint import INDEX_NAME
 from dcr_log.cli import main
@@ -581,7 +581,7 @@ def test_malformed_safetensors_headers_are_integrity_errors(tmp_path, capsys, he
 
 @pytest.mark.parametrize("keep", ["half the header", "half the data", "all but one byte"])
 def test_a_truncated_safetensors_file_says_it_is_truncated(tmp_path, capsys, keep):
-    from conftest import make_state
+    from helpers import make_state
 
     from dcr_log.checkpoint import read_header, save_safetensors
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from conftest import snapshot_files
+from helpers import snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.errors import DcrError, IntegrityError, StoreError
 from dcr_log.receiver import Receiver, open_directory

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
+from helpers import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
 from dcr_log import DeltaLog, LogWriter, UsageError
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.write.layout import check_layout_change

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import counting_store, assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
+from helpers import counting_store, assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
 from dcr_log.errors import CommitConflict, ExpiredError, IntegrityError, LineageError, UsageError
 from dcr_log.format.lifecycle import Marker, log_start_key
 from dcr_log.lifecycle import gc, parse_duration, write_snapshot, write_squash
@@ -100,7 +100,7 @@ def test_gc_keeps_the_last_versions_and_new_receivers_start_from_the_snapshot(lo
 
 
 def assert_same_bits_dir(directory: Path, expected: dict) -> None:
-    from conftest import assert_file_holds
+    from helpers import assert_file_holds
     assert_file_holds(directory / "model.safetensors", expected)
 
 
@@ -484,7 +484,7 @@ def test_engine_receivers_catch_up_through_a_squash_and_a_snapshot(tmp_path):
     (expired) the snapshot; both end bit-exact against a fresh engine's load_weights."""
     import torch  # noqa: F401  (the engines are torch modules)
     import engine_job as job
-    from engines import EngineConfig, TestEngine, engine_params, fresh_engine
+    from helpers.engines import EngineConfig, TestEngine, engine_params, fresh_engine
     from dcr_log.engines.discovery import discover
 
     cfg = EngineConfig()

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import cli_env, change_words, copy_state, make_state, run_cli, snapshot_files
+from helpers import cli_env, change_words, copy_state, make_state, run_cli, snapshot_files
 from dcr_log.errors import IntegrityError, LineageError
 from dcr_log.lifecycle import gc, write_snapshot, write_squash
 from dcr_log.log import DeltaLog
@@ -176,7 +176,7 @@ def test_mirror_to_s3_and_back(s3_server, tmp_path):
     code, out, err = run_cli("mirror", url, back)
     assert code == 0, err
     assert snapshot_files(back) == snapshot_files(src)
-    from conftest import assert_same_bits
+    from helpers import assert_same_bits
     assert_same_bits(DeltaLog.open(url).materialize(4), states[4])
 
 
@@ -184,7 +184,7 @@ def test_cli_mirror_follow_copies_new_versions_and_stops_on_sigterm(tmp_path):
     src = tmp_path / "src"
     states = _log(src, 2)
     dst = tmp_path / "dst"
-    from conftest import start_cli
+    from helpers import start_cli
     proc = start_cli("mirror", src, dst, "--follow", "--interval", "0.05")
     try:
         rng = np.random.default_rng(3)

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import (
+from helpers import (
     ALL_DTYPES,
     NUMPY_DTYPE,
     SPECIAL_WORDS,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_same_bits, change_words, copy_state, make_state
+from helpers import assert_same_bits, change_words, copy_state, make_state
 from dcr_log import DeltaLog, LineageError, TensorBits, UsageError, to_state
 from dcr_log.checkpoint import load_checkpoint
 from dcr_log.write.differ import EncodePolicy

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_file_holds, assert_one_line, assert_same_bits, change_words, make_state, run_cli, snapshot_files
+from helpers import assert_file_holds, assert_one_line, assert_same_bits, change_words, make_state, run_cli, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.checkpoint import INDEX_NAME, checkpoint_files, load_checkpoint, read_header
 from dcr_log.cli import main

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from conftest import change_words, copy_state, make_bits
+from helpers import change_words, copy_state, make_bits
 from dcr_log import DeltaLog, LineageError, TensorBits
 from dcr_log.checkpoint import load_checkpoint
 from dcr_log.coords import DTYPE_WIDTH

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import sharded_job as job
-from conftest import assert_file_holds, assert_same_bits, free_port, run_cli
+from helpers import assert_file_holds, assert_same_bits, free_port, run_cli
 from dcr_log import DeltaLog, LogWriter, TensorBits, UsageError
 from dcr_log.coords import numel
 from dcr_log.write.pieces import Shard

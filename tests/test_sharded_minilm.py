@@ -45,8 +45,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # also when run as a rank script
-from conftest import free_port, minilm_config, minilm_dir  # noqa: E402
-from conftest import run_ranks as conftest_run_ranks  # noqa: E402
+from helpers import free_port, minilm_config, minilm_dir  # noqa: E402
+from helpers import run_ranks as run_rank_processes  # noqa: E402
 
 STEPS = 10          # optimizer steps: versions 0 .. STEPS
 WORLD = 2
@@ -183,7 +183,7 @@ def run_ranks(log_dir: Path, out_dir: Path, work: Path) -> None:
     env = {"HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
     argv = [[sys.executable, __file__, str(rank), str(WORLD), str(port), str(log_dir), str(out_dir)]
             for rank in range(WORLD)]
-    ranks = conftest_run_ranks(argv, work, RANK_TIMEOUT, env)
+    ranks = run_rank_processes(argv, work, RANK_TIMEOUT, env)
     failed = [(r, rc) for r, (rc, _) in enumerate(ranks) if rc != 0]
     if failed:
         pytest.fail(f"rank processes failed {failed}:\n" + "\n".join(

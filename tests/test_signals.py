@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_file_holds, change_words, cli_env, make_state
+from helpers import assert_file_holds, change_words, cli_env, make_state
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.cli import main
 from dcr_log.errors import DcrError

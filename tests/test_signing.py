@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line, copy_state, snapshot_files
+from helpers import assert_one_line, copy_state, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.cli import main
 from dcr_log.errors import TrustError

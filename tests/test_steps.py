@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
-from conftest import assert_same_bits, change_words, copy_state, make_state
+from helpers import assert_same_bits, change_words, copy_state, make_state
 from dcr_log import IntegrityError
 from dcr_log.format import SegmentRef, encode_segment
 from dcr_log.lifecycle import write_snapshot, write_squash

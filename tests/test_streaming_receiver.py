@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import counting_store, change_words, copy_state, make_state
+from helpers import counting_store, change_words, copy_state, make_state
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver
 from dcr_log.receiver import segments as apply_module

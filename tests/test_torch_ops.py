@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SPECIAL_WORDS, random_words
+from helpers import SPECIAL_WORDS, random_words
 from dcr_log import torch_ops as T
 from dcr_log.codec import ChangeSet
 from dcr_log.codec import ulp
@@ -27,7 +27,7 @@ from dcr_log.state import to_bits
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# torch dtype -> safetensors dtype name (for conftest.random_words and its special words).
+# torch dtype -> safetensors dtype name (for helpers.random_words and its special words).
 DTYPES = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8",

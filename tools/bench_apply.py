@@ -10,7 +10,9 @@ The steps come from dcr_log.synthetic (Adam on an fp32 master, stored as bf16): 
 rate holding version 0 (the base) and version 1 (one step). Each timed apply takes a receiver
 holding version 0 to version 1 (reading and checking the segments, decoding, gathering,
 writing, flushing and journaling); the receiver is reset between repetitions, untimed.
-The best of ``--reps`` is reported.
+Each apply is paired with one ``np.copyto`` of the whole model right after it
+(tools/timing.py): seconds are the medians of ``--reps``, "x copyto" the median pair's speed
+ratio.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import math
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from dcr_log import DeltaLog, TensorBits
-from dcr_log.receiver import Receiver, write_checkpoint
-from dcr_log.state import to_torch
-from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, rate_of, specs_for_params
-from dcr_log.write import LogWriter
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import Pairing, fastest, paired  # noqa: E402
+
+from dcr_log import DeltaLog, TensorBits  # noqa: E402
+from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
+from dcr_log.state import to_torch  # noqa: E402
+from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, rate_of, specs_for_params  # noqa: E402
+from dcr_log.write import LogWriter  # noqa: E402
 
 
 def copy_state(state: dict[str, TensorBits]) -> dict[str, TensorBits]:
@@ -41,16 +46,21 @@ def reset(target: dict[str, TensorBits], base: dict[str, TensorBits]) -> None:
         np.copyto(target[k].words, v.words)
 
 
-def timed_apply(rx: Receiver, log: DeltaLog, verify: str) -> tuple[float, float]:
-    j0 = rx.journal.txn_seconds
-    t0 = time.perf_counter()
-    applied = rx.apply(log, to=1, verify=verify)
-    seconds = time.perf_counter() - t0
+def paired_apply(rx: Receiver, log: DeltaLog, verify: str, copyto, journal: list[float]) -> Pairing:
+    """One apply to version 1 paired with one ``copyto``; the apply's journal seconds go to ``journal``."""
+    applied: list[int] = []
+
+    def apply() -> None:
+        j0 = rx.journal.txn_seconds
+        applied.extend(rx.apply(log, to=1, verify=verify))
+        journal.append(rx.journal.txn_seconds - j0)
+
+    pairing = paired(apply, copyto, 1)
     assert applied == [1], applied
-    return seconds, rx.journal.txn_seconds - j0
+    return pairing
 
 
-def bench_memory(kind: str, log: DeltaLog, base, expected, verify: str, reps: int, work: Path):
+def bench_memory(kind: str, log: DeltaLog, base, expected, verify: str, reps: int, work: Path, copyto):
     if kind == "numpy":
         tensors = copy_state(base)
         words = {k: v.words for k, v in tensors.items()}
@@ -59,36 +69,34 @@ def bench_memory(kind: str, log: DeltaLog, base, expected, verify: str, reps: in
 
         tensors = {k: to_torch(TensorBits(v.dtype, v.shape, v.words.copy())) for k, v in base.items()}
         words = {k: t.view(torch.int16).numpy().reshape(-1).view(np.uint16) for k, t in tensors.items()}
-    best = None
+    pairings: list[Pairing] = []
+    journal: list[float] = []
     for r in range(reps):
         for k, v in base.items():
             np.copyto(words[k], v.words)
         with Receiver.open(tensors, work / f"journal-{log.log_id}-{kind}-{verify}-{r}") as rx:
             rx.bind(log, 0, verify="none")
-            seconds, journal = timed_apply(rx, log, verify)
-        if best is None or seconds < best[0]:
-            best = (seconds, journal)
+            pairings.append(paired_apply(rx, log, verify, copyto, journal))
     for k, v in expected.items():  # the benchmark measured a correct apply
         assert np.array_equal(words[k], v.words), k
-    return best
+    return Pairing.join(pairings), float(np.median(journal))
 
 
-def bench_checkpoint(log: DeltaLog, base, expected, verify: str, reps: int, work: Path):
-    best = None
+def bench_checkpoint(log: DeltaLog, base, expected, verify: str, reps: int, work: Path, copyto):
+    pairings: list[Pairing] = []
+    journal: list[float] = []
     for r in range(reps):
         directory = work / f"ckpt-{verify}-{r}"
         directory.mkdir()
         write_checkpoint(base, directory)
         with Receiver.open(directory) as rx:
             rx.bind(log, 0, verify="none")
-            seconds, journal = timed_apply(rx, log, verify)
+            pairings.append(paired_apply(rx, log, verify, copyto, journal))
             if r == reps - 1:
                 for k, v in expected.items():
                     assert np.array_equal(rx.storage.words(k), v.words), k
         shutil.rmtree(directory)
-        if best is None or seconds < best[0]:
-            best = (seconds, journal)
-    return best
+    return Pairing.join(pairings), float(np.median(journal))
 
 
 def main() -> int:
@@ -113,15 +121,15 @@ def run(args, work: Path) -> int:
     n = sum(math.prod(s.shape) for s in specs)
     model_bytes = 2 * n
     print(f"model: {len(specs)} bf16 tensors, {model_bytes / (1 << 20):.0f} MiB; "
-          f"verify levels {args.verify}; best of {args.reps}")
+          f"verify levels {args.verify}; medians of {args.reps}, each apply timed beside one np.copyto")
     lrs = (lr_for_rate(0.01), lr_for_rate(0.03))
     base_flat, new1, new3 = adam_step_pair(n, seed=7, lrs=lrs)
     base = carve(base_flat, specs)
 
-    # Baseline: copying the whole model once, in this process.
+    # Baseline: copying the whole model once, in this process (beside every apply, too).
     dst = np.empty_like(base_flat)
-    copy_s = min(_time(lambda: np.copyto(dst, base_flat)) for _ in range(3))
-    del dst
+    copyto = lambda: np.copyto(dst, base_flat)
+    copy_s = fastest(copyto, 3).wall
     copy_gbs = model_bytes / copy_s / 1e9
     print(f"np.copyto of the whole model: {copy_s * 1e3:.1f} ms, {copy_gbs:.2f} GB/s")
 
@@ -138,11 +146,12 @@ def run(args, work: Path) -> int:
         for verify in args.verify.split(","):
             for kind in args.receivers.split(","):
                 if kind == "ckpt":
-                    seconds, journal = bench_checkpoint(log, base, expected, verify, args.reps, work)
+                    pairing, journal = bench_checkpoint(log, base, expected, verify, args.reps, work, copyto)
                 else:
-                    seconds, journal = bench_memory(kind, log, base, expected, verify, args.reps, work)
+                    pairing, journal = bench_memory(kind, log, base, expected, verify, args.reps, work, copyto)
+                seconds = pairing.op_wall
                 gbs = model_bytes / seconds / 1e9
-                rows.append((kind, label, verify, seconds, gbs, gbs / copy_gbs, journal / seconds))
+                rows.append((kind, label, verify, seconds, gbs, 1 / pairing.ratio, journal / seconds))
         shutil.rmtree(root)
 
     header = ("receiver", "changed", "verify", "apply s", "GB/s", "x copyto", "journal %")
@@ -152,12 +161,6 @@ def run(args, work: Path) -> int:
         print("  ".join(f"{c:>9}" for c in (kind, label, verify, f"{seconds:.3f}", f"{gbs:.2f}",
                                              f"{ratio:.2f}", f"{share * 100:.1f}")))
     return 0
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -8,14 +8,16 @@ pair, default 4 Mi, one record's box), in one process:
   distances that are +1 or -1;
 - bits per change: the zeroth-order bound (log2 C(n, k) / k + the xor entropy), ``sparse``,
   and ``ulp`` at each of ``--levels`` (pcodec levels), with ulp's encode and decode speed in
-  M changes/s (one thread, best of ``--repeats``);
+  M changes/s (one thread, the fastest of ``--repeats``: no baseline);
 - the pcodec files against the empirical entropy of what they hold (gaps, distances);
 - where the ``constriction`` package is installed (it is not a dependency), a static rANS
   coder of ulp's symbols (gap and zigzagged distance, each as one categorical), for
   comparison: bits per change and decode M symbols/s;
 - the C change pass and ulp step against their numpy references; C gather and scatter
   against numpy's at 1% of a ``--gather-mib`` MiB array (default 256); a new buffer of that
-  size filled once, numpy's against dcr_log.buffers' huge pages.
+  size filled once, dcr_log.buffers' huge pages against numpy's. Each C (or huge-page) call is
+  paired with one call of its numpy baseline right after it (tools/timing.py): milliseconds are
+  medians of ``--repeats`` and the ratio C / numpy is the median pair's.
 
 Usage: python tools/bench_codec.py [--rates 0.01 0.03 0.10] [--elements N] [--json]
 """
@@ -26,17 +28,21 @@ import argparse
 import json
 import math
 import sys
-import time
+from pathlib import Path
 
 import numpy as np
 
-from dcr_log import buffers
-from dcr_log.codec.base import ChangeSet
-from dcr_log.codec.sparse import SparseEncoding
-from dcr_log.codec.ulp import UlpEncoding, step_from, step_from_numpy, ulp_distance
-from dcr_log.write.differ import _Scratch, find_changes, find_changes_numpy
-from dcr_log.log.records import gather_words, scatter_words
-from dcr_log.synthetic import adam_step_pair, lr_for_rate
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import Pairing, fastest, paired  # noqa: E402
+
+from dcr_log import buffers  # noqa: E402
+from dcr_log.codec.base import ChangeSet  # noqa: E402
+from dcr_log.codec.sparse import SparseEncoding  # noqa: E402
+from dcr_log.codec.ulp import UlpEncoding, step_from, step_from_numpy, ulp_distance  # noqa: E402
+from dcr_log.log.records import gather_words, scatter_words  # noqa: E402
+from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
+from dcr_log.write.differ import _Scratch, find_changes, find_changes_numpy  # noqa: E402
 
 
 def entropy_bits(values: np.ndarray) -> float:
@@ -48,13 +54,9 @@ def entropy_bits(values: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def versus(pairing: Pairing, c_key: str, numpy_key: str) -> dict:
+    """A C kernel (op) against numpy (baseline): median milliseconds and the median pair's ratio."""
+    return {c_key: pairing.op_wall * 1e3, numpy_key: pairing.baseline_wall * 1e3, "c_to_numpy": pairing.ratio}
 
 
 def rans_row(gaps: np.ndarray, distances: np.ndarray, k: int, repeats: int) -> dict | None:
@@ -78,7 +80,7 @@ def rans_row(gaps: np.ndarray, distances: np.ndarray, k: int, repeats: int) -> d
         for symbols, model in streams:
             d.decode(model, symbols.size)
 
-    seconds = best(decode, repeats)
+    seconds = fastest(decode, repeats).wall
     return {"bits_per_change": words.nbytes * 8 / k, "decode_msym_s": 2 * k / seconds / 1e6}
 
 
@@ -102,8 +104,8 @@ def codec_rows(rates: list[float], n: int, levels: list[int], repeats: int, seed
         for level in levels:
             enc = UlpEncoding(level)
             params, payload = enc.encode("xor", changes, base=b, new=v)
-            encode_s = best(lambda: enc.encode("xor", changes, base=b, new=v), repeats)
-            decode_s = best(lambda: enc.decode("xor", params, payload, n, k, np.dtype("<u2")), repeats)
+            encode_s = fastest(lambda: enc.encode("xor", changes, base=b, new=v), repeats).wall
+            decode_s = fastest(lambda: enc.decode("xor", params, payload, n, k, np.dtype("<u2")), repeats).wall
             gap_file = int.from_bytes(payload[:8], "little")
             row["ulp"][level] = {
                 "bits_per_change": len(payload) * 8 / k,
@@ -119,46 +121,46 @@ def kernel_rows(n: int, gather_mib: int, repeats: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
     out = np.empty_like(base)
-    xor_s = best(lambda: np.bitwise_xor(base, base, out=out), repeats)
+    xor_s = fastest(lambda: np.bitwise_xor(base, base, out=out), repeats).wall
     found = {}
     for rate in (0.01, 0.03, 0.10):
         new = base.copy()
         new[rng.random(n) < rate] ^= 1
         scratch = _Scratch()
-        found[rate] = {"c_ms": best(lambda: find_changes(base, new, scratch), repeats) * 1e3,
-                       "numpy_ms": best(lambda: find_changes_numpy(base, new, scratch), repeats) * 1e3}
+        found[rate] = versus(paired(lambda: find_changes(base, new, scratch),
+                                    lambda: find_changes_numpy(base, new, scratch), repeats), "c_ms", "numpy_ms")
     d = rng.choice(np.array([1, -1, 2], dtype=np.int16), n // 100).view(np.uint16)
     some = base[: d.size]
-    step = {"c_ms": best(lambda: step_from(some, d), repeats) * 1e3,
-            "numpy_ms": best(lambda: step_from_numpy(some, d), repeats) * 1e3}
+    step = versus(paired(lambda: step_from(some, d), lambda: step_from_numpy(some, d), repeats), "c_ms", "numpy_ms")
     big = np.zeros(gather_mib << 19, dtype=np.uint16)  # gather_mib MiB of bf16
     big[:] = 1
     where = np.sort(rng.choice(big.size, big.size // 100, replace=False)).astype(np.int64)
     values = gather_words(big, where)
-    moves = {"gather_c_ms": best(lambda: gather_words(big, where), repeats) * 1e3,
-             "gather_numpy_ms": best(lambda: big[where], repeats) * 1e3,
-             "scatter_c_ms": best(lambda: scatter_words(big, where, values), repeats) * 1e3}
 
     def numpy_scatter():
         big[where] = values
 
-    moves["scatter_numpy_ms"] = best(numpy_scatter, repeats) * 1e3
+    gather = paired(lambda: gather_words(big, where), lambda: big[where], repeats)
+    scatter = paired(lambda: scatter_words(big, where, values), numpy_scatter, repeats)
+    moves = {"gather_c_ms": gather.op_wall * 1e3, "gather_numpy_ms": gather.baseline_wall * 1e3,
+             "gather_c_to_numpy": gather.ratio, "scatter_c_ms": scatter.op_wall * 1e3,
+             "scatter_numpy_ms": scatter.baseline_wall * 1e3, "scatter_c_to_numpy": scatter.ratio}
     del big, where, values
     # A new buffer of gather_mib MiB filled once (the pages are faulted in on first write),
-    # numpy's own against dcr_log.buffers' huge pages; none is freed before the next.
+    # dcr_log.buffers' huge pages against numpy's own; none is freed before the last pair.
     source = np.ones(gather_mib << 19, dtype=np.uint16)
-    fill = {}
-    for label, make in (("numpy_ms", lambda: np.empty(source.size, np.uint16)),
-                        ("huge_pages_ms", lambda: buffers.zeros(source.size, np.uint16))):
-        kept, times = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            buf = make()
-            np.copyto(buf, source)
-            times.append(time.perf_counter() - t0)
-            kept.append(buf)
-        fill[label] = min(times) * 1e3
-        del kept
+    kept = []
+
+    def fill_new(make) -> None:
+        buf = make()
+        np.copyto(buf, source)
+        kept.append(buf)
+
+    filled = paired(lambda: fill_new(lambda: buffers.zeros(source.size, np.uint16)),
+                    lambda: fill_new(lambda: np.empty(source.size, np.uint16)), repeats)
+    kept.clear()
+    fill = {"numpy_ms": filled.baseline_wall * 1e3, "huge_pages_ms": filled.op_wall * 1e3,
+            "huge_pages_to_numpy": filled.ratio}
     return {"elements": n, "xor_ms": xor_s * 1e3, "find_changes": found, "ulp_step_1pct": step,
             "moves_1pct": {"mib": gather_mib, **moves}, "fresh_fill": {"mib": gather_mib, **fill}}
 
@@ -179,17 +181,20 @@ def print_report(report: dict) -> None:
         else:
             print("  rANS (constriction): not installed")
     k = report["kernels"]
-    print(f"kernels on {k['elements']:,} bf16 words (one xor pass {k['xor_ms']:.2f} ms):")
+    print(f"kernels on {k['elements']:,} bf16 words (one xor pass {k['xor_ms']:.2f} ms; medians, each C call "
+          "timed beside one numpy call, x: the median pair's C / numpy):")
     for rate, f in k["find_changes"].items():
-        print(f"  find_changes {100 * float(rate):g}%: C {f['c_ms']:.2f} ms, numpy {f['numpy_ms']:.2f} ms")
+        print(f"  find_changes {100 * float(rate):g}%: C {f['c_ms']:.2f} ms, numpy {f['numpy_ms']:.2f} ms "
+              f"({f['c_to_numpy']:.2f} x)")
     s = k["ulp_step_1pct"]
-    print(f"  ulp step of 1%: C {s['c_ms']:.3f} ms, numpy {s['numpy_ms']:.3f} ms")
+    print(f"  ulp step of 1%: C {s['c_ms']:.3f} ms, numpy {s['numpy_ms']:.3f} ms ({s['c_to_numpy']:.2f} x)")
     m = k["moves_1pct"]
-    print(f"  1% of {m['mib']} MiB: gather C {m['gather_c_ms']:.1f} ms, numpy {m['gather_numpy_ms']:.1f} ms; "
-          f"scatter C {m['scatter_c_ms']:.1f} ms, numpy {m['scatter_numpy_ms']:.1f} ms")
+    print(f"  1% of {m['mib']} MiB: gather C {m['gather_c_ms']:.1f} ms, numpy {m['gather_numpy_ms']:.1f} ms "
+          f"({m['gather_c_to_numpy']:.2f} x); scatter C {m['scatter_c_ms']:.1f} ms, numpy "
+          f"{m['scatter_numpy_ms']:.1f} ms ({m['scatter_c_to_numpy']:.2f} x)")
     f = k["fresh_fill"]
     print(f"  a new {f['mib']} MiB buffer filled: numpy {f['numpy_ms']:.0f} ms, "
-          f"huge pages {f['huge_pages_ms']:.0f} ms")
+          f"huge pages {f['huge_pages_ms']:.0f} ms ({f['huge_pages_to_numpy']:.2f} x)")
 
 
 def main(argv: list[str] | None = None) -> int:

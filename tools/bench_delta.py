@@ -8,8 +8,10 @@ calibrated so that ~1% and ~3% of the words change. For each rate it reports:
 - the zeroth-order entropy bound: log2 C(n, k) bits for the positions plus k * H(xor values),
   H the empirical entropy of the xor value histogram, and achieved ratio / bound ratio;
 - append GB/s (LogWriter.append into a local log) and replay GB/s (DeltaLog.apply_version of
-  that version onto the parent state): model bytes per second, best of ``--repeats``;
-- ``np.bitwise_xor(a, b, out=prealloc)`` GB/s on the same arrays, and the ratios to it.
+  that version onto the parent state): model bytes per second of the median call;
+- ``np.bitwise_xor(a, b, out=prealloc)`` GB/s on the same arrays, and the ratios to it: each
+  append and each apply is paired with one xor right after it (tools/timing.py), and the
+  ratio is the median pair's of ``--repeats``.
 
 Appends alternate new, base, new, ... so that every timed append and apply moves the same
 changes (forwards or backwards). Usage: python tools/bench_delta.py [--gib 0.25] [--json]
@@ -18,6 +20,7 @@ changes (forwards or backwards). Usage: python tools/bench_delta.py [--gib 0.25]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -28,8 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dcr_log import DeltaLog, LogWriter, TensorBits
-from dcr_log.synthetic import adam_step_pair, lr_for_rate, rate_of
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import Pairing, paired  # noqa: E402
+
+from dcr_log import DeltaLog, LogWriter, TensorBits  # noqa: E402
+from dcr_log.synthetic import adam_step_pair, lr_for_rate, rate_of  # noqa: E402
 
 ROW = 4096
 # One Llama-8B decoder layer's weight matrices, in rows of 4096: q, k, v, o, gate, up, down.
@@ -78,17 +85,6 @@ def entropy_bound_bits(base: np.ndarray, new: np.ndarray, xor_buf: np.ndarray) -
     return k, log2_binom + k * h
 
 
-def timed(fn) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the whole process, every thread) of one call."""
-    w0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - w0, time.process_time() - c0
-
-
-def best_time(fn, repeats: int) -> tuple[float, float]:
-    return min(timed(fn) for _ in range(repeats))
-
-
 def run(gib: float, rates: list[float], repeats: int, seed: int, log_dir: Path, say) -> dict:
     n = max(ROW, int(gib * (1 << 30)) // 2 // ROW * ROW)
     layout = tensor_rows(n)
@@ -112,7 +108,7 @@ def run(gib: float, rates: list[float], repeats: int, seed: int, log_dir: Path, 
     for rate, new in zip(rates, news):
         measured_rate = rate_of(base, new)
         k, bound_bits = entropy_bound_bits(base, new, xor_out)
-        xor_s, xor_cpu = best_time(lambda: np.bitwise_xor(base, new, out=xor_out), repeats)
+        xor = functools.partial(np.bitwise_xor, base, new, out=xor_out)
 
         new_state = as_state(new, layout)
         append_times, apply_times, delta_sizes = [], [], []
@@ -120,19 +116,24 @@ def run(gib: float, rates: list[float], repeats: int, seed: int, log_dir: Path, 
         for i in range(repeats):
             target = new_state if i % 2 == 0 else base_state
             commits = []
-            append_times.append(timed(lambda: commits.append(writer.append(target))))
+            append_times.append(paired(lambda: commits.append(writer.append(target)), xor, 1))
             commit = commits[0]
             if commit.stats.changed_elements != k:
                 raise SystemExit(f"append recorded {commit.stats.changed_elements} changes, expected {k}")
             delta_sizes.append(commit.delta_bytes)
-            apply_times.append(timed(lambda: reader.apply_version(replay_state, commit.version)))
+            apply_times.append(paired(lambda: reader.apply_version(replay_state, commit.version), xor, 1))
             for name, bits in replay_state.items():
                 if not np.array_equal(bits.words, target[name].words):
                     raise SystemExit(f"version {commit.version}: {name} not bit-exact after replay")
         delta_bytes = delta_sizes[0]
         ratio = dense_bytes / delta_bytes
         bound_ratio = 16 * n / bound_bits
-        (append_s, append_cpu), (apply_s, apply_cpu) = min(append_times), min(apply_times)
+        appends, applies = Pairing.join(append_times), Pairing.join(apply_times)
+        # Seconds are medians; xor's are those of all its calls (two per version).
+        xors = Pairing.join([appends, applies]).baseline
+        xor_s = float(np.median([x.wall for x in xors]))
+        xor_cpu = float(np.median([x.cpu for x in xors]))
+        append_s, append_cpu, apply_s, apply_cpu = appends.op_wall, appends.op_cpu, applies.op_wall, applies.op_cpu
         results.append({
             "target_rate": rate,
             "changed_rate": measured_rate,
@@ -145,8 +146,8 @@ def run(gib: float, rates: list[float], repeats: int, seed: int, log_dir: Path, 
             "xor_gbps": dense_bytes / xor_s / 1e9,
             "append_gbps": dense_bytes / append_s / 1e9,
             "replay_gbps": dense_bytes / apply_s / 1e9,
-            "append_to_xor": xor_s / append_s,
-            "replay_to_xor": xor_s / apply_s,
+            "append_to_xor": 1 / appends.ratio,  # the median pair's
+            "replay_to_xor": 1 / applies.ratio,
             "xor_s": xor_s,
             "append_s": append_s,
             "replay_s": apply_s,
@@ -169,7 +170,8 @@ def print_table(report: dict) -> None:
 
     table = Table("changed", "delta bytes", "ratio", "bound", "ratio/bound", "xor GB/s",
                   "append GB/s", "/xor", "replay GB/s", "/xor",
-                  title=f"{report['gib']:.3f} GiB bf16, {report['tensors']} tensors, best of {report['repeats']}",
+                  title=f"{report['gib']:.3f} GiB bf16, {report['tensors']} tensors, median of {report['repeats']} "
+                        "(/xor: the median pair, each call timed beside one xor)",
                   title_justify="left")
     for r in report["results"]:
         table.add_row(f"{100 * r['changed_rate']:.2f}%", f"{r['delta_bytes']:,}", f"{r['ratio']:.1f}",
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0, help="size of the bf16 state in GiB (default 1)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.01, 0.03], help="changed fractions")
-    ap.add_argument("--repeats", type=int, default=3, help="timed appends and applies per rate")
+    ap.add_argument("--repeats", type=int, default=3, help="timed appends and applies per rate (each paired with one xor)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", type=Path, default=None, help="log directory (default: a temporary one)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")

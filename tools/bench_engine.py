@@ -6,7 +6,7 @@ times at 0.1%, 1% and 3% changed, as ratios to ``np.copyto`` of the engine's par
                                  [--layers L] [--vocab V] [--rates 0.001,0.01,0.03] [--reps 3]
                                  [--engines torch,numpy] [--threads 1] [--json FILE] [--dir DIR]
 
-The engines are the test engines of ``tests/engines.py`` (vLLM-style placement: fused qkv and
+The engines are the test engines of ``tests/helpers/engines.py`` (vLLM-style placement: fused qkv and
 gate/up, MoE experts stacked, vocabulary padded, tied head, a scaled and an fp32 parameter
 rebuilt by the loader), one rank (tp 1). The tests directory is put on ``sys.path`` to import
 them. ``torch``: a ``TestEngine`` (torch parameters); ``numpy``: a ``NumpyEngine`` (numpy
@@ -17,16 +17,17 @@ one of them MoE, vocab 32000, bf16), holds about 156 MB of parameters per engine
 Each step is Adam-like: in every canonical tensor a random fraction ``rate`` of the elements
 moves by one ulp (sometimes two or three), done on integer views of the words. Every step is
 appended to one log (``LogWriter``) and applied by every engine receiver; each measurement uses
-its own version (``--reps`` repetitions per rate and mode, interleaved; the best is reported).
+its own version (``--reps`` repetitions per rate and mode, interleaved; medians are reported).
 Torch runs one intra-op thread by default (``--threads``): on shared cores torch's parallel
 indexing (the receiver's gathers and ``index_put_``) was seen 5-10x slower with 2 threads.
 After every apply each engine's parameters are compared, as integer words (``torch.equal``),
 with a fresh engine loaded with the dense canonical state; any difference exits with status 1.
 
-The baseline, measured in the same run: ``np.copyto`` of all the engine's parameters (numpy
-views of the same tensors) into a preallocated buffer, best of 3 at the start and 3 at the end
-(the minimum is used). Every time is printed as a ratio to it (x copy); absolute seconds drift
-on shared machines, ratios less.
+The baseline: ``np.copyto`` of all the engine's parameters (numpy views of the same tensors)
+into a preallocated buffer, timed once right after every stage/apply it is compared with
+(tools/timing.py). Every time is printed as the median pair's ratio to it (x copy); absolute
+seconds drift on shared machines, ratios less. Discovery, timed once, is compared with the
+best of 3 copies at the start and 3 at the end (the minimum).
 
 Columns: ``changed`` the elements the version changed (commit stats, % of all); ``delta`` the
 version's segment bytes; ``staged`` ``StageReport.staged_bytes`` (verify=sample);
@@ -43,7 +44,6 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import Pairing, Sample, fastest, paired, timed  # noqa: E402
+
+from helpers.engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
 from dcr_log.engines.placement import Placement
@@ -98,8 +101,8 @@ class Engine:
     rx: Receiver | None = None
     placement: Placement | None = None
     discover_s: float = 0.0
-    times: dict = field(default_factory=dict)   # (rate, mode, verify) -> [seconds, ...]
-    pauses: dict = field(default_factory=dict)  # (rate, verify) -> [seconds, ...]
+    # (rate, column, verify) -> [Pairing of one call with one copy, ...]; column: stage, pause, apply
+    pairings: dict = field(default_factory=dict)
     staged: dict = field(default_factory=dict)  # (rate, verify) -> [bytes, ...]
     owner: Any = None                           # the engine object (kept alive)
 
@@ -107,9 +110,8 @@ class Engine:
 def build_engine(kind: str, cfg: EngineConfig, commit0, canon, work: Path, log: DeltaLog) -> Engine:
     if kind == "torch":
         scratch = TestEngine(cfg)
-        t0 = time.perf_counter()
-        placement = discover(scratch.load_weights, commit0, engine_params(scratch), restore=False)
-        seconds = time.perf_counter() - t0
+        found = timed(lambda: discover(scratch.load_weights, commit0, engine_params(scratch), restore=False))
+        placement, seconds = found.result, found.wall
         del scratch
         engine = TestEngine(cfg)
         engine.load_weights(canon.items())
@@ -117,9 +119,9 @@ def build_engine(kind: str, cfg: EngineConfig, commit0, canon, work: Path, log: 
         storage, loader, dtypes = tensors, engine.load_weights, None
     elif kind == "numpy":
         scratch = NumpyEngine(cfg)
-        t0 = time.perf_counter()
-        placement = discover(scratch.load_weights, commit0, scratch.params, dtypes=scratch.dtypes, restore=False)
-        seconds = time.perf_counter() - t0
+        found = timed(lambda: discover(scratch.load_weights, commit0, scratch.params, dtypes=scratch.dtypes,
+                                       restore=False))
+        placement, seconds = found.result, found.wall
         del scratch
         engine = NumpyEngine(cfg)
         engine.load_weights(canon.items())
@@ -136,21 +138,20 @@ def build_engine(kind: str, cfg: EngineConfig, commit0, canon, work: Path, log: 
 
 # -- the baseline ----------------------------------------------------------------------------
 
-def copy_baseline(tensors: dict[str, torch.Tensor], reps: int = 3) -> float:
-    """Best of ``reps``: np.copyto of every parameter (numpy views) into one preallocated buffer."""
+def parameter_copy(tensors: dict[str, torch.Tensor]):
+    """The baseline call: np.copyto of every parameter (numpy views) into one preallocated buffer."""
     views = [words(t).numpy().reshape(-1).view(np.uint8) for t in tensors.values() if t.numel()]
     total = sum(v.size for v in views)
     buf = np.empty(total, dtype=np.uint8)
     buf.fill(1)  # touch every page before timing
     offs = np.concatenate([[0], np.cumsum([v.size for v in views])])
     dst = [buf[offs[i]:offs[i + 1]] for i in range(len(views))]
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
+
+    def copy() -> None:
         for d, v in zip(dst, views):
             np.copyto(d, v)
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    return copy
 
 
 # -- steps -----------------------------------------------------------------------------------
@@ -184,21 +185,23 @@ def bit_exact(engines: list[Engine], cfg: EngineConfig, canon) -> list[str]:
 
 # -- the run ---------------------------------------------------------------------------------
 
-def measure(e: Engine, log: DeltaLog, version: int, rate: float, mode: str, verify: str) -> None:
-    """Apply ``version`` to the engine's receiver: stage then apply(), or one apply(log)."""
+def measure(e: Engine, log: DeltaLog, version: int, rate: float, mode: str, verify: str, copy) -> None:
+    """Apply ``version`` to the engine's receiver: stage then apply(), or one apply(log); then one
+    ``copy`` (the baseline), timed right after."""
     if mode == "stage":
-        t0 = time.perf_counter()
-        report = e.rx.stage(log, version, verify=verify)
-        t1 = time.perf_counter()
-        got = e.rx.apply()
-        t2 = time.perf_counter()
-        e.times.setdefault((rate, "stage", verify), []).append(t1 - t0)
-        e.pauses.setdefault((rate, verify), []).append(t2 - t1)
-        e.staged.setdefault((rate, verify), []).append(report.staged_bytes)
+        staged = timed(lambda: e.rx.stage(log, version, verify=verify))
+        paused = timed(e.rx.apply)
+        c = timed(copy)
+        baseline = (Sample(c.wall, c.cpu),)
+        for column, t in (("stage", staged), ("pause", paused)):
+            e.pairings.setdefault((rate, column, verify), []).append(Pairing((Sample(t.wall, t.cpu),), baseline))
+        e.staged.setdefault((rate, verify), []).append(staged.result.staged_bytes)
+        got = paused.result
     else:
-        t0 = time.perf_counter()
-        got = e.rx.apply(log, verify=verify)
-        e.times.setdefault((rate, "apply", verify), []).append(time.perf_counter() - t0)
+        applied: list[int] = []
+        e.pairings.setdefault((rate, "apply", verify), []).append(
+            paired(lambda: applied.extend(e.rx.apply(log, verify=verify)), copy, 1))
+        got = applied
     if got != [version]:
         raise RuntimeError(f"{e.kind}: applied {got}, expected [{version}]")
 
@@ -216,7 +219,8 @@ def run(args) -> int:
         commit0 = log.commit(0)
         engines = [build_engine(k, cfg, commit0, canon, work, log) for k in kinds]
         param_bytes = sum(t.numel() * t.element_size() for t in engines[0].tensors.values())
-        copy_start = copy_baseline(engines[0].tensors)
+        copy = parameter_copy(engines[0].tensors)
+        copy_start = fastest(copy, 3).wall
         rng = np.random.default_rng(1)
         failures: list[str] = []
         deltas: dict[float, list] = {r: [] for r in rates}
@@ -230,7 +234,7 @@ def run(args) -> int:
                                              commit.delta_bytes))
                         log = DeltaLog.open(work / "log")
                         for e in engines:
-                            measure(e, log, commit.version, rate, mode, verify)
+                            measure(e, log, commit.version, rate, mode, verify, copy)
                         bad = bit_exact(engines, cfg, canon)
                         if bad:
                             failures.append(f"version {commit.version} ({rate:.2%}, {mode}:{verify}): "
@@ -239,7 +243,7 @@ def run(args) -> int:
             failures.append(f"{type(exc).__name__}: {exc}")
             print("FAILED:\n  " + "\n  ".join(failures))
             return 1
-        copy_end = copy_baseline(engines[0].tensors)
+        copy_end = fastest(copy, 3).wall
         copy_s = min(copy_start, copy_end)
         result = report_table(cfg, engines, rates, deltas, param_bytes, copy_s, copy_start, copy_end)
         result["failures"] = failures
@@ -267,7 +271,8 @@ def report_table(cfg, engines, rates, deltas, param_bytes, copy_s, copy_start, c
           f"(MoE {list(cfg.moe_layers)}, {cfg.num_experts} experts x {cfg.moe_intermediate}), vocab "
           f"{cfg.vocab_size}, {str(cfg.dtype).replace('torch.', '')}, tp 1: {param_bytes / mb:.1f} MB of parameters")
     print(f"baseline np.copyto of the parameters: {copy_s * 1e3:.1f} ms ({param_bytes / copy_s / 1e9:.2f} GB/s; "
-          f"best of 3 at start {copy_start * 1e3:.1f} ms, at end {copy_end * 1e3:.1f} ms); times below in x copy")
+          f"best of 3 at start {copy_start * 1e3:.1f} ms, at end {copy_end * 1e3:.1f} ms); times below in x copy: "
+          "the median pair's, each call timed beside one copy right after it")
     out: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in cfg.__dict__.items()},
         "param_bytes": param_bytes, "copy_seconds": copy_s, "copy_seconds_start": copy_start,
@@ -286,7 +291,7 @@ def report_table(cfg, engines, rates, deltas, param_bytes, copy_s, copy_start, c
     print()
     print(head)
     print("-" * len(head))
-    best: dict[tuple, float] = {}
+    median_s: dict[tuple, float] = {}
     for e in engines:
         for rate in rates:
             changed, total, dbytes = (int(np.median([x[i] for x in deltas[rate]])) for i in range(3))
@@ -295,11 +300,12 @@ def report_table(cfg, engines, rates, deltas, param_bytes, copy_s, copy_start, c
                    "staged_bytes_none": min(e.staged[(rate, "none")])}
             cells = []
             for c, v in cols:
-                s = min(e.pauses[(rate, v)]) if c == "pause" else min(e.times[(rate, c, v)])
-                best[(e.kind, rate, c, v)] = s
+                pairing = Pairing.join(e.pairings[(rate, c, v)])
+                s = pairing.op_wall  # the median
+                median_s[(e.kind, rate, c, v)] = s
                 row[f"{c}_{v}_seconds"] = s
-                row[f"{c}_{v}_x_copy"] = s / copy_s
-                cells.append(f"{s / copy_s:12.3f}")
+                row[f"{c}_{v}_x_copy"] = pairing.ratio
+                cells.append(f"{pairing.ratio:12.3f}")
             out["rows"].append(row)
             print(f"{e.kind:6s} {rate:5.1%} {changed:>8d} {changed / total:5.2%} {dbytes / mb:8.2f} "
                   f"{row['staged_bytes'] / mb:9.2f} " + " ".join(cells))
@@ -308,7 +314,7 @@ def report_table(cfg, engines, rates, deltas, param_bytes, copy_s, copy_start, c
         for e in engines:
             parts = []
             for c, v in cols[1:3] + cols[4:6]:
-                r = best[(e.kind, 0.01, c, v)] / best[(e.kind, 0.001, c, v)]
+                r = median_s[(e.kind, 0.01, c, v)] / median_s[(e.kind, 0.001, c, v)]
                 out["ratio_1pct_over_0_1pct"][f"{e.kind}_{c}_{v}"] = r
                 parts.append(f"{c}:{v} {r:5.1f}x {'holds' if r >= 5 else 'FAILS'}")
             print(f"  {e.kind:6s} " + "; ".join(parts))

@@ -7,12 +7,13 @@ snapshots, squashes and retention. One process; every ratio is taken within the 
 On a bf16 Llama-shaped model (dcr_log.synthetic) trained by Adam steps that change about
 ``--rate`` of the stored words:
 
-- `LogWriter.open` + `append` at log length 2 and ``--versions`` (best of ``--repeats``): with
-  the baseline cache, and without it (``cache_dir=False``: the baseline is materialized, by the
-  route of fewest bytes: the chain from version 0, or a snapshot and the versions after it);
-  reported as the ratio long / short (goal: at most 1.2);
-- `dcr append` (a subprocess, wall clock) at the same two lengths, with the cache and with
-  ``--cache none`` after a snapshot at the latest version;
+- `LogWriter.open` + `append` at log length 2 and ``--versions``: with the baseline cache, and
+  without it (``cache_dir=False``: the baseline is materialized, by the route of fewest bytes:
+  the chain from version 0, or a snapshot and the versions after it); the long log's call is
+  paired with the short one's right after it (tools/timing.py), ``--repeats`` pairs, reported
+  as medians and the median pair's ratio long / short (goal: at most 1.2);
+- `dcr append` (a subprocess, wall clock) at the same two lengths, paired the same way, with
+  the cache and with ``--cache none`` after a snapshot at the latest version;
 - a new receiver (a directory materialized from the log) after ``gc --keep-last 20``: the bytes
   it reads against the snapshot plus the deltas after it (goal: at most 1.1);
 - a receiver ``--behind`` versions behind: the bytes of the squash against the sum of the
@@ -22,6 +23,7 @@ On a bf16 Llama-shaped model (dcr_log.synthetic) trained by Adam steps that chan
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import subprocess
 import sys
@@ -30,6 +32,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import Pairing, paired  # noqa: E402
 
 from dcr_log.checkpoint import save_safetensors  # noqa: E402
 from dcr_log.lifecycle import gc, write_snapshot, write_squash  # noqa: E402
@@ -63,59 +68,72 @@ def build(root: Path, cache: Path, versions: int, mib: int, rate: float, seed: i
     return trainer
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def fresh_copy(root: Path, cache, dest: Path, no_cache):
+    """A copy of the log ``root`` at ``dest`` and of its cache beside it (``no_cache`` when
+    ``cache`` is ``no_cache``): the log and cache an untimed call works on. Returns the cache."""
+    shutil.copytree(root, dest)
+    if cache is no_cache:
+        return no_cache
+    cache_copy = dest.with_name(dest.name + "-cache")
+    shutil.copytree(cache, cache_copy)
+    return cache_copy
 
 
-def open_and_append(root: Path, cache, trainer: SyntheticTrainer, work: Path, repeats: int) -> float:
-    """Best time of LogWriter.open + append of the next step, each on a fresh copy of the log
-    (the copy and the cache copy are not timed)."""
-    times = []
-    trainer.step(trainer.lr)
-    state = trainer.state()
+def remove_copy(dest: Path, cache_copy, no_cache) -> None:
+    shutil.rmtree(dest)
+    if cache_copy is not no_cache:
+        shutil.rmtree(cache_copy)
+
+
+def open_append(root: Path, cache, state) -> None:
+    LogWriter.open(root, cache_dir=cache).append(state)
+
+
+def open_and_append(long_: tuple, short: tuple, work: Path, repeats: int) -> Pairing:
+    """LogWriter.open + append of the next step on the long log (op) and on the short one
+    (baseline), alternately, each on a fresh copy of its log (the copies are not timed).
+    ``long_`` and ``short`` are (root, cache or False, trainer)."""
+    states = []
+    for _, _, trainer in (long_, short):
+        trainer.step(trainer.lr)
+        states.append(trainer.state())
+    pairings = []
     for i in range(repeats):
-        copy = work / f"copy{i}"
-        shutil.copytree(root, copy)
-        cache_copy = False
-        if cache is not False:
-            cache_copy = work / f"cache{i}"
-            shutil.copytree(cache, cache_copy)
-        t0 = time.perf_counter()
-        LogWriter.open(copy, cache_dir=cache_copy).append(state)
-        times.append(time.perf_counter() - t0)
-        shutil.rmtree(copy)
-        if cache_copy:
-            shutil.rmtree(cache_copy)
-    return min(times)
+        (lcopy, scopy) = (work / f"copy-long{i}", work / f"copy-short{i}")
+        lcache = fresh_copy(long_[0], long_[1], lcopy, False)
+        scache = fresh_copy(short[0], short[1], scopy, False)
+        pairings.append(paired(functools.partial(open_append, lcopy, lcache, states[0]),
+                               functools.partial(open_append, scopy, scache, states[1]), 1))
+        remove_copy(lcopy, lcache, False)
+        remove_copy(scopy, scache, False)
+    return Pairing.join(pairings)
 
 
-def cli_append(root: Path, cache, trainer: SyntheticTrainer, work: Path, repeats: int) -> float:
-    """Best wall time of ``dcr append`` of the next step onto a fresh copy of the log."""
-    trainer.step(trainer.lr)
-    ckpt = work / "next.safetensors"
-    save_safetensors(trainer.state(), ckpt)
+def cli_append(long_: tuple, short: tuple, work: Path, repeats: int) -> Pairing:
+    """``dcr append`` of the next step onto a fresh copy of the long log (op) and of the short
+    one (baseline), alternately, wall clock. ``long_`` and ``short`` are (root, cache or None,
+    trainer)."""
     dcr = Path(sys.executable).with_name("dcr")
-    times = []
+    ckpts = []
+    for which, (_, _, trainer) in (("long", long_), ("short", short)):
+        trainer.step(trainer.lr)
+        ckpts.append(work / f"next-{which}.safetensors")
+        save_safetensors(trainer.state(), ckpts[-1])
+
+    def append(copy: Path, cache, ckpt: Path) -> None:
+        subprocess.run([str(dcr), "append", str(copy), "--from", str(ckpt), "--cache",
+                        "none" if cache is None else str(cache)], check=True, capture_output=True)
+
+    pairings = []
     for i in range(repeats):
-        copy = work / f"cli{i}"
-        shutil.copytree(root, copy)
-        cache_arg = "none"
-        if cache is not None:
-            cache_arg = str(work / f"clicache{i}")
-            shutil.copytree(cache, cache_arg)
-        t0 = time.perf_counter()
-        subprocess.run([str(dcr), "append", str(copy), "--from", str(ckpt), "--cache", cache_arg],
-                       check=True, capture_output=True)
-        times.append(time.perf_counter() - t0)
-        shutil.rmtree(copy)
-        if cache is not None:
-            shutil.rmtree(cache_arg)
-    return min(times)
+        (lcopy, scopy) = (work / f"cli-long{i}", work / f"cli-short{i}")
+        lcache = fresh_copy(long_[0], long_[1], lcopy, None)
+        scache = fresh_copy(short[0], short[1], scopy, None)
+        pairings.append(paired(functools.partial(append, lcopy, lcache, ckpts[0]),
+                               functools.partial(append, scopy, scache, ckpts[1]), 1))
+        remove_copy(lcopy, lcache, None)
+        remove_copy(scopy, scache, None)
+    return Pairing.join(pairings)
 
 
 def main() -> None:
@@ -137,23 +155,24 @@ def main() -> None:
         rows = []
         for label, cache_s, cache_l in (("with the baseline cache", work / "cache-short", work / "cache-long"),
                                         ("without the cache (materialize)", False, False)):
-            a = open_and_append(short, cache_s, t_short, work, args.repeats)
-            b = open_and_append(long_, cache_l, t_long, work, args.repeats)
-            rows.append((label, a, b))
+            rows.append((label, open_and_append((long_, cache_l, t_long), (short, cache_s, t_short), work,
+                                                args.repeats)))
         write_snapshot(DeltaLog.open(long_), args.versions - 1)
-        a = open_and_append(short, False, t_short, work, args.repeats)
-        b = open_and_append(long_, False, t_long, work, args.repeats)
-        rows.append(("without the cache, snapshot at the latest", a, b))
-        print(f"\nLogWriter.open + append, best of {args.repeats} (goal: long/short <= 1.2)")
-        for label, a, b in rows:
-            print(f"  {label:<44} length 2: {a:.3f} s  length {args.versions}: {b:.3f} s  ratio {b / a:.2f}")
-        cli = [(label, cli_append(short, cache_s, t_short, work, args.repeats),
-                cli_append(long_, cache_l, t_long, work, args.repeats))
+        rows.append(("without the cache, snapshot at the latest",
+                     open_and_append((long_, False, t_long), (short, False, t_short), work, args.repeats)))
+        print(f"\nLogWriter.open + append, medians of {args.repeats}, each long call timed beside a short one; "
+              "ratio: the median pair's (goal: long/short <= 1.2)")
+        for label, p in rows:
+            print(f"  {label:<44} length 2: {p.baseline_wall:.3f} s  length {args.versions}: {p.op_wall:.3f} s  "
+                  f"ratio {p.ratio:.2f}")
+        cli = [(label, cli_append((long_, cache_l, t_long), (short, cache_s, t_short), work, args.repeats))
                for label, cache_s, cache_l in (("with the baseline cache", work / "cache-short", work / "cache-long"),
                                                ("--cache none, snapshot at the latest", None, None))]
-        print(f"`dcr append` in a subprocess (wall clock, process start included), best of {args.repeats}")
-        for label, a, b in cli:
-            print(f"  {label:<44} length 2: {a:.3f} s  length {args.versions}: {b:.3f} s  ratio {b / a:.2f}")
+        print(f"`dcr append` in a subprocess (wall clock, process start included), medians of {args.repeats}, "
+              "paired the same way")
+        for label, p in cli:
+            print(f"  {label:<44} length 2: {p.baseline_wall:.3f} s  length {args.versions}: {p.op_wall:.3f} s  "
+                  f"ratio {p.ratio:.2f}")
 
         log = DeltaLog.open(long_)
         report = gc(log, keep_last=20, grace=0)

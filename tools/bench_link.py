@@ -98,7 +98,7 @@ def main() -> int:
         if shutil.which(tool) is None:
             print(f"bench_link needs the {tool} command (iproute2)")
             return 2
-    from seaweed import SeaweedServer
+    from helpers.seaweed import SeaweedServer
 
     from dcr_log.checkpoint import save_safetensors
     from dcr_log.log import DeltaLog

@@ -24,13 +24,16 @@ rows of embed/q/k/v/gate/up/lm_head (column parallel, vocab parallel), column bl
   (built in process by LogWriter, which leaves the baseline cache the CLI resumes from), and the
   same without the cache (``--cache none``: a replay), next to ``python -m dcr_log.cli.app`` (the imports alone).
 
-Every figure is the best of ``--repeats``; ratios are taken within the run (shared, noisy
-machines). The 2-rank log's last version is replayed and checked bit-exact at the end.
+The ranks' figures are medians of ``--repeats``, each create and append paired with one xor
+right after it (tools/timing.py), and their ratios to xor the median pair's; the `dcr append`
+figures are the best of ``--repeats``, the two log lengths run alternately. Ratios are taken
+within the run (shared, noisy machines). The 2-rank log's last version is replayed and checked bit-exact at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -44,6 +47,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import Pairing, paired  # noqa: E402
 
 SPLIT_ROWS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 SPLIT_COLS = ("o_proj", "down_proj")
@@ -139,40 +146,44 @@ def rank_main(rank: int, world: int, port: int, work: Path, repeats: int, change
     reset_ok = reset_peak_rss()
     rss_data = vm_kib("VmRSS") * 1024
 
-    def timed(fn):
-        dist.barrier()
-        w0, c0 = time.perf_counter(), time.process_time()
-        out = fn()
-        return time.perf_counter() - w0, time.process_time() - c0, out
-
+    # Each create and append is paired with one xor right after it (tools/timing.py), every
+    # timed call started on all ranks together.
     xor_out = np.empty_like(base_flat)
-    xor = min(timed(lambda: np.bitwise_xor(base_flat, new_flat, out=xor_out))[:2] for _ in range(repeats))
+    xor = functools.partial(np.bitwise_xor, base_flat, new_flat, out=xor_out)
 
-    creates, writer = [], None
+    creates, writers = [], []
     for i in range(repeats):
         log_dir, cache = work / f"log-w{world}-{i}", work / f"cache-w{world}-{i}"
-        wall, cpu, writer = timed(lambda: ShardedWriter.create(log_dir, base_shards, shapes, cache_dir=cache))
-        creates.append((wall, cpu))
+        creates.append(paired(lambda: writers.append(ShardedWriter.create(log_dir, base_shards, shapes,
+                                                                          cache_dir=cache)),
+                              xor, 1, before=dist.barrier))
         dist.barrier()
         if rank == 0 and i:  # keep the disk use of one log
             shutil.rmtree(work / f"log-w{world}-{i - 1}")
         shutil.rmtree(work / f"cache-w{world}-{i - 1}", ignore_errors=True)
 
+    writer = writers[-1]
+    del writers[:-1]
     peak_create = vm_kib("VmHWM") * 1024
     reset_peak_rss()
     rss_appends = vm_kib("VmRSS") * 1024
-    appends = []
+    appends, commits = [], []
     for i in range(repeats):
-        wall, cpu, commit = timed(lambda: writer.append(new_shards if i % 2 == 0 else base_shards))
+        target = new_shards if i % 2 == 0 else base_shards
+        appends.append(paired(lambda: commits.append(writer.append(target)), xor, 1, before=dist.barrier))
+        commit = commits.pop()
         if commit.stats.changed_elements != changed:
             raise SystemExit(f"rank {rank}: version {commit.version} recorded "
                              f"{commit.stats.changed_elements} changes, expected {changed}")
-        appends.append((wall, cpu))
+    create, append = Pairing.join(creates), Pairing.join(appends)
+    xors = Pairing.join([create, append]).baseline  # two xors per repeat: their medians
     result = {
         "rank": rank, "world": world, "bytes": nbytes, "pieces": len(plan),
-        "xor_s": xor[0], "xor_cpu_s": xor[1],
-        "create_s": min(creates)[0], "create_cpu_s": min(creates)[1],
-        "append_s": min(appends)[0], "append_cpu_s": min(appends)[1],
+        "xor_s": float(np.median([x.wall for x in xors])), "xor_cpu_s": float(np.median([x.cpu for x in xors])),
+        "create_s": create.op_wall, "create_cpu_s": create.op_cpu,
+        "append_s": append.op_wall, "append_cpu_s": append.op_cpu,
+        # speed as a ratio to xor (1 = as fast), the median pair's
+        "create_to_xor": 1 / create.ratio, "append_to_xor": 1 / append.ratio,
         "rss_start": rss_start, "rss_data": rss_data, "rss_peak_create": peak_create,
         "rss_before_appends": rss_appends, "rss_peak_append": vm_kib("VmHWM") * 1024,
         "peak_reset": reset_ok, "log": str(work / f"log-w{world}-{repeats - 1}"), "version": writer.version,
@@ -329,7 +340,8 @@ def print_report(rep: dict) -> None:
     t = Table("ranks", "rank", "shard MiB", "xor GB/s", "create GB/s", "/xor", "append GB/s", "/xor",
               "CPU s: xor", "create", "append",
               title=f"ShardedWriter, {rep['mib']:.1f} MiB bf16 model, {rep['tensors']} tensors, "
-                    f"{100 * rep['rate']:.2f}% changed, best of {rep['repeats']}", title_justify="left")
+                    f"{100 * rep['rate']:.2f}% changed, medians of {rep['repeats']}; /xor: the median pair, each "
+                    "call timed beside one xor", title_justify="left")
     m = Table("ranks", "rank", "shard MiB", "RSS start", "RSS with data", "peak: create", "/shard", "extra/shard",
               "before appends", "peak: appends", "/shard", "extra/shard",
               title="RSS per rank, MiB (VmHWM per phase; extra = peak minus RSS with data)", title_justify="left")
@@ -337,8 +349,8 @@ def print_report(rep: dict) -> None:
     for world in (1, 2):
         for r in rep["ranks"][str(world)]:
             t.add_row(str(world), str(r["rank"]), f"{r['bytes'] / mib:.1f}", f"{gbps(r['bytes'], r['xor_s']):.2f}",
-                      f"{gbps(r['bytes'], r['create_s']):.3f}", f"{r['xor_s'] / r['create_s']:.3f}",
-                      f"{gbps(r['bytes'], r['append_s']):.3f}", f"{r['xor_s'] / r['append_s']:.3f}",
+                      f"{gbps(r['bytes'], r['create_s']):.3f}", f"{r['create_to_xor']:.3f}",
+                      f"{gbps(r['bytes'], r['append_s']):.3f}", f"{r['append_to_xor']:.3f}",
                       f"{r['xor_cpu_s']:.3f}", f"{r['create_cpu_s']:.3f}", f"{r['append_cpu_s']:.3f}")
             sb = r["bytes"]
             m.add_row(str(world), str(r["rank"]), f"{sb / mib:.1f}", f"{r['rss_start'] / mib:.0f}",
@@ -385,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--append-mib", type=float, default=64, help="checkpoint size for `dcr append` (default 64)")
     ap.add_argument("--versions", type=int, default=50, help="length of the long log for `dcr append` (default 50)")
     ap.add_argument("--rate", type=float, default=0.01, help="changed fraction per step (default 0.01)")
-    ap.add_argument("--repeats", type=int, default=3, help="best of N (default 3)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="medians (rank figures) and best (`dcr append`) of N (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900, help="seconds per rank family before it is killed")
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")

@@ -27,9 +27,12 @@ Bytes per pair:
 - the bound: log2 C(n, k) bits for the positions (n elements, k changed) plus k times the
   empirical entropy of the xor values of the changed words (tools/bench_delta.py).
 
-Throughput (bf16 pairs only; the MiniLM trace is too small to time), best of ``--repeats``, as
-model bytes per second and as ratios to ``np.bitwise_xor(base, new, out=prealloc)`` on the same
-flat arrays (and to ``np.copyto`` of the whole state):
+Throughput (bf16 pairs only; the MiniLM trace is too small to time), as model bytes per second
+and as ratios to ``np.bitwise_xor(base, new, out=prealloc)`` on the same flat arrays (and to
+``np.copyto`` of the whole state). Each timed call is paired with one call of its baseline right
+after it (tools/timing.py): ``--repeats`` pairs, and the ratio reported is the median pair's;
+seconds are medians. The baseline of dense create is ``np.copyto``, of everything else xor (its
+ratio to copyto follows through xor's own pairing with copyto):
 
 - append: ``writer.append``, alternating new, base, new, ... so that every timed append
   moves the same changes; replay: ``DeltaLog.apply_version`` of each of those versions onto a
@@ -54,6 +57,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import inspect
 import json
@@ -72,7 +76,8 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_delta import ROW, as_state, best_time, entropy_bound_bits, tensor_rows, timed  # noqa: E402
+from bench_delta import ROW, as_state, entropy_bound_bits, tensor_rows  # noqa: E402
+from timing import Pairing, paired  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
@@ -280,14 +285,16 @@ def check_words(got: dict[str, np.ndarray], expected: dict[str, TensorBits], wha
             raise SystemExit(f"{what}: {name} is not bit-exact")
 
 
-def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: int, work: Path) -> dict:
-    """Best apply seconds of ``version`` from its parent (holding base) for each receiver kind."""
+def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: int, work: Path,
+                   xor) -> dict[str, Pairing]:
+    """Apply of ``version`` from its parent (holding base) for each receiver kind, each apply
+    paired with one call of ``xor``."""
     import torch  # noqa: F401  (the torch receiver)
 
     parent = version - 1
     out = {}
     for kind in ("numpy", "torch", "ckpt"):
-        times = []
+        pairings = []
         if kind != "ckpt":
             words = {k: v.words.copy() for k, v in base_state.items()}
             if kind == "numpy":
@@ -302,7 +309,7 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
                 write_checkpoint(base_state, directory)
                 with Receiver.open(directory) as rx:
                     rx.bind(log, parent, verify="none")
-                    times.append(timed(lambda: applied.extend(rx.apply(log, to=version))))
+                    pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version)), xor, 1))
                     check_words({k: rx.storage.words(k) for k in new_state}, new_state,
                                 f"checkpoint receiver, version {version}")
                 shutil.rmtree(directory)
@@ -312,28 +319,25 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
                 journal = work / f"journal-{kind}-{version}-{r}"
                 with Receiver.open(tensors, journal) as rx:
                     rx.bind(log, parent, verify="none")
-                    times.append(timed(lambda: applied.extend(rx.apply(log, to=version))))
+                    pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version)), xor, 1))
                 check_words(words, new_state, f"{kind} receiver, version {version}")
                 shutil.rmtree(journal)
             if applied != [version]:
                 raise SystemExit(f"{kind} receiver applied {applied}, expected [{version}]")
-        out[kind] = min(times)
+        out[kind] = Pairing.join(pairings)
         if kind != "ckpt":
             del tensors, words
     return out
 
 
-def time_dense_create(base_state, repeats: int, work: Path) -> tuple[float, float]:
-    times = []
+def time_dense_create(base_state, repeats: int, work: Path, copyto) -> Pairing:
+    """``LogWriter.create`` of the base into fresh directories, each paired with one ``copyto``."""
+    pairings = []
     for r in range(repeats):
         directory = work / f"create-{r}"
-        times.append(timed(lambda: LogWriter.create(directory, base_state, cache_dir=False)))
+        pairings.append(paired(lambda: LogWriter.create(directory, base_state, cache_dir=False), copyto, 1))
         shutil.rmtree(directory)
-    return min(times)
-
-
-def time_nemo_encode(pair: Pair, scratch, cctx, repeats: int) -> tuple[float, float]:
-    return best_time(lambda: nemo_like_bytes(pair, scratch, cctx), repeats)
+    return Pairing.join(pairings)
 
 
 # -- writer peak memory (child process) ----------------------------------------------------------
@@ -434,9 +438,10 @@ def run(args, work: Path, say) -> dict:
     say(f"generated the pairs in {time.perf_counter() - t0:.1f} s (lrs {', '.join(f'{lr:.3g}' for lr in lrs)})")
 
     scratch = np.empty(n, dtype=np.uint16)  # xor output and codec scratch, reused everywhere
-    copy_s, copy_cpu = best_time(lambda: np.copyto(scratch, base), repeats)
-    create_s, create_cpu = time_dense_create(base_state, repeats, work)
-    say(f"np.copyto {dense_bytes / copy_s / 1e9:.2f} GB/s; dense create {create_s:.2f} s")
+    copyto = lambda: np.copyto(scratch, base)
+    create = time_dense_create(base_state, repeats, work, copyto)
+    say(f"np.copyto {dense_bytes / create.baseline_wall / 1e9:.2f} GB/s; dense create {create.op_wall:.2f} s "
+        f"({create.ratio:.2f} x copyto)")
 
     log_dir = work / "log"
     writer = LogWriter.create(log_dir, base_state, cache_dir=False)
@@ -450,46 +455,51 @@ def run(args, work: Path, say) -> dict:
                     as_state(new, layout))
         sizes = codec_sizes(pair, scratch, cctx, zipnn)
         k = sizes["changed_elements"]
-        xor_s, xor_cpu = best_time(lambda: np.bitwise_xor(base, new, out=scratch), repeats)
-        nemo_s, nemo_cpu = time_nemo_encode(pair, scratch, cctx, repeats)
+        xor = functools.partial(np.bitwise_xor, base, new, out=scratch)
+        copy_xor = paired(copyto, xor, repeats)  # xor's seconds, and the bridge between the two baselines
+        nemo = paired(lambda: nemo_like_bytes(pair, scratch, cctx), xor, repeats)
 
         appends, replays, delta_sizes, first_version = [], [], [], None
         for i in range(repeats):  # versions alternate new, base, new, ...: the same k changes
             target = pair.new_state if i % 2 == 0 else base_state
             commits = []
-            appends.append(timed(lambda: commits.append(writer.append(target))))
+            appends.append(paired(lambda: commits.append(writer.append(target)), xor, 1))
             commit = commits[0]
             if commit.stats.changed_elements != k:
                 raise SystemExit(f"append recorded {commit.stats.changed_elements} changes, expected {k}")
             first_version = first_version or commit.version
             delta_sizes.append(commit.delta_bytes)
-            replays.append(timed(lambda: reader.apply_version(replay_state, commit.version)))
+            replays.append(paired(lambda: reader.apply_version(replay_state, commit.version), xor, 1))
             check_words({kk: v.words for kk, v in replay_state.items()}, target,
                         f"replay of version {commit.version}")
         if repeats % 2 == 1:  # leave the writer and the replayed state at base for the next rate
             writer.append(base_state)
             reader.apply_version(replay_state, writer.version)
-        rx = time_receivers(reader, first_version, base_state, pair.new_state, repeats, work)
-        (append_s, append_cpu), (replay_s, replay_cpu) = min(appends), min(replays)
+        rx = time_receivers(reader, first_version, base_state, pair.new_state, repeats, work, xor)
+        versus_xor = {"append": Pairing.join(appends), "replay": Pairing.join(replays), "rx_numpy": rx["numpy"],
+                      "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"], "nemo_encode": nemo}
 
         row = dcr_row(pair, sizes, delta_sizes[0])
-        seconds = {"xor": xor_s, "copyto": copy_s, "append": append_s, "dense_create": create_s,
-                   "replay": replay_s, "rx_numpy": rx["numpy"][0], "rx_torch": rx["torch"][0],
-                   "rx_ckpt": rx["ckpt"][0], "nemo_encode": nemo_s}
-        cpu = {"xor": xor_cpu, "copyto": copy_cpu, "append": append_cpu, "dense_create": create_cpu,
-               "replay": replay_cpu, "rx_numpy": rx["numpy"][1], "rx_torch": rx["torch"][1],
-               "rx_ckpt": rx["ckpt"][1], "nemo_encode": nemo_cpu}
+        # Speed ratios (1 = as fast as the baseline) of the median pair; copyto's ratio to xor
+        # carries the xor-paired ones over to copyto and dense create's over to xor.
+        to_xor = {"xor": 1.0, "copyto": copy_xor.ratio, **{op: 1 / p.ratio for op, p in versus_xor.items()}}
+        to_xor["dense_create"] = to_xor["copyto"] / create.ratio
+        seconds = {"xor": copy_xor.baseline_wall, "copyto": copy_xor.op_wall, "dense_create": create.op_wall,
+                   **{op: p.op_wall for op, p in versus_xor.items()}}
+        cpu = {"xor": copy_xor.baseline_cpu, "copyto": copy_xor.op_cpu, "dense_create": create.op_cpu,
+               **{op: p.op_cpu for op, p in versus_xor.items()}}
         row["throughput"] = {
-            "seconds": seconds,
+            "seconds": seconds,  # medians
             "cpu_seconds": cpu,  # every thread of the process: steadier than wall on a shared host
             "gbps": {op: dense_bytes / s / 1e9 for op, s in seconds.items()},
-            "to_xor": {op: xor_s / s for op, s in seconds.items()},
-            "to_copyto": {op: copy_s / s for op, s in seconds.items()},
+            "to_xor": to_xor,
+            "to_copyto": {op: r / to_xor["copyto"] for op, r in to_xor.items()},
+            "spread_to_xor": {op: [1 / p.spread[1], 1 / p.spread[0]] for op, p in versus_xor.items()},
         }
         rows.append(row)
         say(f"{pair.label}: {100 * row['changed_rate']:.2f}% changed, dcr {row['bytes']['dcr']:,} B, "
-            f"NeMo-like {row['bytes']['nemo_like']:,} B, append {append_s:.3f} s, replay {replay_s:.3f} s, "
-            f"xor {xor_s:.3f} s")
+            f"NeMo-like {row['bytes']['nemo_like']:,} B, append {seconds['append']:.3f} s, "
+            f"replay {seconds['replay']:.3f} s, xor {seconds['xor']:.3f} s")
     del writer, reader, replay_state
 
     if not args.no_minilm:
@@ -540,8 +550,9 @@ def print_table(report: dict) -> None:
     table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
                   "NeMo/dcr", "xor GB/s", *op_heads,
                   title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "
-                        f"{report['zstd_level']}, best of {report['repeats']}; append ... NeMo enc: "
-                        "throughput as a ratio to np.bitwise_xor of the same arrays (1 = as fast as xor)",
+                        f"{report['zstd_level']}, median of {report['repeats']} pairs; append ... NeMo enc: "
+                        "throughput as a ratio to np.bitwise_xor of the same arrays, timed alternately "
+                        "(1 = as fast as xor)",
                   title_justify="left")
     zip_missing = "error" if report["zipnn"]["available"] else "not installed"
     for r in report["pairs"]:
@@ -623,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", type=float, default=0.5, help="size of the bf16 state in GiB (default 0.5)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10],
                     help="target changed fractions of the Adam-like pairs")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is reported)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed pairs of op and baseline (the median pair is reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG plot of bytes against changed rate")

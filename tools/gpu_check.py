@@ -9,13 +9,14 @@ Meant to be run once on a machine with a CUDA GPU (it runs on the CPU too, with
 It builds a bf16 pair of ``--gib`` GiB on the device: ``base`` = normal weights * 0.02 (fp32
 rounded to bf16), and for 1% and 3% a ``new`` in which a random subset of that rate moved by
 one unit in the last place (step_from with distances of +-1: every chosen word changes, so
-the changed positions are known exactly). Then, timed (best of ``--reps`` after a warm-up,
-synchronized on CUDA): torch.bitwise_xor of the word views (the yardstick: one pass reading
-two models and writing one), find_changes, ulp_distance of the changed words, the apply of the
+the changed positions are known exactly). Then, timed (after a warm-up, synchronized on
+CUDA, each call paired with one torch.bitwise_xor right after it, ``--reps`` pairs:
+tools/timing.py): torch.bitwise_xor of the word views (the yardstick: one pass reading two
+models and writing one), find_changes, ulp_distance of the changed words, the apply of the
 changes to a copy of base (xor words, relative ulp distances, overwrite), and
 to_device_changes of host numpy arrays of the 1% changes. One line per measurement: name,
-seconds, GB/s of model bytes (2 bytes per element of one model), time as a multiple of the
-xor's.
+median seconds, GB/s of model bytes (2 bytes per element of one model), time as a multiple of
+the xor's (the median pair's).
 
 Checked bit for bit (every check compares integer views, never floats):
 - find_changes on the whole device tensor finds exactly the chosen positions, and on a
@@ -55,6 +56,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import paired  # noqa: E402
 
 LIBRARY_ERROR: str | None = None
 try:
@@ -104,17 +108,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def best_time(fn, device: torch.device, reps: int) -> float:
-    fn()  # warm-up (allocator, kernels)
-    sync(device)
-    best = float("inf")
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
+def synced(fn, device: torch.device):
+    """``fn`` and a wait for the device to finish it: what a timed call must include on CUDA."""
+
+    def call() -> None:
         fn()
         sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    return call
 
 
 def make_base(n: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -247,18 +248,22 @@ def run(args) -> int:
     measurements: list[dict] = []
     bw = T.word_view(base)
 
+    nw1 = T.word_view(pairs[RATES[0]][0])
+    out = torch.empty_like(bw)
+    xor = synced(lambda: torch.bitwise_xor(bw, nw1, out=out), device)
+
     def measure(label: str, fn) -> float:
-        sec = best_time(fn, device, args.reps)
-        xor_sec = measurements[0]["seconds"] if measurements else sec
+        call = synced(fn, device)
+        call()  # warm-up (allocator, kernels)
+        pairing = paired(call, xor, args.reps, before=lambda: sync(device))
+        sec = pairing.op_wall
         row = {"name": label, "seconds": sec, "gb_per_s": model_bytes / sec / 1e9,
-               "x_xor_time": sec / xor_sec}
+               "x_xor_time": pairing.ratio if measurements else 1.0, "spread": list(pairing.spread)}
         measurements.append(row)
         print(f"{label:<34} {sec:11.6f} s {row['gb_per_s']:9.2f} GB/s {row['x_xor_time']:8.3f} x xor",
               flush=True)
         return sec
 
-    nw1 = T.word_view(pairs[RATES[0]][0])
-    out = torch.empty_like(bw)
     measure("bitwise_xor (full model)", lambda: torch.bitwise_xor(bw, nw1, out=out))
     measure("sum_digest (full model)", lambda: T.sum_digest(bw))
 
@@ -381,7 +386,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument("--gib", type=float, default=1.0, help="size of one bf16 model in GiB (default 1)")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions, best kept (default 5)")
+    ap.add_argument("--reps", type=int, default=5, help="timed pairs of each op and one xor; medians kept (default 5)")
     ap.add_argument("--prefix", type=int, default=64 << 20,
                     help="elements compared against the numpy find_changes (default 64 Mi)")
     ap.add_argument("--seed", type=int, default=0)

@@ -14,14 +14,7 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from helpers.ranks import free_port
 
 BUCKET = "dcr-test"
 # weed mini opens every one of these; each gets its own free port so instances never meet.

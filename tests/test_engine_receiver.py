@@ -24,7 +24,7 @@ from helpers import free_port, run_ranks
 from helpers.engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical
 from dcr_log import DeltaLog, LineageError, LogWriter
 from dcr_log.checkpoint import load_checkpoint
-from dcr_log.engines.placement import LayoutError, Placement, PlacementError
+from dcr_log.receiver.storage.placement import LayoutError, Placement, PlacementError
 from dcr_log.engines.discovery import discover
 from dcr_log.receiver import Receiver, write_checkpoint
 from dcr_log.receiver.journal import Journal

@@ -58,7 +58,7 @@ from timing import Pairing, Sample, fastest, paired, timed  # noqa: E402
 from helpers.engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
-from dcr_log.engines.placement import Placement
+from dcr_log.receiver.storage.placement import Placement
 from dcr_log.engines.discovery import discover  # noqa: E402
 from dcr_log.receiver import Receiver  # noqa: E402
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
 from dcr_log.digest import GOLDEN, mix64_into
-from dcr_log.engines.placement import Loader, Placement, PlacementPiece, _block_ok, _norm, _pieces_from_runs
 from dcr_log.errors import LayoutError, PlacementError, UsageError  # noqa: F401 (re-exported)
+from dcr_log.receiver.storage.placement import Loader, Placement, PlacementPiece, _block_ok, _norm, _pieces_from_runs
 
 
 class _ParamWords:

@@ -262,7 +262,7 @@ class _WorkerState:
         import time
 
         from dcr_log.engines.discovery import discover
-        from dcr_log.engines.placement import Placement
+        from dcr_log.receiver.storage.placement import Placement
         path = self.placement_file
         if path.exists():
             try:

@@ -52,7 +52,7 @@ def open_receiver_storage(storage: Any, journal_path: Path, device: Any = None, 
         if isinstance(base, TorchStorage) and placement is None and base.device.type != "cpu":
             base.device_words = True  # (an engine layout reads its parameters on the host)
     if placement is not None:
-        from dcr_log.engines.placement import Placement
+        from dcr_log.receiver.storage.placement import Placement
         if isinstance(placement, (str, os.PathLike)):
             placement = Placement.load(placement)
         if shadow is None and base.durable:

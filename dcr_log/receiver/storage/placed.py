@@ -23,10 +23,17 @@ import numpy as np
 
 from dcr_log.coords import numel, word_dtype
 from dcr_log.digest import MASK64, XXH3, DigestScheme, sum_at, sum_range, sum_runs
-from dcr_log.engines.placement import LayoutError, Loader, Placement, PlacementError, PlacementPiece, table_layout
 from dcr_log.errors import UsageError
 from dcr_log.receiver.storage import Storage, Where
 from dcr_log.receiver.storage.memory import NumpyStorage
+from dcr_log.receiver.storage.placement import (
+    LayoutError,
+    Loader,
+    Placement,
+    PlacementError,
+    PlacementPiece,
+    table_layout,
+)
 from dcr_log.state import TableLayout, TensorBits
 
 Rediscover = Callable[[TableLayout], Placement]

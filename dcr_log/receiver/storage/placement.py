@@ -1,5 +1,7 @@
 """Placement: where a serving engine keeps each canonical tensor element, found through the
-engine's own loader (spec/RECEIVER.md section 12).
+engine's own loader (spec/RECEIVER.md section 12). The model lives here, beside the placed
+storage that writes through it; finding it (``dcr_log.engines.discovery``) sits above, with the
+engines.
 
 Engines do not hold the checkpoint's tensors: they fuse q, k and v (and gate and up) into one
 parameter, keep a tensor-parallel slice per rank, pad the vocabulary, stack MoE experts and

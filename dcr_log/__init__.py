@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 _ERRORS = (
     "DcrError", "UsageError", "PlacementError", "LayoutError", "IntegrityError", "WrongSize", "LineageError",
     "CommitConflict", "NotFoundError", "ExpiredError", "CommitStateUnknown", "AppendAborted", "CollectiveFailed",
-    "StoreError", "AlreadyExists", "TrustError", "ReplicaMismatch",
+    "StoreError", "AlreadyExists", "TrustError", "ReplicaMismatch", "Interrupted",
 )
 
 # name -> the submodule that defines it

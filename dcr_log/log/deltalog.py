@@ -79,6 +79,21 @@ class DeltaLog:
         self._prefetched: dict[str, bytes] = {}
         self._prefetched_bytes = 0
 
+    def close(self) -> None:
+        """Drop what this reader caches (commit records, manifests, prefetched segments). A
+        DeltaLog holds no file or connection of its own: it stays usable, reading anew."""
+        self._commits.clear()
+        self._commit_sha.clear()
+        self.manifests.clear()
+        self._prefetched.clear()
+        self._prefetched_bytes = 0
+
+    def __enter__(self) -> DeltaLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def log_id(self) -> str:
         return self.identity.log_id

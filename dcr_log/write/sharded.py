@@ -102,6 +102,19 @@ class ShardedWriter:
         self._version = version
         self._cache = cache
         self._baseline: Baseline | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """Let go of the baseline (its memory and its cache file's mapping). The log and the
+        cache stay as they are: ``open`` resumes from them. Appending after close is refused."""
+        self._baseline = None
+        self._closed = True
+
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def version(self) -> int:
@@ -198,6 +211,8 @@ class ShardedWriter:
         A rank's exception, a conflict or a dead rank aborts the step on every rank: nothing is
         committed and the baselines stay as they were.
         """
+        if self._closed:
+            raise UsageError("this writer is closed: open the log again to append")
         if kind not in ("xor", "overwrite"):
             raise UsageError(f"append kind must be xor or overwrite, not {kind!r}")
         g = self.group

@@ -33,6 +33,16 @@ class LogWriter:
     def __init__(self, sharded: ShardedWriter):
         self._writer = sharded
 
+    def close(self) -> None:
+        """Let go of the baseline; the log and its cache stay (``LogWriter.open`` resumes)."""
+        self._writer.close()
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def log(self) -> DeltaLog:
         return self._writer.log

@@ -99,6 +99,13 @@ class Store:
         self.local_root = local_root
 
     @staticmethod
+    def url_of(location: str | os.PathLike) -> str:
+        """The URL ``open`` would give the store at ``location``, without opening it (the
+        location may be gone)."""
+        text = os.fspath(location)
+        return f"file://{_local_path(text)}" if urlparse(text).scheme in ("", "file") else text
+
+    @staticmethod
     def open(location: str | os.PathLike, create: bool = False) -> Store:
         """A directory path, file://path, memory://name, s3://bucket/prefix (gs://, az:// too).
 
@@ -108,7 +115,7 @@ class Store:
         text = os.fspath(location)
         parsed = urlparse(text)
         if parsed.scheme in ("", "file"):
-            path = Path(parsed.path if parsed.scheme == "file" else text).resolve()
+            path = _local_path(text)
             if not create and not path.is_dir():
                 raise NotFoundError(f"no log directory at {path}")
             try:
@@ -312,6 +319,11 @@ class _HashingWriter:
 
     def close(self) -> None:
         """The caller closes the underlying file."""
+
+
+def _local_path(text: str) -> Path:
+    parsed = urlparse(text)
+    return Path(parsed.path if parsed.scheme == "file" else text).resolve()
 
 
 # How long one store operation may take, retries included, before it fails with a StoreError

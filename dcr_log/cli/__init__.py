@@ -4,7 +4,7 @@ trusted key), 130 SIGINT, 143 SIGTERM.
 
 Thin: each command parses its options, calls the library and prints what it did. ``app`` holds
 the typer app and what commands share; the commands live by concern in ``write_commands``,
-``read_commands``, ``lifecycle_commands`` and ``receive_commands``, and are registered below in
+``read_commands``, ``lifecycle_commands``, ``receive_commands`` and ``cache_commands``, and are registered below in
 the order ``dcr --help`` lists them.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dcr_log.cli import cache_commands as _cache
 from dcr_log.cli import lifecycle_commands as _lifecycle
 from dcr_log.cli import read_commands as _read
 from dcr_log.cli import receive_commands as _receive
@@ -28,5 +29,6 @@ _COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
 ]
 for _name, _fn in _COMMANDS:
     app.command(_name)(_fn)
+app.add_typer(_cache.cache_app, name="cache")
 
 __all__ = ["app", "entry", "err", "main", "out", "signal_outcome"]

@@ -6,8 +6,9 @@ correctness: it is used only when every piece's words hash to the digest recorde
 and those digests add up (across the ranks) to the commit record's tensor digests; anything
 else is rebuilt from the log.
 
-Cache layout, per log and per rank: ``<cache>/<log id>/r<rank>-<16 hex of the piece set>/``
-holding ``meta.json`` and ``words-<version>.bin`` (the pieces' words, 64-byte aligned).
+Cache layout, per log (dcr_log.write.cache: the per-log directory, its cap and eviction) and
+per rank: ``<cache>/<log dir>/r<rank>-<16 hex of the piece set>/`` holding ``meta.json`` and
+``words-<version>.bin`` (the pieces' words, 64-byte aligned).
 An append advances it in place: ``meta.json`` first records the version being written and
 the pieces' digests after it ("pending"), then the changed words are scattered into the map,
 then ``meta.json`` records the new version. A kill in between leaves words that match one
@@ -46,6 +47,7 @@ from dcr_log.errors import UsageError
 from dcr_log.log.records import decode_record, record_targets, scatter_words
 from dcr_log.log.steps import StepRules
 from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
+from dcr_log.write.cache import cache_root, evict, log_dir_name, mark_used
 
 if TYPE_CHECKING:
     from dcr_log.log.deltalog import DeltaLog
@@ -68,18 +70,14 @@ def _key_of(obj: list) -> PieceKey:
     return (obj[0], tuple(obj[1]), tuple(obj[2]))
 
 
-def default_cache_root() -> Path:
-    env = os.environ.get("DCR_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "dcr-log"
-
-
 class BaselineCache:
-    """Where one rank keeps its baseline files for one log."""
+    """Where one rank keeps its baseline files for one log (dcr_log.write.cache: the layout,
+    the cap, what ``dcr cache`` does)."""
 
-    def __init__(self, root: Path, log_id: str):
-        self.dir = Path(root) / log_id
+    def __init__(self, root: Path, log_id: str, url: str = "", local: Path | None = None):
+        self.root = Path(root)
+        self.log_id, self.url, self.local = log_id, url, local
+        self.dir = self.root / log_dir_name(url, log_id)
 
     @staticmethod
     def resolve(cache_dir: Any, store, log_id: str) -> BaselineCache | None:
@@ -87,11 +85,12 @@ class BaselineCache:
         directory or the default one."""
         if cache_dir is False:
             return None
-        if cache_dir is None:
-            if store.url.startswith("memory://"):
-                return None
-            cache_dir = default_cache_root()
-        return BaselineCache(Path(cache_dir), log_id)
+        if cache_dir is None and store.url.startswith("memory://"):
+            return None
+        return BaselineCache(cache_root(cache_dir), log_id, store.url, getattr(store, "local_root", None))
+
+    def mark_used(self) -> None:
+        mark_used(self.dir, self.url, self.log_id, self.local)
 
     def slot(self, rank: int, keys: list[PieceKey]) -> Path:
         sig = xxhash.xxh3_64_hexdigest(json.dumps(sorted(_key_json(k) for k in keys)).encode())
@@ -206,6 +205,7 @@ class Generation:
         self.cache, self.rank, self.version = cache, rank, version
         keys = sorted(dtypes, key=lambda k: (k[0].encode(), k[1]))
         self.slot = cache.slot(rank, keys)
+        cache.mark_used()
         self.slot.mkdir(parents=True, exist_ok=True)
         self.name = f"words-{version}.bin"
         self.tmp = self.slot / f".{self.name}.{uuid.uuid4().hex}.tmp"
@@ -233,6 +233,7 @@ class Generation:
             if old.name != self.name:
                 old.unlink(missing_ok=True)
         self.cache.drop_other_slots(self.rank, self.slot)
+        evict(self.cache.root, keep=self.cache.dir)  # within the cap: other logs' caches, oldest first
         return out
 
     def abort(self) -> None:
@@ -264,6 +265,8 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
     any), if their words match the digests recorded for one version (``digest_box(key,
     words) -> int``); else None."""
     want_all = set(keys)
+    if cache.dir.is_dir():
+        cache.mark_used()
     slots = sorted(cache.dir.glob(f"r{rank}-*"), key=lambda p: -p.stat().st_mtime) if cache.dir.is_dir() else []
     for slot in slots:
         try:

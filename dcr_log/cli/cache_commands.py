@@ -1,0 +1,85 @@
+"""``dcr cache ls|prune|rm``: the writers' baseline caches on this machine (dcr_log.write.cache)."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from dcr_log.cli.app import json_option, out, say_result
+from dcr_log.errors import UsageError
+
+cache_app = typer.Typer(no_args_is_help=True, help="The writers' baseline caches on this machine: list, prune, remove.")
+
+ROOT_HELP = "the cache directory (default $DCR_CACHE_DIR or ~/.cache/dcr-log)"
+
+
+def _root(cache: str | None):
+    from dcr_log.write.cache import cache_root
+
+    return cache_root(cache)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+@cache_app.command("ls")
+def ls_cmd(cache: str | None = typer.Option(None, "--cache", help=ROOT_HELP),
+           as_json: bool = json_option()) -> None:
+    """Every log's cache: its log (location and id), size and when it was last used, oldest
+    first; then the total and the cap."""
+    from dcr_log.write.cache import cached_logs, cap_bytes
+
+    root = _root(cache)
+    logs = cached_logs(root)
+    total, cap = sum(c.bytes for c in logs), cap_bytes(logs)
+    if as_json:
+        for c in logs:
+            say_result(True, c.to_json(), "")
+        say_result(True, {"root": str(root), "caches": len(logs), "bytes": total, "cap_bytes": cap}, "")
+        return
+    table = Table("log", "log id", "bytes", "last used", "directory")
+    for c in logs:
+        row = c.to_json()
+        table.add_row(c.url or "(unknown: prune removes it)", c.log_id or "-", str(c.bytes), row["last_used"],
+                      c.dir.name)
+    out.print(table)
+    out.print(f"{len(logs)} caches, {total} bytes ({_gib(total)}) under {root}; cap {cap} bytes ({_gib(cap)})",
+              markup=False)
+
+
+@cache_app.command("prune")
+def prune_cmd(cache: str | None = typer.Option(None, "--cache", help=ROOT_HELP),
+              everything: bool = typer.Option(False, "--all", help="remove every cache, not only those of logs gone"),
+              as_json: bool = json_option()) -> None:
+    """Remove the caches of logs that are gone (a local log deleted or replaced; a cache of an
+    older layout), or with --all every cache. A cache only saves a replay: nothing is lost."""
+    from dcr_log.write.cache import prune
+
+    root = _root(cache)
+    removed = prune(root, everything)
+    freed = sum(c.bytes for c in removed)
+    say_result(as_json, {"root": str(root), "removed": [str(c.dir) for c in removed], "bytes": freed},
+               f"removed {len(removed)} caches ({freed} bytes) under {root}")
+
+
+@cache_app.command("rm")
+def rm_cmd(log: str = typer.Argument(..., help="log directory or URL"),
+           cache: str | None = typer.Option(None, "--cache", help=ROOT_HELP),
+           as_json: bool = json_option()) -> None:
+    """Remove LOG's caches (the log itself is not touched)."""
+    import shutil
+
+    from dcr_log.store import Store
+    from dcr_log.write.cache import caches_of
+
+    root = _root(cache)
+    url = Store.url_of(log)
+    removed = list(caches_of(root, url))
+    if not removed:
+        raise UsageError(f"no cache of {url} under {root}")
+    for c in removed:
+        shutil.rmtree(c.dir, ignore_errors=True)
+    freed = sum(c.bytes for c in removed)
+    say_result(as_json, {"log": url, "removed": [str(c.dir) for c in removed], "bytes": freed},
+               f"removed the cache of {url} ({freed} bytes)")

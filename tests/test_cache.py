@@ -1,0 +1,80 @@
+"""The baseline cache on disk: one directory per log location and id, bounded with
+least-recently-used eviction, and ``dcr cache ls|prune|rm``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from helpers import change_words, make_state
+
+from dcr_log import LogWriter
+from dcr_log.cli import main
+from dcr_log.write.cache import cached_logs
+
+SPEC = {"w": ("BF16", (32, 17)), "b": ("F32", (9,))}
+
+
+def dcr(capsys, *args) -> tuple[int, list[dict], str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in args] + ["--json"])
+    c = capsys.readouterr()
+    return rc, [json.loads(line) for line in c.out.splitlines()], c.err
+
+
+def test_a_copied_log_gets_its_own_cache(tmp_path):
+    rng = np.random.default_rng(0)
+    s0 = make_state(rng, SPEC)
+    s1 = {n: change_words(rng, b, 0.1) for n, b in s0.items()}
+    cache = tmp_path / "cache"
+    LogWriter.create(tmp_path / "a", s0, cache_dir=cache).close()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # the same log id at another location
+    with LogWriter.open(tmp_path / "b", cache_dir=cache) as writer:
+        writer.append(s1)
+    logs = {c.local: c for c in cached_logs(cache)}
+    assert set(logs) == {str(tmp_path / "a"), str(tmp_path / "b")}
+    assert logs[str(tmp_path / "a")].log_id == logs[str(tmp_path / "b")].log_id
+    assert logs[str(tmp_path / "a")].dir != logs[str(tmp_path / "b")].dir
+
+
+@pytest.mark.parametrize("cap", [None, "1"])
+def test_fifty_logs_leave_at_most_the_cap_and_prune_empties_it(tmp_path, capsys, monkeypatch, cap):
+    if cap is not None:
+        monkeypatch.setenv("DCR_CACHE_MAX_BYTES", cap)
+    rng = np.random.default_rng(1)
+    cache = tmp_path / "cache"
+    for i in range(50):
+        LogWriter.create(tmp_path / f"log{i}", make_state(rng, SPEC), cache_dir=cache).close()
+        logs = cached_logs(cache)
+        largest = max(c.bytes for c in logs)
+        limit = largest if cap is not None else 2 * largest  # the cache in use is never evicted
+        assert sum(c.bytes for c in logs) <= limit, i
+    assert cached_logs(cache)[-1].local == str(tmp_path / "log49")  # the newest stays
+    rc, rows, err = dcr(capsys, "cache", "ls", "--cache", cache)
+    assert rc == 0 and rows[-1]["caches"] == len(rows) - 1 <= (1 if cap else 2), err
+    rc, rows, err = dcr(capsys, "cache", "prune", "--cache", cache)  # every log still exists
+    assert rc == 0 and rows[0]["removed"] == [], err
+    for i in range(50):
+        shutil.rmtree(tmp_path / f"log{i}")
+    rc, rows, err = dcr(capsys, "cache", "prune", "--cache", cache)
+    assert rc == 0 and rows[0]["removed"] and rows[0]["bytes"] > 0, err
+    assert list(cache.iterdir()) == []
+
+
+def test_cache_rm_and_prune_all(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    cache = tmp_path / "cache"
+    for name in ("x", "y"):
+        LogWriter.create(tmp_path / name, make_state(rng, SPEC), cache_dir=cache).close()
+    (cache / "0123456789abcdef0123456789abcdef").mkdir()  # an older layout's directory: prunable
+    rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "x", "--cache", cache)
+    assert rc == 0 and len(rows[0]["removed"]) == 1, err
+    assert {c.local for c in cached_logs(cache)} == {None, str(tmp_path / "y")}
+    rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "x", "--cache", cache)
+    assert rc == 2 and json.loads(err)["exit"] == 2
+    rc, rows, err = dcr(capsys, "cache", "prune", "--cache", cache)
+    assert rc == 0 and len(rows[0]["removed"]) == 1 and (tmp_path / "y").exists(), err
+    rc, rows, err = dcr(capsys, "cache", "prune", "--all", "--cache", cache)
+    assert rc == 0 and len(rows[0]["removed"]) == 1 and list(cache.iterdir()) == [], err

@@ -211,3 +211,56 @@ def test_state_quantization_selects_linear_weights_and_logs_bit_exact(tmp_path):
 def test_quantization_config_names_the_block():
     assert Fp8BlockQuantizer(block=(64, 128)).quantization_config() == {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 128]}
+
+
+def test_cli_init_append_and_apply_a_quantized_checkpoint(tmp_path, capsys):
+    """``dcr init/append --quantize fp8-block``: the log holds the quantizer's bits (keep policy:
+    the previous version's scales read back from the log), config.json carries the
+    quantization_config, and ``dcr apply`` writes the FP8 checkpoint an engine loads."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from dcr_log.cli import main
+    from dcr_log.log.deltalog import DeltaLog
+    from dcr_log.state import to_bits
+
+    rng = np.random.default_rng(6)
+    names = {"model.layers.0.self_attn.q_proj.weight": (256, 130), "model.layers.0.mlp.up_proj.weight": (64, 256),
+             "model.norm.weight": (130,)}
+    states = [{n: weights(rng, s) for n, s in names.items()}]
+    for _ in range(2):
+        states.append({n: (t.float() + torch.from_numpy(rng.normal(0, 2e-4, tuple(t.shape)).astype(np.float32))
+                           ).to(torch.bfloat16) for n, t in states[-1].items()})
+    dirs = []
+    for v, st in enumerate(states):
+        d = tmp_path / f"ckpt{v}"
+        d.mkdir()
+        save_file(st, d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
+        dirs.append(d)
+    log, rx = tmp_path / "log", tmp_path / "rx"
+    assert main(["init", str(log), "--from", str(dirs[0]), "--quantize", "fp8-block", "--cache", "none"]) == 0
+    for d in dirs[1:]:
+        assert main(["append", str(log), "--from", str(d), "--quantize", "fp8-block", "--cache", "none"]) == 0
+    quant = Fp8BlockQuantizer(policy="keep")
+    expected = [quant.quantize_state(states[0])]
+    for st in states[1:]:
+        expected.append(quant.quantize_state(st, previous=expected[-1]))
+    dlog = DeltaLog.open(log)
+    for v, want in enumerate(expected):
+        got = dlog.materialize(v)
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            assert np.array_equal(got[name].words, to_bits(t).words), (v, name)
+        config = json.loads(dlog.read_files(v)["config.json"])
+        assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert main(["apply", str(log), "--receiver", str(rx)]) == 0
+    held = load_file(rx / "model.safetensors")
+    assert held["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tuple(held["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape) == (2, 2)
+    assert u8(held["model.layers.0.mlp.up_proj.weight"]).tobytes() == u8(expected[-1]["model.layers.0.mlp.up_proj.weight"]).tobytes()
+    assert json.loads((rx / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    capsys.readouterr()
+    assert main(["init", str(tmp_path / "bad"), "--from", str(dirs[0]), "--quantize", "int4"]) == 2
+    assert not (tmp_path / "bad").exists()

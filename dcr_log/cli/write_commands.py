@@ -86,6 +86,52 @@ def _checkpoint_files(from_: Path, wanted: bool | None) -> dict[str, Path] | Non
     return collect_files(from_)
 
 
+QUANTIZE_HELP = ("fp8-block: log the checkpoint as block-scaled FP8 for an FP8 rollout engine (e4m3 linear "
+                 "weights with fp32 W_scale_inv per 128x128 block, dcr_log.quant; config.json gains its "
+                 "quantization_config)")
+SCALE_POLICY_HELP = ("with --quantize: keep (a block keeps the previous version's scale while it fits: fewer "
+                     "changed words) or fresh (every scale recomputed)")
+
+
+def _quantizer(quantize: str | None, policy: str):
+    if quantize is None:
+        return None
+    if quantize != "fp8-block":
+        raise UsageError(f"--quantize must be fp8-block, not {quantize!r}")
+    from dcr_log.quant import Fp8BlockQuantizer
+
+    return Fp8BlockQuantizer(policy=policy)
+
+
+def _quantized(quantizer, state: dict, previous: dict | None = None) -> dict:
+    """The checkpoint's state in the quantizer's FP8 form (torch tensors sharing the words)."""
+    import warnings
+
+    from dcr_log.state import to_torch
+
+    with warnings.catch_warnings():  # the checkpoint's words are mapped read-only; they are only read
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        prev = None if previous is None else {n: to_torch(b) for n, b in previous.items()}
+        return quantizer.quantize_state({n: to_torch(b) for n, b in state.items()}, previous=prev)
+
+
+def _with_quantization_config(quantizer, carried: dict | None) -> dict | None:
+    """config.json, if carried, with the quantizer's quantization_config: the engine loads the
+    FP8 weights as the pre-quantized checkpoint they are."""
+    import json
+
+    if quantizer is None or not carried or "config.json" not in carried:
+        return carried
+    source = carried["config.json"]
+    data = source if isinstance(source, bytes | bytearray) else Path(source).read_bytes()
+    try:
+        config = json.loads(data)
+    except ValueError:
+        raise UsageError("config.json is not JSON: cannot add its quantization_config") from None
+    config["quantization_config"] = quantizer.quantization_config()
+    return {**carried, "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
+
+
 def _features(text: str) -> tuple[str, ...]:
     names = () if text.strip() in ("", "none") else tuple(f.strip() for f in text.split(","))
     unknown = sorted(set(names) - KNOWN_FEATURES)
@@ -93,6 +139,10 @@ def _features(text: str) -> tuple[str, ...]:
         raise UsageError(f"--features: unknown {', '.join(map(repr, unknown or ['']))}; known: "
                          f"{', '.join(sorted(KNOWN_FEATURES))} (or none)")
     return names
+
+
+def _nbytes(t) -> int:
+    return int(t.nbytes)
 
 
 def _files_json(commit) -> dict:
@@ -117,20 +167,25 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
              ",".join(DEFAULT_FEATURES), "--features",
              help="the log's format features, comma-separated ('none': a plain format-1 log); leave out "
                   "ulp-encoding for readers without pcodec (FORMAT.md section 14); files is added by --files"),
+         quantize: str | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+         scale_policy: str = typer.Option("keep", "--scale-policy", help=SCALE_POLICY_HELP),
          as_json: bool = json_option()) -> None:
     """Create LOG; version 0 is the full state of the checkpoint (and its files: the log then
     carries every version's files)."""
     key = signing_key_option(sign_key)
     chosen = _features(features)
+    quantizer = _quantizer(quantize, scale_policy)
     state = load_checkpoint(from_)
-    carried = _checkpoint_files(from_, files)
+    if quantizer is not None:
+        state = _quantized(quantizer, state)
+    carried = _with_quantization_config(quantizer, _checkpoint_files(from_, files))
     if carried is not None and not carried and files is None:
         carried = None  # a directory of weights only: a log without files, unless --files
     if carried is None and files:
         carried = {}
     writer_id = default_writer_id()
     say_left(lambda: version_left(log, 0, writer_id))
-    with progress_bar("init", sum(b.nbytes for b in state.values())) as advance:
+    with progress_bar("init", sum(_nbytes(t) for t in state.values())) as advance:
         writer = LogWriter.create(log, state, progress=advance, cache_dir=cache_dir_option(cache),
                                   signing_key=key, files=carried, writer_id=writer_id, features=chosen)
     say_left(lambda: "version 0 committed")
@@ -149,6 +204,8 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
                False, "--allow-layout-change",
                help="accept a checkpoint whose tensor table differs from the latest version's "
                     "(a tensor added, removed, renamed, reshaped or retyped); refused without it"),
+           quantize: str | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+           scale_policy: str = typer.Option("keep", "--scale-policy", help=SCALE_POLICY_HELP),
            as_json: bool = json_option()) -> None:
     """Append the checkpoint's state as the next version, stored as a delta (and, in a log
     that carries files, the directory's files: the whole set, a file left out is dropped).
@@ -163,8 +220,17 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
     if files and not dlog.has_files:
         raise UsageError(f"{log} was created without the feature 'files': its versions carry no "
                          "files (the feature is chosen by dcr init)")
+    quantizer = _quantizer(quantize, scale_policy)
     state = load_checkpoint(from_)
-    carried = _checkpoint_files(from_, files)
+    carried = _with_quantization_config(quantizer, _checkpoint_files(from_, files))
+    if quantizer is not None:
+        from dcr_log.quant import SCALE_SUFFIX
+
+        previous = None
+        if quantizer.policy == "keep":  # the scales the latest version holds (small tensors)
+            names = {t.name for t in dlog.commit(dlog.latest_version()).tensors if t.name.endswith(SCALE_SUFFIX)}
+            previous = dlog.materialize(tensors=names) if names else None
+        state = _quantized(quantizer, state, previous)
     if carried and not dlog.has_files:
         err.print(f"dcr: note: {log} carries no files (created without them): "
                   f"{len(carried)} files of {from_} not logged", markup=False)
@@ -174,7 +240,7 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
     writer = LogWriter.open(dlog, cache_dir=cache_dir_option(cache), signing_key=key, writer_id=writer_id)
     version = writer.version + 1
     say_left(lambda: version_left(log, version, writer_id))
-    with progress_bar("append", sum(b.nbytes for b in state.values())) as advance:
+    with progress_bar("append", sum(_nbytes(t) for t in state.values())) as advance:
         commit = writer.append(state, progress=advance, files=carried if dlog.has_files else None,
                                allow_layout_change=allow_layout_change)
     say_left(lambda: f"version {commit.version} committed")

@@ -4,8 +4,8 @@ fp32 ``weight_scale_inv`` per 128x128 block, ``quantization_config`` with ``weig
 
 The log itself only carries the FP8 and fp32 words; this module decides them, deterministically:
 the same input gives the same bits on every device (IEEE fp32 multiply, reciprocal and divide,
-round-to-nearest-even into e4m3, no fused or fast-math paths, every division a true one). The rules (FORMAT.md, appendix
-"FP8 block quantization", informative):
+round-to-nearest-even into e4m3, no fused or fast-math paths, every division a true one). The
+rules (FORMAT.md section 27, informative):
 
 - a block is ``block[0]`` rows by ``block[1]`` columns of a 2-D weight; the last blocks of a
   row or column may be partial and their amax is over their own elements only;

@@ -9,11 +9,15 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dcr_log.errors import UsageError, os_error
-from dcr_log.format import FileEntry, file_name_problem
+from dcr_log.format import FILES, FileEntry, file_name_problem
 from dcr_log.format import limits as L
 from dcr_log.format.files import check_writer_files, is_weights_name
+
+if TYPE_CHECKING:
+    from dcr_log.log.deltalog import DeltaLog
 
 FileSource = bytes | bytearray | memoryview | str | os.PathLike
 Files = Mapping[str, FileSource]
@@ -94,3 +98,25 @@ def collect_files(directory: str | os.PathLike) -> dict[str, Path]:
                              "use --no-files)")
         out[name] = Path(entry.path)
     return out
+
+
+def new_file_set(log: DeltaLog, files: Files | None) -> list[tuple[FileEntry, bytes]] | None:
+    """The coordinator's view of a version's new file set, read and checked (UsageError), or
+    None for the parent's files."""
+    if files is None:
+        return None
+    if not log.has_files:
+        if not isinstance(files, Mapping) or len(files):
+            raise UsageError(f"{log.store.url} was created without the feature {FILES!r}: its "
+                             "versions carry no files (the feature is chosen when a log is created)")
+        return None
+    return resolve_files(files)
+
+
+def write_version_files(log: DeltaLog, version: int, file_set) -> tuple[FileEntry, ...]:
+    """The coordinator: the version's file entries; new objects created (the parent's are known)."""
+    parent = () if version == 0 else log.commit(version - 1).files or ()
+    if file_set is None:
+        return tuple(parent)
+    log.write_files(file_set, known={e.sha256 for e in parent})
+    return tuple(e for e, _ in file_set)

@@ -3,6 +3,7 @@ incomplete one (dcr.json and no version: an interrupted creation, FORMAT.md sect
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -56,3 +57,12 @@ def _incomplete(store: Store, features: tuple[str, ...]) -> CreateOutcome:
                                    f"{list(existing.features)}, not {list(features)}: create it with the same "
                                    "options to finish it")
     return CreateOutcome(identity=existing.to_bytes(), resumed=True)
+
+
+def default_writer_id() -> str:
+    """``<host>-<pid>``: which process wrote a version (commit records' ``writer_id``)."""
+    import re
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}"

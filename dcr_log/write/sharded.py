@@ -56,8 +56,8 @@ from dcr_log.signing import as_signing_key
 from dcr_log.store import Store
 from dcr_log.write.baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline
 from dcr_log.write.differ import Differ, EncodePolicy
-from dcr_log.write.files import Files, resolve_files
-from dcr_log.write.identity import create_identity, utc_now
+from dcr_log.write.files import Files, new_file_set, write_version_files
+from dcr_log.write.identity import create_identity, default_writer_id, utc_now
 from dcr_log.write.layout import ShardLayout, _check_whole, _kept, _summary, check_layout_change, validate_layout
 from dcr_log.write.outcomes import CommitOutcome, CreateOutcome, RankReport, describe
 from dcr_log.write.pending import Pending
@@ -71,14 +71,6 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 
 # The features of a new log: digests that update in O(changes) and the ulp encoding.
 DEFAULT_FEATURES = (SUM_DIGESTS, ULP_ENCODING)
-
-
-def default_writer_id() -> str:
-    import re
-    import socket
-
-    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
-    return f"{host}-{os.getpid()}"
 
 
 class ShardedWriter:
@@ -228,7 +220,7 @@ class ShardedWriter:
         local_error: BaseException | None = None
         file_set = None
         try:
-            file_set = self._resolve_files(files)
+            file_set = new_file_set(self.log, files) if self.group.rank == 0 else None
             shard_map = shard_lists(shards)
             canonical = carried_shapes(shard_map, canonical)
             known = {**{n: s for n, (_, s) in prev_layout.items()}, **canonical}
@@ -284,7 +276,7 @@ class ShardedWriter:
         file_entries = None
         if g.rank == 0 and self.log.has_files and report.ok:
             try:
-                file_entries = self._write_files(version, file_set)
+                file_entries = write_version_files(self.log, version, file_set)
             except Exception as exc:
                 error = error or exc
                 report = RankReport(ok=False, error=describe(exc))
@@ -323,26 +315,6 @@ class ShardedWriter:
         if self._baseline is None:
             raise AssertionError("the baseline is loaded before a version is written")
         return self._baseline
-
-    def _resolve_files(self, files: Files | None) -> list[tuple[FileEntry, bytes]] | None:
-        """Rank 0: the version's new file set, read and checked (UsageError on every rank), or
-        None for the parent's files."""
-        if self.group.rank != 0 or files is None:
-            return None
-        if not self.log.has_files:
-            if not isinstance(files, Mapping) or len(files):
-                raise UsageError(f"{self.log.store.url} was created without the feature {FILES!r}: its "
-                                 "versions carry no files (the feature is chosen when a log is created)")
-            return None
-        return resolve_files(files)
-
-    def _write_files(self, version: int, file_set) -> tuple[FileEntry, ...]:
-        """Rank 0: the version's file entries; new objects created (the parent's are known)."""
-        parent = () if version == 0 else self.log.commit(version - 1).files or ()
-        if file_set is None:
-            return tuple(parent)
-        self.log.write_files(file_set, known={e.sha256 for e in parent})
-        return tuple(e for e, _ in file_set)
 
     def _ensure_baseline(self, layout: ShardLayout, previous: Mapping[str, TensorInfo], mine: list[ShardPiece]) -> None:
         """Make sure this rank's baseline holds every owned piece of a tensor that keeps its

@@ -91,9 +91,9 @@ class Fp8BlockQuantizer:
             return (torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device),
                     torch.ones((nb0, nb1), dtype=torch.float32, device=w.device))
         w32 = w.detach().to(torch.float32)
-        if not bool(torch.isfinite(w32).all()):
-            raise UsageError("block quantization refuses non-finite weights (NaN or inf has no scale)")
         amax = _block_amax(w32, b0, b1, nb0, nb1)
+        if not bool(torch.isfinite(amax).all()):  # a block max is NaN or inf iff the block holds one
+            raise UsageError("block quantization refuses non-finite weights (NaN or inf has no scale)")
         scale = torch.where(amax > 0, _over(E4M3_MAX, torch.where(amax > 0, amax, 1.0)), 1.0)
         if previous_scale_inv is not None and self.policy == "keep":
             prev_inv = _as_torch(previous_scale_inv).to(device=w.device, dtype=torch.float32)

@@ -141,10 +141,6 @@ def _features(text: str) -> tuple[str, ...]:
     return names
 
 
-def _nbytes(t) -> int:
-    return int(t.nbytes)
-
-
 def _files_json(commit) -> dict:
     if commit.files is None:
         return {}
@@ -185,7 +181,7 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
         carried = {}
     writer_id = default_writer_id()
     say_left(lambda: version_left(log, 0, writer_id))
-    with progress_bar("init", sum(_nbytes(t) for t in state.values())) as advance:
+    with progress_bar("init", sum(t.nbytes for t in state.values())) as advance:
         writer = LogWriter.create(log, state, progress=advance, cache_dir=cache_dir_option(cache),
                                   signing_key=key, files=carried, writer_id=writer_id, features=chosen)
     say_left(lambda: "version 0 committed")
@@ -240,7 +236,7 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
     writer = LogWriter.open(dlog, cache_dir=cache_dir_option(cache), signing_key=key, writer_id=writer_id)
     version = writer.version + 1
     say_left(lambda: version_left(log, version, writer_id))
-    with progress_bar("append", sum(_nbytes(t) for t in state.values())) as advance:
+    with progress_bar("append", sum(t.nbytes for t in state.values())) as advance:
         commit = writer.append(state, progress=advance, files=carried if dlog.has_files else None,
                                allow_layout_change=allow_layout_change)
     say_left(lambda: f"version {commit.version} committed")

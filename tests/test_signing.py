@@ -223,3 +223,20 @@ def test_cli_keygen_sign_and_trust(tmp_path, capsys):
     assert rc == 0 and "signed" in out, err
     rc, _, err = dcr(capsys, "verify", log, "--trust", tmp_path / "nope.pub")
     assert rc == 2
+
+
+def test_a_signature_copied_from_another_version_says_so(tmp_path, capsys):
+    """A signature file copied into another version's folder under that version's name: the
+    same key, so the message names the version it was made for, not "another key"."""
+    root = tmp_path / "log"
+    signed_log(root, rotate_at=4)  # every version signed by A
+    (src,) = sig_objects(root, 1)
+    for p in sig_objects(root, 3):
+        p.unlink()
+    sha3 = DeltaLog.open(root).commit_sha256(3)
+    (root / "signatures" / "3" / f"{KEY_A.key_id}-{sha3}.sig").write_bytes(src.read_bytes())
+    rc, _, err = dcr(capsys, "verify", root, "--trust", trust_file(tmp_path / "trust", KEY_A))
+    assert rc == TrustError.exit_code, err
+    assert_one_line(err)
+    assert "made for version 1, not 3" in err and "copied from another version" in err
+    assert "another key" not in err and "by key" not in err

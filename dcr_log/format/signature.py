@@ -92,5 +92,22 @@ class SignatureRecord:
         rec = SignatureRecord(obj["log_id"], obj["version"], obj["key_id"], obj["commit_sha256"],
                               bytes.fromhex(obj["signature"]))
         if rec.key != key:
-            raise IntegrityError(f"{what}: its contents name another key ({rec.key})")
+            raise IntegrityError(f"{what}: {_mismatch(rec, parse_signature_key(key))}")
         return rec
+
+
+def _mismatch(rec: SignatureRecord, named: tuple[int, str, str] | None) -> str:
+    """What a signature object's contents say that its key does not: the likely mistake (a
+    file copied from another version, or re-signed records renamed) in words."""
+    if named is None:
+        return f"its key is not a signature key; its contents are for {rec.key}"
+    version, key_id, commit = named
+    said = []
+    if rec.version != version:
+        said.append(f"it was made for version {rec.version}, not {version} (copied from another version?)")
+    elif rec.commit_sha256 != commit:
+        said.append(f"it signs commit record {rec.commit_sha256[:16]}..., not {commit[:16]}... "
+                    "(a version rewritten since it was signed, or copied from another log?)")
+    if rec.key_id != key_id:
+        said.append(f"it is by key {rec.key_id}, while its name says {key_id}")
+    return "; ".join(said)

@@ -4,13 +4,20 @@ create-if-absent (spec/FORMAT.md sections 23 and 24)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
+
+from dcr_log.coords import DTYPE_WIDTH, numel
+from dcr_log.digest import DigestScheme
 from dcr_log.errors import IntegrityError, NotFoundError, UsageError
 from dcr_log.format import CommitStats, Record, SegmentBuilder
 from dcr_log.format.keys import check_writer_id
 from dcr_log.format.lifecycle import CatchUp
+from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.deltalog import DeltaLog
+from dcr_log.log.records import decode_record, flat_positions, gather_words
+from dcr_log.log.replay import Progress
 from dcr_log.state import TensorBits
 from dcr_log.store import AlreadyExists
 from dcr_log.write.differ import Differ, EncodePolicy
@@ -82,14 +89,23 @@ def _existing(log: DeltaLog, key: str) -> CatchUp | None:
         return None
 
 
+# A squash builds its end state in this many groups of tensors, one at a time (each from its
+# start state and the versions' records for the group), so it holds the start state plus about
+# a sixteenth of the model, not both whole states; each group reads the versions' segments.
+SQUASH_GROUPS = 16
+
+
 def write_snapshot(log: DeltaLog, version: int | None = None, *, writer_id: str | None = None,
                    policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                   check: bool = True) -> CatchUp:
+                   check: bool = True, progress: Progress | None = None) -> CatchUp:
     """Write the full state of ``version`` (default latest) as a snapshot: ``tensor`` records
     in segments of about ``segment_bytes`` under ``snapshots/<version>/``, then its manifest.
     The state comes from the log by the cheapest route (every tensor digest checked). With
-    ``check``, the written segments are read back and applied before the manifest is created.
-    An existing snapshot is returned as it is."""
+    ``check``, every record is decoded as a reader decodes it, before it is written, and must
+    give the state's words bit for bit (so the state is not read back from the store: the
+    segments' SHA-256 in the manifest covers the bytes as written). ``progress(n)`` is called
+    with each tensor's bytes once its records are written. An existing snapshot is returned as
+    it is."""
     writer_id = check_writer_id(writer_id or default_writer_id())
     version = log.latest_version() if version is None else version
     commit = log.commit(version)
@@ -99,22 +115,50 @@ def write_snapshot(log: DeltaLog, version: int | None = None, *, writer_id: str 
         return found
     state = log.materialize(version)
     differ = Differ(policy, log.digests, features=log.identity.features)
-    records = (rec for name in sorted(state, key=str.encode) for rec in differ.diff(name, None, state[name]))
-    refs, count, changed, keys = _write_segments(log, version, prefix, records, writer_id, segment_bytes)
-    del state
+    table = commit.tensor_map()
+
+    def records() -> Iterator[Record]:
+        for name in sorted(state, key=str.encode):
+            bits = state[name]
+            for rec in differ.diff(name, None, bits):
+                if check:
+                    _check_tensor_record(rec, table[name], bits, log.digests)
+                yield rec
+            if progress:
+                progress(bits.nbytes)
+
+    refs, count, changed, keys = _write_segments(log, version, prefix, records(), writer_id, segment_bytes)
+    state.clear()
     cu = CatchUp(log.log_id, version, None, None, commit.state_digest, log.commit_sha256(version),
                  tuple(refs), CommitStats(changed, commit.stats.total_elements, count), utc_now(), writer_id)
-    return _publish(log, cu, keys, _check_apply(log, None) if check else None)
+    return _publish(log, cu, keys, None)
+
+
+def _check_tensor_record(rec: Record, info: TensorInfo, bits: TensorBits, digests: DigestScheme) -> None:
+    """A snapshot's record, decoded as a reader decodes it, holds the state's words of its box
+    and its target digest."""
+    changes = decode_record(rec, info)
+    where = flat_positions(rec, info.shape, changes)
+    if (rec.kind != "tensor" or not np.array_equal(changes.values, gather_words(bits.words.reshape(-1), where))
+            or digests.at(where, changes.values) != rec.target_digest):
+        raise IntegrityError(f"snapshot: the record of {rec.tensor!r} at {rec.box} does not decode to the "
+                             "state's words")
 
 
 def write_squash(log: DeltaLog, start: int, end: int | None = None, *, writer_id: str | None = None,
                  policy: EncodePolicy | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 check: bool = True) -> CatchUp:
+                 check: bool = True, progress: Progress | None = None) -> CatchUp:
     """Write one delta taking version ``start``'s state to version ``end``'s (default latest)
     under ``squashes/<start>-<end>/``, then its manifest. It is the delta between the two
     states (what xor records composed by xor, and the last of the overwrite and tensor
-    records, give), encoded as the writer encodes a version. With ``check``, it is read back
-    and applied to ``start``'s state first. An existing squash is returned as it is."""
+    records, give), encoded as the writer encodes a version.
+
+    Memory: the start state, plus the end state of one group of tensors at a time (about
+    1/SQUASH_GROUPS of the model, or the largest tensor): each group is advanced from the start
+    state through the versions' records for it (the versions' segments are read once per
+    group), every tensor checked against ``end``'s digest. With ``check``, the squash is read
+    back and applied to the start state (in place) first. ``progress(n)`` is called with each
+    tensor's bytes once its records are written. An existing squash is returned as it is."""
     writer_id = check_writer_id(writer_id or default_writer_id())
     end = log.latest_version() if end is None else end
     if not 0 <= start < end:
@@ -124,17 +168,53 @@ def write_squash(log: DeltaLog, start: int, end: int | None = None, *, writer_id
     found = _existing(log, prefix + "manifest.json")
     if found is not None:
         return found
+    previous = base_commit
+    for v in range(start + 1, end + 1):
+        step_commit = log.commit(v)
+        if step_commit.parent_state_digest != previous.state_digest:
+            raise IntegrityError(f"version {v}: parent digest does not match version {v - 1}")
+        previous = step_commit
     base = log.materialize(start)
-    new = log.materialize(end)
+    table = commit.tensor_map()
     differ = Differ(policy, log.digests, features=log.identity.features)
-    records = (rec for name in sorted(new, key=str.encode)
-               for rec in differ.diff(name, base.get(name), new[name], "xor"))
-    refs, count, changed, keys = _write_segments(log, end, prefix, records, writer_id, segment_bytes)
-    del new
+
+    def records() -> Iterator[Record]:
+        for group in _tensor_groups(table, SQUASH_GROUPS):
+            held = {n: TensorBits(base[n].dtype, base[n].shape, base[n].words.copy()) for n in group if n in base}
+            for v in range(start + 1, end + 1):
+                log.apply_version(held, v, tensors=group)
+            for name in sorted(group, key=str.encode):
+                new = held.pop(name)
+                if log.digests.tensor(new.words, new.shape) != table[name].digest:
+                    raise IntegrityError(f"version {end}: tensor {name!r} does not match its digest")
+                yield from differ.diff(name, base.get(name), new, "xor")
+                if progress:
+                    progress(new.nbytes)
+
+    refs, count, changed, keys = _write_segments(log, end, prefix, records(), writer_id, segment_bytes)
     cu = CatchUp(log.log_id, end, start, base_commit.state_digest, commit.state_digest,
                  log.commit_sha256(end), tuple(refs), CommitStats(changed, commit.stats.total_elements, count),
                  utc_now(), writer_id)
     return _publish(log, cu, keys, _check_apply(log, base) if check else None)
+
+
+def _tensor_groups(table: dict[str, TensorInfo], groups: int) -> list[set[str]]:
+    """The tensors in byte order of their names, cut into runs of about 1/``groups`` of their
+    bytes each (a tensor larger than that is a run of its own)."""
+    sizes = {n: numel(i.shape) * DTYPE_WIDTH[i.dtype] for n, i in table.items()}
+    budget = max(sum(sizes.values()) // groups, max(sizes.values(), default=0), 1)
+    out: list[set[str]] = []
+    current: set[str] = set()
+    held = 0
+    for name in sorted(table, key=str.encode):
+        if current and held + sizes[name] > budget:
+            out.append(current)
+            current, held = set(), 0
+        current.add(name)
+        held += sizes[name]
+    if current:
+        out.append(current)
+    return out
 
 
 def _check_apply(log: DeltaLog, base: dict[str, TensorBits] | None) -> Callable[[CatchUp], None]:

@@ -208,3 +208,14 @@ def test_cli_mirror_follow_copies_new_versions_and_stops_on_sigterm(tmp_path):
     assert "at version 3: run dcr mirror again" in err
     assert DeltaLog.open(dst).latest_version() == 3
     assert snapshot_files(dst) == snapshot_files(src)
+
+
+def test_mirror_reports_each_version_it_holds(tmp_path):
+    _log(tmp_path / "src", 4)
+    seen: list[int] = []
+    mirror(tmp_path / "src", tmp_path / "dst", progress=seen.append)
+    assert seen == [0, 1, 2, 3]
+    LogWriter.open(tmp_path / "src", cache_dir=False).append(DeltaLog.open(tmp_path / "src").materialize(3))
+    seen.clear()
+    report = mirror(tmp_path / "src", tmp_path / "dst", progress=seen.append)
+    assert seen == [0, 1, 2, 3, 4] and report.versions == 1

@@ -59,11 +59,13 @@ def _present(dst: Store, key: str, size: int) -> bool:
 
 
 class Mirror:
-    """Copies ``src`` (a DeltaLog) to the store ``dst``."""
+    """Copies ``src`` (a DeltaLog) to the store ``dst``; ``progress(v)``, if given, is called
+    with each version of the source once the mirror holds it (copied by this pass or before)."""
 
-    def __init__(self, src: DeltaLog, dst: Store):
+    def __init__(self, src: DeltaLog, dst: Store, progress: Callable[[int], None] | None = None):
         self.src = src
         self.dst = dst
+        self.progress = progress
 
     def _identity(self, report: MirrorReport) -> None:
         data = bytes(self.src.store.get(IDENTITY_KEY, max_size=limits.MAX_IDENTITY_BYTES))
@@ -138,10 +140,12 @@ class Mirror:
         for v in range(start, latest + 1):
             if v in have:
                 digest = self.src.commit(v).state_digest
-                continue
-            digest = self._version(v, digest, report)
-            if v == start and start > 0:
-                self._markers(report)
+            else:
+                digest = self._version(v, digest, report)
+                if v == start and start > 0:
+                    self._markers(report)
+            if self.progress is not None:
+                self.progress(v)
         self._markers(report)
         for cu in list(self.src.snapshots(retired=True).values()) + self.src.squashes():
             self._catchup(cu.key, report)
@@ -179,12 +183,13 @@ class Mirror:
 
 
 def mirror(src, dst, follow: bool = False, interval: float = 1.0,
-           stop: Callable[[], bool] | None = None) -> MirrorReport:
+           stop: Callable[[], bool] | None = None,
+           progress: Callable[[int], None] | None = None) -> MirrorReport:
     """Copy log ``src`` (a location or DeltaLog) to ``dst`` (a location or Store); with
-    ``follow``, keep copying new versions until ``stop()``."""
+    ``follow``, keep copying new versions until ``stop()``. ``progress``: see Mirror."""
     log = src if isinstance(src, DeltaLog) else DeltaLog.open(src)
     store = dst if isinstance(dst, Store) else Store.open(dst, create=True)
-    m = Mirror(log, store)
+    m = Mirror(log, store, progress)
     if follow:
         m.follow(interval, stop)
     return m.run_once()

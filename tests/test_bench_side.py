@@ -41,11 +41,41 @@ def test_tiny_run_json_and_plot(tmp_path, capsys):
         assert pair["changed_elements"] == round(pair["changed_rate"] * pair["elements"])
         assert pair["nemo_to_dcr"] > 1
         t = pair["throughput"]
-        for op in ("xor", "append", "dense_create", "replay", "rx_numpy", "rx_torch", "rx_ckpt", "nemo_encode"):
+        for op in ("xor", "copyto", "append", "replay", "rx_numpy", "rx_torch", "rx_ckpt", "nemo_encode"):
             assert t["seconds"][op] > 0 and t["to_xor"][op] > 0, op
         assert t["to_xor"]["xor"] == 1
-    assert report["writer_peak"]["peak_increase_mib"] >= 0
-    assert report["writer_peak"]["held_state_mib"] > 0
+        # Speed ratios, not time ratios: copyto (one read, one write) is faster than xor (two
+        # reads, one write), and each ratio follows from the medians' direction.
+        assert (t["to_xor"]["copyto"] > 1) == (t["seconds"]["copyto"] < t["seconds"]["xor"])
+        for op in ("append", "replay"):
+            assert abs(t["to_copyto"][op] * t["to_xor"]["copyto"] - t["to_xor"][op]) < 1e-9 * t["to_xor"][op]
+        # The changes of an optimizer step are spread over every tensor, not clustered.
+        sp = pair["spread"]
+        assert sp["tensors"] >= 1
+        assert 0.08 < sp["tenth_share_min"] <= 0.1 <= sp["tenth_share_max"] < 0.12, sp
+        assert sp["first_change_max"] < 0.01 and sp["last_change_min"] > 0.99, sp
+        assert sp["rows_with_change_min"] > 0.5, sp
+    d = report["dense_create"]
+    assert d["seconds"] > 0 and 0 < d["to_xor"] and 0 < d["to_copyto"]
+    assert d["spread_to_xor"][0] <= d["to_xor"] <= d["spread_to_xor"][1]
+    peak = report["peak_memory"]
+    model_mib = peak["model_mib"]
+    assert peak["model_bytes"] == 2 * report["elements"]
+    w = peak["writer_api"]
+    # Totals: the writer holds its base and new states, the receiver its weights, the CLI maps
+    # the checkpoint; each peak is at least what it holds.
+    assert w["peak_mib"] >= w["imports_mib"] + 2 * model_mib * 0.99, w
+    assert w["peak_to_model"] == w["peak_mib"] * 2**20 / peak["model_bytes"]
+    assert w["append_increase_mib"] is not None and 0 <= w["append_increase_mib"] <= w["peak_mib"]
+    assert w["ru_maxrss_mib"] >= w["peak_mib"] * 0.99
+    rx = peak["receiver_numpy"]
+    assert rx["peak_mib"] >= rx["imports_mib"] + model_mib * 0.99, rx
+    imports = peak["cli_imports"]["peak_mib"]
+    for key in ("cli_init", "cli_append", "cli_apply_dense", "cli_apply"):
+        e = peak[key]
+        assert e["peak_mib"] > imports and e["peak_to_model"] > 0, (key, e)
+    # Measured apart from this process: a direct child's peak would start at this process's.
+    assert imports < bench_side._vm("VmHWM") / 2**20
     assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
@@ -97,3 +127,4 @@ def test_bench_codec_reports_what_the_codec_comments_quote(capsys):
     timings = [kernels["xor_ms"], *kernels["ulp_step_1pct"].values(), *kernels["fresh_fill"].values()]
     timings += [t for f in kernels["find_changes"].values() for t in f.values()]
     assert all(t > 0 for t in timings)
+

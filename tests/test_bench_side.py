@@ -128,3 +128,40 @@ def test_bench_codec_reports_what_the_codec_comments_quote(capsys):
     timings += [t for f in kernels["find_changes"].values() for t in f.values()]
     assert all(t > 0 for t in timings)
 
+
+def test_percost_fit_separates_the_pass_from_the_per_change_cost():
+    import bench_percost
+
+    ks = [1_000, 5_000, 30_000, 100_000]
+    model = 1 << 20
+    seconds = [model * 0.5e-9 + k * 40e-9 for k in ks]  # 0.5 ns per byte, 40 ns per change
+    f = bench_percost.fit([model] * len(ks), ks, seconds)
+    assert abs(f["ns_per_change"] - 40) < 1e-6 and abs(f["ns_per_byte"] - 0.5) < 1e-9
+    assert abs(f["fixed_ms"] - model * 0.5e-6) < 1e-9 and f["r2"] > 0.999999 and f["points"] == 4
+
+
+def test_percost_tiny_run_json(capsys):
+    import bench_percost
+
+    assert bench_percost.main(["--gib", "0.01", "--rates", "0.01", "0.05", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["modes"]) == {"one-core", "default"}
+    assert len(report["modes"]["one-core"]["cpus"]) == 1  # pinned before the child started
+    for mode, m in report["modes"].items():
+        low, high = m["changes"]
+        assert 0.008 * m["elements"] < low < high < 0.06 * m["elements"], m["changes"]
+        for op in ("encode", "apply_numpy", "replay"):
+            samples = m["samples"][op]
+            assert len(samples) == 4 and all(s["cpu"] > 0 and s["wall"] > 0 and s["xor"] > 0 for s in samples)
+            for kind in ("cpu", "wall", "wall_load_scaled"):
+                f = m["fits"][op][kind]
+                assert f["points"] == 4 and np.isfinite(f["ns_per_change"]), (mode, op, kind, f)
+            # More changes cost more CPU: the per-change cost is positive.
+            assert m["fits"][op]["cpu"]["ns_per_change"] > 0, (mode, op)
+    stages = report["modes"]["one-core"]["stages"]
+    assert set(stages) == set(bench_percost.STAGES)
+    for name in ("find_changes", "pcodec", "choose", "diff_box"):
+        assert stages[name]["ns_per_change"] > 0, name
+    # diff_box does what choose does and more; choose runs pcodec.
+    assert stages["diff_box"]["ns_per_change"] > stages["pcodec"]["ns_per_change"]
+    assert report["modes"]["one-core"]["stage_seconds"][0]["encodings"] == ["ulp"]

@@ -52,9 +52,10 @@ xor in the same minute, per rate):
 - NeMo-like encode, for context;
 - where the changed positions lie (``spread``): per tensor, the share of its changes in each
   tenth of it, the first and last changed position, the rows with a change. On every
-  adam_step_pair measured each tenth holds 0.098-0.101 of its tensor's changes, the first
-  change is within the first 2e-6 of the tensor and the last within its last 1e-6, and every
-  row has one: spread over the whole tensor, as an optimizer step spreads them.
+  adam_step_pair measured (0.01 and 0.25 GiB, 1% and 5%) each tenth holds 0.096-0.103 of its
+  tensor's changes, the first change is within the first 2e-5 of the tensor and the last
+  within its last 4e-5, and every row has one: spread over the whole tensor, as an optimizer
+  step spreads them.
 
 Peak memory, as totals (peak RSS of a process that does what a user does, from the start;
 in MiB and as a multiple of the model's bytes; one step at 1%):
@@ -73,6 +74,35 @@ in MiB and as a multiple of the model's bytes; one step at 1%):
   from the kernel (``wait4``'s ``ru_maxrss``) through a small launcher process: a direct child
   of this process would start its peak at this process's RSS (the address space it had at
   fork is counted at exec).
+
+Why earlier figures of this file were 2-3x above those measured from outside (each factor
+measured on one 0.25 GiB state at 1% and 5%, on a 2-core machine that others loaded to a
+load average of 9-14; ``factors`` in the report holds the paired ones):
+
+- the ratio to copyto (every "/ copyto" figure, the receivers' among them): copyto's entry
+  held the time ratio copyto / xor (0.42-0.52 here) where it needed the speed ratio, and the
+  ratios to copyto divide by it, so each was (xor / copyto time)^2 too high: 4.3-4.6x here
+  (numpy receiver at 1%: 1.05 printed, 0.23 by median pairs), about 2.4x where copyto takes
+  0.65 of xor's time. That was most of the receivers' gap (append and replay at 1% read 0.83
+  and 1.84 "/ copyto" here, against 0.39 and 0.86 "/ xor"). Fixed; the tests hold the direction;
+- the same entry made dense create's ratio to xor (copyto / xor)^2 too low (0.013 printed
+  against 0.062 here), so that figure erred the other way;
+- the fastest of N calls of an operation and the fastest of N of its baseline, picked
+  apart (before pairing): two lucky calls that need not have felt the same load. The paired
+  ratios here spread over 0.33-0.40 (append at 1%) and 0.11-0.22 (at 5%) from pair to pair;
+  a ratio of two minima lands anywhere in such a range, or past it;
+- ``cache_dir=False``: no cost in time (create 0.96x, append 0.94-1.01x the uncached time,
+  paired), but in memory: the baseline built at create (one model's bytes) was left out of the
+  peak, which counted only what one append added above the RSS before it (10.7 MiB
+  uncached; 265 MiB with the cache, whose mapped pages the append touches);
+- a fresh xor output costs page faults (1.6-2.4x the time of xor into a reused buffer, paired).
+  This file's xor has always written into a reused buffer, so it did not slow the baseline; an
+  outside xor that allocated would have made the outside ratios higher, not lower;
+- not factors here: the data (positions spread over every tensor, ``spread``); threads (at
+  this load wall time is above CPU time, and tools/bench_percost.py finds the same CPU per
+  change on one core as on two, and no lower wall time on two); the page cache (the log is
+  read back from the page cache in every run; a cold cache, not
+  measured here, would lower the receivers' figures further).
 
 Usage:
 

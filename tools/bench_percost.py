@@ -167,12 +167,13 @@ def stage_costs(base_state, new_state, k: int, repeats: int) -> dict[str, float]
             _compress(g, policy.ulp_level)
             _compress(s, policy.ulp_level)
 
+    xors = [np.bitwise_xor(bv, nv) for _, bv, nv in found]  # the record's values, made by diff_box
+
     def do_choose():
-        for (*_, bb, nb), (p, bv, nv) in zip(boxes, found):
+        for (*_, bb, nb), (p, bv, nv), x in zip(boxes, found, xors):
             if p.size:
                 full = functools.partial(np.bitwise_xor, bb, nb, out=scratch.get("xor", nb.dtype, nb.size))
-                choose(Attempt("xor", ChangeSet(nb.size, p, np.bitwise_xor(bv, nv)), bv, nv, policy, full,
-                               buffer=scratch.get), features)
+                choose(Attempt("xor", ChangeSet(nb.size, p, x), bv, nv, policy, full, buffer=scratch.get), features)
 
     def do_digests():
         for (_, shape, box, _, _), (p, bv, nv) in zip(boxes, found):

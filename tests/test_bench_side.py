@@ -41,11 +41,41 @@ def test_tiny_run_json_and_plot(tmp_path, capsys):
         assert pair["changed_elements"] == round(pair["changed_rate"] * pair["elements"])
         assert pair["nemo_to_dcr"] > 1
         t = pair["throughput"]
-        for op in ("xor", "append", "dense_create", "replay", "rx_numpy", "rx_torch", "rx_ckpt", "nemo_encode"):
+        for op in ("xor", "copyto", "append", "replay", "rx_numpy", "rx_torch", "rx_ckpt", "nemo_encode"):
             assert t["seconds"][op] > 0 and t["to_xor"][op] > 0, op
         assert t["to_xor"]["xor"] == 1
-    assert report["writer_peak"]["peak_increase_mib"] >= 0
-    assert report["writer_peak"]["held_state_mib"] > 0
+        # Speed ratios, not time ratios: copyto (one read, one write) is faster than xor (two
+        # reads, one write), and each ratio follows from the medians' direction.
+        assert (t["to_xor"]["copyto"] > 1) == (t["seconds"]["copyto"] < t["seconds"]["xor"])
+        for op in ("append", "replay"):
+            assert abs(t["to_copyto"][op] * t["to_xor"]["copyto"] - t["to_xor"][op]) < 1e-9 * t["to_xor"][op]
+        # The changes of an optimizer step are spread over every tensor, not clustered.
+        sp = pair["spread"]
+        assert sp["tensors"] >= 1
+        assert 0.08 < sp["tenth_share_min"] <= 0.1 <= sp["tenth_share_max"] < 0.12, sp
+        assert sp["first_change_max"] < 0.01 and sp["last_change_min"] > 0.99, sp
+        assert sp["rows_with_change_min"] > 0.5, sp
+    d = report["dense_create"]
+    assert d["seconds"] > 0 and 0 < d["to_xor"] and 0 < d["to_copyto"]
+    assert d["spread_to_xor"][0] <= d["to_xor"] <= d["spread_to_xor"][1]
+    peak = report["peak_memory"]
+    model_mib = peak["model_mib"]
+    assert peak["model_bytes"] == 2 * report["elements"]
+    w = peak["writer_api"]
+    # Totals: the writer holds its base and new states, the receiver its weights, the CLI maps
+    # the checkpoint; each peak is at least what it holds.
+    assert w["peak_mib"] >= w["imports_mib"] + 2 * model_mib * 0.99, w
+    assert w["peak_to_model"] == w["peak_mib"] * 2**20 / peak["model_bytes"]
+    assert w["append_increase_mib"] is not None and 0 <= w["append_increase_mib"] <= w["peak_mib"]
+    assert w["ru_maxrss_mib"] >= w["peak_mib"] * 0.99
+    rx = peak["receiver_numpy"]
+    assert rx["peak_mib"] >= rx["imports_mib"] + model_mib * 0.99, rx
+    imports = peak["cli_imports"]["peak_mib"]
+    for key in ("cli_init", "cli_append", "cli_apply_dense", "cli_apply"):
+        e = peak[key]
+        assert e["peak_mib"] > imports and e["peak_to_model"] > 0, (key, e)
+    # Measured apart from this process: a direct child's peak would start at this process's.
+    assert imports < bench_side._vm("VmHWM") / 2**20
     assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
@@ -97,3 +127,41 @@ def test_bench_codec_reports_what_the_codec_comments_quote(capsys):
     timings = [kernels["xor_ms"], *kernels["ulp_step_1pct"].values(), *kernels["fresh_fill"].values()]
     timings += [t for f in kernels["find_changes"].values() for t in f.values()]
     assert all(t > 0 for t in timings)
+
+
+def test_percost_fit_separates_the_pass_from_the_per_change_cost():
+    import bench_percost
+
+    ks = [1_000, 5_000, 30_000, 100_000]
+    model = 1 << 20
+    seconds = [model * 0.5e-9 + k * 40e-9 for k in ks]  # 0.5 ns per byte, 40 ns per change
+    f = bench_percost.fit([model] * len(ks), ks, seconds)
+    assert abs(f["ns_per_change"] - 40) < 1e-6 and abs(f["ns_per_byte"] - 0.5) < 1e-9
+    assert abs(f["fixed_ms"] - model * 0.5e-6) < 1e-9 and f["r2"] > 0.999999 and f["points"] == 4
+
+
+def test_percost_tiny_run_json(capsys):
+    import bench_percost
+
+    assert bench_percost.main(["--gib", "0.01", "--rates", "0.01", "0.05", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["modes"]) == {"one-core", "default"}
+    assert len(report["modes"]["one-core"]["cpus"]) == 1  # pinned before the child started
+    for mode, m in report["modes"].items():
+        low, high = m["changes"]
+        assert 0.008 * m["elements"] < low < high < 0.06 * m["elements"], m["changes"]
+        for op in ("encode", "apply_numpy", "replay"):
+            samples = m["samples"][op]
+            assert len(samples) == 4 and all(s["cpu"] > 0 and s["wall"] > 0 and s["xor"] > 0 for s in samples)
+            for kind in ("cpu", "wall", "wall_load_scaled"):
+                f = m["fits"][op][kind]
+                assert f["points"] == 4 and np.isfinite(f["ns_per_change"]), (mode, op, kind, f)
+            # More changes cost more CPU: the per-change cost is positive.
+            assert m["fits"][op]["cpu"]["ns_per_change"] > 0, (mode, op)
+    stages = report["modes"]["one-core"]["stages"]
+    assert set(stages) == set(bench_percost.STAGES)
+    for name in ("find_changes", "pcodec", "choose", "diff_box"):
+        assert stages[name]["ns_per_change"] > 0, name
+    # diff_box does what choose does and more; choose runs pcodec.
+    assert stages["diff_box"]["ns_per_change"] > stages["pcodec"]["ns_per_change"]
+    assert report["modes"]["one-core"]["stage_seconds"][0]["encodings"] == ["ulp"]

@@ -124,3 +124,19 @@ def test_fastest_keeps_the_fastest_call():
     assert (sample.wall, sample.cpu) == (1.0, 0.5)
     with pytest.raises(ValueError, match="at least 1"):
         timing.fastest(lambda: None, 0)
+
+
+def test_load_scaled_walls_take_out_what_the_baseline_felt():
+    fake = FakeClock()
+    op_walls = iter([2.0, 6.0, 3.0])        # the second pair ran under 3x load, the third 1.5x
+    base_walls = iter([1.0, 3.0, 1.5])
+
+    def op():
+        fake.advance(next(op_walls), 0.0)
+
+    def baseline():
+        fake.advance(next(base_walls), 0.0)
+
+    pairing = timing.paired(op, baseline, 3, clock=fake.clock())
+    assert pairing.baseline_wall == 1.5
+    assert pairing.load_scaled_op_walls == (3.0, 3.0, 3.0)

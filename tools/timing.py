@@ -106,6 +106,13 @@ class Pairing:
     def baseline_cpu(self) -> float:
         return statistics.median(s.cpu for s in self.baseline)
 
+    @property
+    def load_scaled_op_walls(self) -> tuple[float, ...]:
+        """Each op wall time times median(baseline) / its own pair's baseline: the load that pair
+        felt taken out, as far as the baseline feels it (for fits over many measurements)."""
+        mid = self.baseline_wall
+        return tuple(o.wall * mid / b.wall for o, b in zip(self.op, self.baseline))
+
     def summary(self) -> dict[str, float]:
         """The numbers a report keeps (JSON-ready)."""
         low, high = self.spread

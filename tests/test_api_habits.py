@@ -95,3 +95,10 @@ def test_help_and_version_import_no_heavy_module(argv):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1]) == []
+
+
+def test_readers_of_unsigned_logs_import_no_cryptography():
+    """Signatures are checked only under a trust policy: the receiver and the log reader import
+    cryptography when a key is made, read or checked, not before."""
+    heavy = _imported_after("import dcr_log.receiver, dcr_log.log")
+    assert "numpy" in heavy and "cryptography" not in heavy

@@ -193,9 +193,12 @@ def signing_key_option(path: Path | None):
 
 def open_log(log: str, trust: list[Path] | None) -> DeltaLog:
     from dcr_log.log.deltalog import DeltaLog
+
+    if not trust:
+        return DeltaLog.open(log)
     from dcr_log.signing import TrustPolicy
 
-    return DeltaLog.open(log, trust=TrustPolicy.load(trust) if trust else None)
+    return DeltaLog.open(log, trust=TrustPolicy.load(trust))
 
 
 def one_line(text: str) -> str:

@@ -19,6 +19,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+from dcr_log import __version__
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
@@ -64,12 +66,19 @@ def exit_on_signal(signum, frame=None, _state=_State, _names=_NAMES, _sys=sys, _
     _exit(code)
 
 
+def version_line() -> str:
+    return f"dcr {__version__}"
+
+
 def entry() -> None:
     """Run the ``dcr`` command: handlers first, then the imports, the command, and the exit."""
     _State.active = True
     _State.json = "--json" in sys.argv[1:]
     for sig in SIGNALS:
         signal.signal(sig, exit_on_signal)
+    if sys.argv[1:] == ["--version"]:  # what scripts and health checks ask: no command to import for it
+        print(version_line())
+        finish(0)
     from dcr_log import cli  # the heavy imports; a signal meanwhile exits in exit_on_signal
 
     _State.hook = cli.signal_outcome

@@ -19,13 +19,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from typing import TYPE_CHECKING
 
 from dcr_log.errors import TrustError, UsageError, os_error
 from dcr_log.format.signature import SignatureRecord
+
+# cryptography is imported where a key is made, read or checked: every receiver and reader
+# imports this module, and most logs are not signed.
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 _PUBLIC = re.compile(r"ed25519:([0-9a-f]{64})")
 
@@ -42,6 +44,8 @@ class SigningKey:
     """An ed25519 private key that signs commit records."""
 
     def __init__(self, private: Ed25519PrivateKey):
+        from cryptography.hazmat.primitives import serialization
+
         self._private = private
         self.public = private.public_key().public_bytes(serialization.Encoding.Raw,
                                                         serialization.PublicFormat.Raw)
@@ -49,15 +53,22 @@ class SigningKey:
 
     @staticmethod
     def generate() -> SigningKey:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         return SigningKey(Ed25519PrivateKey.generate())
 
     @staticmethod
     def from_seed(seed: bytes) -> SigningKey:
         """A key from its 32 private bytes (test vectors use fixed seeds)."""
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         return SigningKey(Ed25519PrivateKey.from_private_bytes(seed))
 
     @staticmethod
     def load(path: str | os.PathLike) -> SigningKey:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         try:
             data = Path(path).read_bytes()
         except FileNotFoundError:
@@ -74,6 +85,8 @@ class SigningKey:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the private key (0600, create-if-absent) and ``<path>.pub``; returns the latter."""
+        from cryptography.hazmat.primitives import serialization
+
         path = Path(path)
         pem = self._private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                           serialization.NoEncryption())
@@ -98,6 +111,8 @@ class SigningKey:
 def as_signing_key(key) -> SigningKey | None:
     if key is None or isinstance(key, SigningKey):
         return key
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     if isinstance(key, Ed25519PrivateKey):
         return SigningKey(key)
     if isinstance(key, (str, os.PathLike)):
@@ -118,6 +133,8 @@ class TrustPolicy:
 
     @staticmethod
     def of(publics: Iterable[bytes | str]) -> TrustPolicy:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
         keys: dict[str, Ed25519PublicKey] = {}
         for p in publics:
             if isinstance(p, SigningKey):
@@ -151,6 +168,8 @@ class TrustPolicy:
               signatures: list[tuple[str, SignatureRecord | Exception]]) -> str:
         """The key id of a trusted key whose signature verifies; else TrustError saying what
         was found. ``signatures``: (object key, parsed record or the error parsing it)."""
+        from cryptography.exceptions import InvalidSignature
+
         found = []
         for obj_key, rec in signatures:
             if isinstance(rec, Exception):

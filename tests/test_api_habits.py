@@ -1,7 +1,13 @@
 """Python habits: writers and readers close and work as context managers; every error class
-and the public names the README uses import from ``dcr_log``."""
+and the public names the README uses import from ``dcr_log``; importing the package or the
+command (and ``dcr --help``) stays light."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -41,3 +47,58 @@ def test_every_error_class_imports_from_dcr_log():
     assert {"TrustError", "StoreError", "ExpiredError", "LayoutError", "AppendAborted", "ReplicaMismatch"} <= classes
     for name in classes:
         assert getattr(dcr_log, name) is getattr(errors, name), name
+
+
+def test_every_public_name_resolves():
+    """``__all__`` names exactly the lazily exported names, each resolves (attribute and
+    ``from dcr_log import X``), and ``dir(dcr_log)`` lists them."""
+    assert dcr_log.__all__ == sorted(dcr_log.__all__)
+    assert set(dcr_log.__all__) == set(dcr_log._LAZY)
+    for name in dcr_log.__all__:
+        value = getattr(dcr_log, name)
+        namespace: dict = {}
+        exec(f"from dcr_log import {name}", namespace)
+        assert namespace[name] is value, name
+        assert getattr(value, "__name__", name) == name
+    assert set(dcr_log.__all__) <= set(dir(dcr_log))
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        dcr_log.NoSuchName  # noqa: B018
+
+
+HEAVY = ("torch", "pyarrow", "numpy", "zstandard", "pcodec", "safetensors", "lmdb", "cryptography",
+         "dcr_log.log", "dcr_log.receiver", "dcr_log.write", "dcr_log.format", "dcr_log.codec")
+
+
+def _imported_after(code: str) -> list[str]:
+    """The HEAVY modules a fresh interpreter holds after running CODE."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_import_dcr_log_and_the_cli_import_no_heavy_module():
+    assert _imported_after("import dcr_log") == []
+    assert _imported_after("import dcr_log.cli") == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["apply", "--help"], ["init", "--help"]])
+def test_help_and_version_import_no_heavy_module(argv):
+    """Through the entry point, as ``dcr`` runs them (entry exits: the report is printed at exit)."""
+    code = textwrap.dedent(f"""
+        import atexit, json, sys
+        atexit.register(lambda: print(json.dumps([m for m in {HEAVY!r} if m in sys.modules])))
+        sys.argv = ["dcr", *{argv!r}]
+        from dcr_log._entry import entry
+        entry()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == []
+
+
+def test_readers_of_unsigned_logs_import_no_cryptography():
+    """Signatures are checked only under a trust policy: the receiver and the log reader import
+    cryptography when a key is made, read or checked, not before."""
+    heavy = _imported_after("import dcr_log.receiver, dcr_log.log")
+    assert "numpy" in heavy and "cryptography" not in heavy

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import signal
 import threading
@@ -133,9 +135,67 @@ def test_cli_follow_applies_new_versions_and_stops_on_a_signal(tmp_path, sig, co
             proc.kill()
     assert proc.returncode == code, err
     assert err.strip() == f"dcr: interrupted ({signal.Signals(sig).name}): receiver at version 3"
+    assert "waiting" not in out + err  # on a pipe: no status line while it waited
     assert [line.split(":")[0] for line in out.splitlines()] == [
         "materialized version 0 into model.safetensors", "applied version 1", "applied version 2",
         "applied version 3"]
     assert_file_holds(rx / "model.safetensors", states[3])
     code2, out2, err2 = run_cli("apply", root, "--receiver", rx, "--follow", "--to", "2")
     assert code2 == 2 and "--follow and --to" in err2
+
+
+def test_follow_holds_on_wait_while_it_waits_and_only_then(tmp_path):
+    """``on_wait(v)`` is entered when the receiver starts waiting for version v and left as soon
+    as v is committed, before v is applied; a version that is already there is never waited for."""
+    rng = np.random.default_rng(4)
+    state = make_state(rng, SPEC)
+    root = tmp_path / "log"
+    writer = LogWriter.create(root, state, cache_dir=False)
+    writer.append({n: change_words(rng, b, 0.05) for n, b in state.items()})  # version 1: no wait
+    arrays = {n: b.words.reshape(b.shape).copy() for n, b in state.items()}
+    rx = Receiver.open(arrays, tmp_path / "j", dtypes={n: b.dtype for n, b in state.items()})
+    log = DeltaLog.open(root)
+    rx.bind(log, 0)
+    events: list[tuple[str, int]] = []
+    waited = {2: threading.Event(), 3: threading.Event()}
+
+    @contextlib.contextmanager
+    def on_wait(version: int):
+        events.append(("wait", version))
+        waited[version].set()
+        yield
+        events.append(("done", version))
+
+    def write() -> None:  # each version only once the follower waits for it: the order is fixed
+        current = state
+        for v in (2, 3):
+            assert waited[v].wait(60)
+            current = {n: change_words(rng, b, 0.05) for n, b in current.items()}
+            writer.append(current)
+
+    t = threading.Thread(target=write)
+    t.start()
+    applied = rx.follow(log, interval=0.02, until=3, on_wait=on_wait,
+                        on_version=lambda r: events.append(("applied", r.version)))
+    t.join(60)
+    assert applied == [1, 2, 3]
+    assert events == [("applied", 1), ("wait", 2), ("done", 2), ("applied", 2), ("wait", 3), ("done", 3),
+                      ("applied", 3)]
+
+
+def test_waiting_line_only_on_a_terminal_and_never_with_json():
+    """dcr apply --follow's status line: shown on a terminal console, with the version awaited,
+    the one held and the polling interval; no line at all on a pipe or with --json."""
+    from rich.console import Console
+
+    from dcr_log.cli.receive_commands import waiting_line
+
+    assert waiting_line(Console(file=io.StringIO()), False, 1.0) is None  # a pipe
+    terminal = io.StringIO()
+    console = Console(file=terminal, force_terminal=True, width=120)
+    assert waiting_line(console, True, 1.0) is None  # --json: results only
+    waiting = waiting_line(console, False, 0.5)
+    assert waiting is not None
+    with waiting(7):
+        pass
+    assert "waiting for version 7 after 6 (checking every 0.5s)" in terminal.getvalue()

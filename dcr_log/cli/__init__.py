@@ -17,7 +17,7 @@ from dcr_log.cli import lifecycle_commands as _lifecycle
 from dcr_log.cli import read_commands as _read
 from dcr_log.cli import receive_commands as _receive
 from dcr_log.cli import write_commands as _write
-from dcr_log.cli.app import app, entry, err, main, out, signal_outcome
+from dcr_log.cli.app import app, command, entry, err, main, out, signal_outcome
 
 _COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
     (None, _write.keygen), (None, _write.sign), (None, _write.init), (None, _write.append),
@@ -28,7 +28,7 @@ _COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
     ("apply", _receive.apply_cmd), ("status", _receive.status_cmd),
 ]
 for _name, _fn in _COMMANDS:
-    app.command(_name)(_fn)
+    command(app, _name)(_fn)
 app.add_typer(_cache.cache_app, name="cache")
 
 __all__ = ["app", "entry", "err", "main", "out", "signal_outcome"]

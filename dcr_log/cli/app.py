@@ -6,38 +6,78 @@ exit codes (see dcr_log.cli).
 
 from __future__ import annotations
 
+import inspect
 import json
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from dcr_log import __version__, _entry
+from dcr_log import _entry
 from dcr_log.errors import DcrError, Interrupted, NotFoundError, StoreError, UsageError, os_error
-from dcr_log.log.deltalog import DeltaLog
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+if TYPE_CHECKING:  # the library is imported by the commands that use it: `dcr --help` stays fast
+    from dcr_log.log.deltalog import DeltaLog
+
+class _FlagsWithoutPlaceholder:
+    """A flag takes no value: its help shows no value placeholder (typer writes ``<bool>``)."""
+
+    def get_params(self, ctx: Any) -> list:
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class DcrGroup(_FlagsWithoutPlaceholder, TyperGroup):
+    """dcr's command groups (``dcr``, ``dcr cache``)."""
+
+
+class DcrCommand(_FlagsWithoutPlaceholder, TyperCommand):
+    """A command as its help should read: the usage line names arguments by their
+    placeholders (``LOG``, ``[VERSION]``; typer writes ``{log}``), flags show no placeholder."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = param.metavar or (param.name or "").upper()
+                pieces.append(name if param.required else f"[{name}]")
+            else:
+                pieces += param.get_usage_pieces(ctx)
+        return pieces
+
+
+app = typer.Typer(cls=DcrGroup, add_completion=False, no_args_is_help=True,
                   help="dcr-log: bit-exact delta logs for refitting model weights.")
+
+
+def help_text(doc: str | None) -> str:
+    """A docstring as help: each paragraph on one line, paragraphs apart by a blank line. The
+    renderer wraps to the terminal; typer would keep the docstring's line breaks as they are."""
+    paragraphs = inspect.cleandoc(doc or "").split("\n\n")
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs if p.strip())
+
+
+def command(group: typer.Typer, name: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``group.command(name)`` with dcr's help: its docstring as help_text, rendered by DcrCommand."""
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return group.command(name, cls=DcrCommand, help=help_text(fn.__doc__))(fn)
+
+    return register
 
 
 def _version_callback(value: bool) -> None:
     if value:
-        out.print(f"dcr {__version__}", markup=False)
+        out.print(_entry.version_line(), markup=False)
         raise typer.Exit()
 
 
@@ -77,6 +117,16 @@ def progress_bar(label: str, total: int | None, unit: str = "bytes") -> Iterator
     if not err.is_terminal:
         yield lambda n=1: None
         return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     if unit == "bytes":
         columns: tuple = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                           TimeRemainingColumn())
@@ -105,6 +155,8 @@ def say_left(say) -> None:
 def version_left(location, version: int, writer_id: str) -> str:
     """What an interrupted init or append left of VERSION, read from the store: the signal may
     have landed after the commit record was written and before the writer returned."""
+    from dcr_log.log.deltalog import DeltaLog
+
     try:
         commit = DeltaLog.open(location).commit(version)
     except NotFoundError:
@@ -140,9 +192,13 @@ def signing_key_option(path: Path | None):
 
 
 def open_log(log: str, trust: list[Path] | None) -> DeltaLog:
+    from dcr_log.log.deltalog import DeltaLog
+
+    if not trust:
+        return DeltaLog.open(log)
     from dcr_log.signing import TrustPolicy
 
-    return DeltaLog.open(log, trust=TrustPolicy.load(trust) if trust else None)
+    return DeltaLog.open(log, trust=TrustPolicy.load(trust))
 
 
 def one_line(text: str) -> str:

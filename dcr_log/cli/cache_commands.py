@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import typer
-from rich.table import Table
 
-from dcr_log.cli.app import json_option, out, say_result
+from dcr_log.cli.app import DcrGroup, command, json_option, out, say_result
 from dcr_log.errors import UsageError
 
-cache_app = typer.Typer(no_args_is_help=True, help="The writers' baseline caches on this machine: list, prune, remove.")
+cache_app = typer.Typer(cls=DcrGroup, no_args_is_help=True,
+                        help="The writers' baseline caches on this machine: list, prune, remove.")
 
 ROOT_HELP = "the cache directory (default $DCR_CACHE_DIR or ~/.cache/dcr-log)"
 
@@ -23,8 +23,8 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
-@cache_app.command("ls")
-def ls_cmd(cache: str | None = typer.Option(None, "--cache", help=ROOT_HELP),
+@command(cache_app, "ls")
+def ls_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", help=ROOT_HELP),
            as_json: bool = json_option()) -> None:
     """Every log's cache: its log (location and id), size and when it was last used, oldest
     first; then the total and the cap."""
@@ -38,6 +38,8 @@ def ls_cmd(cache: str | None = typer.Option(None, "--cache", help=ROOT_HELP),
             say_result(True, c.to_json(), "")
         say_result(True, {"root": str(root), "caches": len(logs), "bytes": total, "cap_bytes": cap}, "")
         return
+    from rich.table import Table
+
     table = Table("log", "log id", "bytes", "last used", "directory")
     for c in logs:
         row = c.to_json()
@@ -48,8 +50,8 @@ def ls_cmd(cache: str | None = typer.Option(None, "--cache", help=ROOT_HELP),
               markup=False)
 
 
-@cache_app.command("prune")
-def prune_cmd(cache: str | None = typer.Option(None, "--cache", help=ROOT_HELP),
+@command(cache_app, "prune")
+def prune_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", help=ROOT_HELP),
               everything: bool = typer.Option(False, "--all", help="remove every cache, not only those of logs gone"),
               as_json: bool = json_option()) -> None:
     """Remove the caches of logs that are gone (a local log deleted or replaced; a cache of an
@@ -63,9 +65,9 @@ def prune_cmd(cache: str | None = typer.Option(None, "--cache", help=ROOT_HELP),
                f"removed {len(removed)} caches ({freed} bytes) under {root}")
 
 
-@cache_app.command("rm")
-def rm_cmd(log: str = typer.Argument(..., help="log directory or URL"),
-           cache: str | None = typer.Option(None, "--cache", help=ROOT_HELP),
+@command(cache_app, "rm")
+def rm_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+           cache: str | None = typer.Option(None, "--cache", metavar="DIR", help=ROOT_HELP),
            as_json: bool = json_option()) -> None:
     """Remove LOG's caches (the log itself is not touched)."""
     import shutil

@@ -9,15 +9,15 @@ import typer
 
 from dcr_log.cli.app import FOLLOW, TRUST_HELP, json_option, open_log, out, say_left, say_result
 from dcr_log.errors import DcrError, UsageError
-from dcr_log.log.deltalog import DeltaLog
 
 
-def snapshot(log: str = typer.Argument(..., help="log directory or URL"),
-             version: int | None = typer.Option(None, "--version", help="version (default latest)"),
+def snapshot(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+             version: int | None = typer.Option(None, "--version", metavar="V", help="version (default latest)"),
              as_json: bool = json_option()) -> None:
     """Write the full state of a version under snapshots/V/ (checked against the commit's
     digests): new receivers and readers start from it."""
     from dcr_log.lifecycle import write_snapshot
+    from dcr_log.log.deltalog import DeltaLog
 
     dlog = DeltaLog.open(log)
     v = dlog.latest_version() if version is None else version
@@ -27,13 +27,14 @@ def snapshot(log: str = typer.Argument(..., help="log directory or URL"),
                f"snapshot {cu.version}: {len(cu.segments)} segments, {cu.delta_bytes} bytes")
 
 
-def squash(log: str = typer.Argument(..., help="log directory or URL"),
-           start: int = typer.Argument(..., help="from this version"),
-           end: int = typer.Argument(..., help="to this version"),
+def squash(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+           start: int = typer.Argument(..., metavar="START", help="from this version"),
+           end: int = typer.Argument(..., metavar="END", help="to this version"),
            as_json: bool = json_option()) -> None:
     """Write one delta from version START to END, stored beside the versions: a receiver at
     START catches up through it when that reads fewer bytes than the chain."""
     from dcr_log.lifecycle import write_squash
+    from dcr_log.log.deltalog import DeltaLog
 
     dlog = DeltaLog.open(log)
     say_left(lambda: f"squash {start}-{end} not written")
@@ -45,12 +46,13 @@ def squash(log: str = typer.Argument(..., help="log directory or URL"),
                f"{cu.stats.changed_elements} changed elements")
 
 
-def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
-           keep_last: int = typer.Option(..., "--keep-last", help="versions kept replayable (the newest N)"),
+def gc_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+           keep_last: int = typer.Option(
+               ..., "--keep-last", metavar="N", help="versions kept replayable (the newest N)"),
            keep_snapshots: int = typer.Option(
-               2, "--keep-snapshots", help="snapshots kept (the newest M, and the log start's)"),
+               2, "--keep-snapshots", metavar="M", help="snapshots kept (the newest M, and the log start's)"),
            grace: str = typer.Option(
-               "1h", "--grace",
+               "1h", "--grace", metavar="DURATION",
                help="how long a marker stands before what it expires is deleted (90s, 15m, 1h, 7d)"),
            no_snapshot: bool = typer.Option(
                False, "--no-snapshot", help="expire only up to an existing snapshot; never write one"),
@@ -62,6 +64,7 @@ def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
     (FORMAT.md section 25); delete what expired markers and retired snapshots make unneeded, and
     orphan segments, once older than the grace period."""
     from dcr_log.lifecycle import gc, parse_duration
+    from dcr_log.log.deltalog import DeltaLog
 
     dlog = DeltaLog.open(log)
     seconds = parse_duration(grace)
@@ -86,17 +89,19 @@ def gc_cmd(log: str = typer.Argument(..., help="log directory or URL"),
               f"{report.waiting} waiting for the grace period", markup=False)
 
 
-def mirror_cmd(src: str = typer.Argument(..., help="the log to copy (directory or URL)"),
-               dst: str = typer.Argument(..., help="where the mirror lives (directory or URL)"),
+def mirror_cmd(src: str = typer.Argument(..., metavar="SRC", help="the log to copy (directory or URL)"),
+               dst: str = typer.Argument(..., metavar="DST", help="where the mirror lives (directory or URL)"),
                follow: bool = typer.Option(False, "--follow", help="keep copying new versions"),
-               interval: float = typer.Option(1.0, "--interval", help="with --follow: seconds between passes"),
-               trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
+               interval: float = typer.Option(
+                   1.0, "--interval", metavar="SECONDS", help="with --follow: seconds between passes"),
+               trust: list[Path] | None = typer.Option(None, "--trust", metavar="FILE", help=TRUST_HELP),
                as_json: bool = json_option()) -> None:
     """Copy a log to another store, every object checked before it is published and each commit
     record after all it names: the mirror is a valid log with the same log id (FORMAT.md
     section 26). Run again (or --follow) to bring it up to date; SIGINT or SIGTERM stops
     --follow between passes."""
     from dcr_log.lifecycle.mirror import Mirror
+    from dcr_log.log.deltalog import DeltaLog
     from dcr_log.store import Store
 
     if not interval > 0:

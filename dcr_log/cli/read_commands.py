@@ -6,14 +6,10 @@ import io
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from dcr_log.checkpoint import save_safetensors
 from dcr_log.cli.app import (
     TRUST_HELP,
     json_option,
@@ -25,7 +21,9 @@ from dcr_log.cli.app import (
     version_progress,
 )
 from dcr_log.errors import IntegrityError, NotFoundError, UsageError
-from dcr_log.log.deltalog import DeltaLog
+
+if TYPE_CHECKING:  # imported by open_log when a command runs
+    from dcr_log.log.deltalog import DeltaLog
 
 
 def _log_rows(dlog: DeltaLog) -> list[dict[str, Any]]:
@@ -44,9 +42,9 @@ def _log_rows(dlog: DeltaLog) -> list[dict[str, Any]]:
     return rows
 
 
-def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
+def log_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
             as_json: bool = json_option(),
-            trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+            trust: list[Path] | None = typer.Option(None, "--trust", metavar="FILE", help=TRUST_HELP)) -> None:
     """One line per version: version, parent, bytes, changed elements and %, and in a log that
     carries files their count and bytes (--json: each file's name, size and sha256)."""
     from dcr_log.lifecycle.stats import catchup_rows
@@ -63,6 +61,8 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
         for c in catchups:
             out.print(json.dumps(c), markup=False)
         return
+    from rich.table import Table
+
     columns = ["version", "parent", "bytes", "changed", "%", "records", "created"]
     if dlog.has_files:
         columns.append("files")
@@ -87,10 +87,11 @@ def log_cmd(log: str = typer.Argument(..., help="log directory or URL"),
         out.print(table)
 
 
-def stats(log: str = typer.Argument(..., help="log directory or URL"),
+def stats(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
           as_json: bool = json_option(),
-          plot_path: Path | None = typer.Option(None, "--plot", help="write a PNG plot of bytes and change rate"),
-          trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+          plot_path: Path | None = typer.Option(
+              None, "--plot", metavar="FILE.png", help="write a PNG plot of bytes and change rate"),
+          trust: list[Path] | None = typer.Option(None, "--trust", metavar="FILE", help=TRUST_HELP)) -> None:
     """Per version: changed %, bytes, ratio to dense, records by kind and encoding, seconds
     since the parent; then snapshots and squashes."""
     from dcr_log.lifecycle.stats import catchup_rows, plot, version_stats
@@ -106,6 +107,8 @@ def stats(log: str = typer.Argument(..., help="log directory or URL"),
         for r in rows + catchups:
             out.print(json.dumps(r), markup=False)
         return
+    from rich.table import Table
+
     table = Table("version", "changed %", "bytes", "dense/delta", "records", "encodings", "s since parent")
     for r in rows:
         table.add_row(str(r["version"]), f"{r['changed_pct']:.3f}", str(r["bytes"]),
@@ -118,10 +121,10 @@ def stats(log: str = typer.Argument(..., help="log directory or URL"),
               + (f"; plot written to {plot_path}" if plot_path else ""), markup=False)
 
 
-def show(log: str = typer.Argument(..., help="log directory or URL"),
-         version: int = typer.Argument(..., help="version number"),
+def show(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+         version: int = typer.Argument(..., metavar="VERSION", help="version number"),
          as_json: bool = json_option(),
-         trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP)) -> None:
+         trust: list[Path] | None = typer.Option(None, "--trust", metavar="FILE", help=TRUST_HELP)) -> None:
     """Per tensor: records, encodings, changed elements and payload bytes of one version; then
     its files (name, size, sha256), in a log that carries files."""
     dlog = open_log(log, trust)
@@ -148,6 +151,8 @@ def show(log: str = typer.Argument(..., help="log directory or URL"),
         for f in commit.files or ():
             out.print(json.dumps({"file": f.name, "size": f.size, "sha256": f.sha256}), markup=False)
         return
+    from rich.table import Table
+
     table = Table("tensor", "dtype", "shape", "records", "kinds", "encodings", "changed", "%", "bytes")
     for row in per.values():
         pct = 100.0 * row["changed_elements"] / max(row["elements"], 1)
@@ -157,15 +162,17 @@ def show(log: str = typer.Argument(..., help="log directory or URL"),
                       str(row["changed_elements"]), f"{pct:.3f}", str(row["bytes"]))
     out.print(table)
     if commit.files is not None:
+        from rich.text import Text
+
         files = Table("file", "size", "sha256")
         for f in commit.files:
             files.add_row(Text(f.name), str(f.size), f.sha256)  # a name is never markup
         out.print(files)
 
 
-def verify(log: str = typer.Argument(..., help="log directory or URL"),
+def verify(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
            deep: bool = typer.Option(False, "--deep", help="also replay every version and check every digest"),
-           trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
+           trust: list[Path] | None = typer.Option(None, "--trust", metavar="FILE", help=TRUST_HELP),
            as_json: bool = json_option()) -> None:
     """Check every commit record, the parent chain and every segment's hash (and, with
     --trust, every version's signature)."""
@@ -186,12 +193,14 @@ def verify(log: str = typer.Argument(..., help="log directory or URL"),
                f"{report.bytes_checked} bytes{' (deep)' if deep else ''}{', signed' if trust else ''}")
 
 
-def replay(log: str = typer.Argument(..., help="log directory or URL"),
-           version: int | None = typer.Option(None, "--version", help="version (default latest)"),
-           out_path: Path = typer.Option(..., "--out", help="output .safetensors file"),
-           trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
+def replay(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+           version: int | None = typer.Option(None, "--version", metavar="V", help="version (default latest)"),
+           out_path: Path = typer.Option(..., "--out", metavar="FILE.safetensors", help="output .safetensors file"),
+           trust: list[Path] | None = typer.Option(None, "--trust", metavar="FILE", help=TRUST_HELP),
            as_json: bool = json_option()) -> None:
     """Rebuild a version bit-exactly and write it as one .safetensors file."""
+    from dcr_log.checkpoint import save_safetensors
+
     if not out_path.parent.is_dir():
         raise UsageError(f"no directory {out_path.parent} for --out")
     dlog = open_log(log, trust)
@@ -206,9 +215,11 @@ def replay(log: str = typer.Argument(..., help="log directory or URL"),
 
 
 def demo(dir: Path | None = typer.Option(
-        None, "--dir", help="where to write the log (default: a temporary directory)"),
+        None, "--dir", metavar="DIR", help="where to write the log (default: a temporary directory)"),
         as_json: bool = json_option()) -> None:
     """Build a small bf16 model, log ~10 training steps, replay and check every version."""
+    from rich.console import Console
+
     from dcr_log.demo import run_demo
 
     say_left(lambda: "demo not finished" + (f" (its log under {dir} may be incomplete)" if dir else ""))

@@ -3,23 +3,32 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from dcr_log.cli.app import FOLLOW, TRUST_HELP, json_option, open_log, out, say_left, say_result
+from dcr_log.cli.app import FOLLOW, TRUST_HELP, err, json_option, open_log, out, say_left, say_result
 from dcr_log.errors import DcrError, UsageError
 
+if TYPE_CHECKING:
+    from rich.console import Console
 
-def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
-              receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory updated in place"),
-              to: int | None = typer.Option(None, "--to", help="stop at this version (default latest)"),
-              verify: str = typer.Option("sample", "--verify", help="none, sample or full"),
-              trust: list[Path] | None = typer.Option(None, "--trust", help=TRUST_HELP),
+
+def apply_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+              receiver: Path = typer.Option(
+                  ..., "--receiver", metavar="DIR", help="checkpoint directory updated in place"),
+              to: int | None = typer.Option(None, "--to", metavar="V", help="stop at this version (default latest)"),
+              verify: str = typer.Option("sample", "--verify", metavar="none|sample|full",
+                                         help="how much of each record to check against its digests"),
+              trust: list[Path] | None = typer.Option(None, "--trust", metavar="FILE", help=TRUST_HELP),
               follow: bool = typer.Option(
                   False, "--follow", help="keep running: apply each new version as soon as it is committed"),
               interval: float = typer.Option(
-                  1.0, "--interval", help="with --follow: seconds between polls for the next version"),
+                  1.0, "--interval", metavar="SECONDS",
+                  help="with --follow: seconds between polls for the next version"),
               as_json: bool = json_option()) -> None:
     """Bring a checkpoint directory to a version, in place and crash-safely.
 
@@ -59,7 +68,8 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
         if follow:
             FOLLOW.active = True  # a signal now stops between versions (a second one at once)
             try:
-                rx.follow(dlog, interval=interval, verify=verify, on_version=line, stop=FOLLOW.stop.is_set)
+                rx.follow(dlog, interval=interval, verify=verify, on_version=line, stop=FOLLOW.stop.is_set,
+                          on_wait=waiting_line(err, as_json, interval))
             finally:
                 FOLLOW.active = False
             return
@@ -68,7 +78,21 @@ def apply_cmd(log: str = typer.Argument(..., help="log directory or URL"),
             say(f"receiver at version {rx.version}", {"receiver": str(receiver), "version": rx.version})
 
 
-def status_cmd(receiver: Path = typer.Option(..., "--receiver", help="checkpoint directory"),
+def waiting_line(console: Console, as_json: bool, interval: float) -> Callable[[int], AbstractContextManager] | None:
+    """What ``dcr apply --follow`` shows while it waits for version N: one transient status
+    line on a terminal; nothing on a pipe or with --json (their output is results only)."""
+    if as_json or not console.is_terminal:
+        return None
+    from rich.text import Text
+
+    def waiting(version: int) -> AbstractContextManager:
+        return console.status(Text(f"waiting for version {version} after {version - 1} "
+                                   f"(checking every {interval:g}s)"))
+
+    return waiting
+
+
+def status_cmd(receiver: Path = typer.Option(..., "--receiver", metavar="DIR", help="checkpoint directory"),
                as_json: bool = json_option()) -> None:
     """A receiver's log, current version and digest, and the version in flight if any."""
     from dcr_log.receiver import JOURNAL_DIR, Journal

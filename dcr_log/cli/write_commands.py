@@ -7,7 +7,6 @@ from pathlib import Path
 
 import typer
 
-from dcr_log.checkpoint import load_checkpoint
 from dcr_log.cli.app import (
     CACHE_HELP,
     SIGN_HELP,
@@ -21,14 +20,12 @@ from dcr_log.cli.app import (
     version_left,
 )
 from dcr_log.errors import UsageError
-from dcr_log.format import KNOWN_FEATURES
-from dcr_log.log.deltalog import DeltaLog
-from dcr_log.write.files import collect_files
-from dcr_log.write.sharded import DEFAULT_FEATURES
-from dcr_log.write.writer import LogWriter, default_writer_id
+
+# The library is imported inside each command (numpy, pyarrow, zstandard...: `dcr --help` and
+# `dcr --version` need none of it).
 
 
-def keygen(key: Path = typer.Argument(..., help="private key file to create (and KEY.pub)"),
+def keygen(key: Path = typer.Argument(..., metavar="KEY", help="private key file to create (and KEY.pub)"),
            as_json: bool = json_option()) -> None:
     """Create an ed25519 signing key: KEY (private, mode 0600) and KEY.pub (its public key)."""
     from dcr_log.signing import SigningKey, public_text
@@ -50,12 +47,14 @@ def _keygen_left(key: Path) -> str:
     return f"key {key} and {pub} written"
 
 
-def sign(log: str = typer.Argument(..., help="log directory or URL"),
-         key: Path = typer.Option(..., "--key", help="ed25519 private key file"),
+def sign(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+         key: Path = typer.Option(..., "--key", metavar="KEY", help="ed25519 private key file"),
          version: int | None = typer.Option(
-             None, "--version", help="only this version (default every version)"),
+             None, "--version", metavar="V", help="only this version (default every version)"),
          as_json: bool = json_option()) -> None:
     """Sign existing versions with KEY (a new key of a rotation, or a log written unsigned)."""
+    from dcr_log.log.deltalog import DeltaLog
+
     k = signing_key_option(key)
     dlog = DeltaLog.open(log)
     versions = dlog.versions() if version is None else [version]
@@ -83,6 +82,8 @@ def _checkpoint_files(from_: Path, wanted: bool | None) -> dict[str, Path] | Non
         if wanted:
             raise UsageError(f"--files needs a checkpoint directory; {from_} is a file")
         return None
+    from dcr_log.write.files import collect_files
+
     return collect_files(from_)
 
 
@@ -132,7 +133,14 @@ def _with_quantization_config(quantizer, carried: dict | None) -> dict | None:
     return {**carried, "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
 
 
+# dcr_log.write.sharded.DEFAULT_FEATURES, said here without importing the writer (a test checks
+# the two agree)
+FEATURES_DEFAULT = "sum-digests,ulp-encoding"
+
+
 def _features(text: str) -> tuple[str, ...]:
+    from dcr_log.format import KNOWN_FEATURES
+
     names = () if text.strip() in ("", "none") else tuple(f.strip() for f in text.split(","))
     unknown = sorted(set(names) - KNOWN_FEATURES)
     if unknown or "" in names:
@@ -153,21 +161,24 @@ def _files_said(commit) -> str:
     return f", {len(commit.files)} files ({sum(f.size for f in commit.files)} bytes)"
 
 
-def init(log: str = typer.Argument(..., help="log directory or URL"),
-         from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
+def init(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+         from_: Path = typer.Option(..., "--from", metavar="CKPT", help="checkpoint: .safetensors or a directory"),
          files: bool | None = typer.Option(None, "--files/--no-files", help=FILES_HELP + "; "
                                               "--files makes a log that carries files even if there are none yet"),
-         cache: str | None = typer.Option(None, "--cache", help=CACHE_HELP),
-         sign_key: Path | None = typer.Option(None, "--sign", help=SIGN_HELP),
+         cache: str | None = typer.Option(None, "--cache", metavar="DIR", help=CACHE_HELP),
+         sign_key: Path | None = typer.Option(None, "--sign", metavar="KEY", help=SIGN_HELP),
          features: str = typer.Option(
-             ",".join(DEFAULT_FEATURES), "--features",
+             FEATURES_DEFAULT, "--features", metavar="NAMES",
              help="the log's format features, comma-separated ('none': a plain format-1 log); leave out "
                   "ulp-encoding for readers without pcodec (FORMAT.md section 14); files is added by --files"),
-         quantize: str | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-         scale_policy: str = typer.Option("keep", "--scale-policy", help=SCALE_POLICY_HELP),
+         quantize: str | None = typer.Option(None, "--quantize", metavar="fp8-block", help=QUANTIZE_HELP),
+         scale_policy: str = typer.Option("keep", "--scale-policy", metavar="keep|fresh", help=SCALE_POLICY_HELP),
          as_json: bool = json_option()) -> None:
     """Create LOG; version 0 is the full state of the checkpoint (and its files: the log then
     carries every version's files)."""
+    from dcr_log.checkpoint import load_checkpoint
+    from dcr_log.write.writer import LogWriter, default_writer_id
+
     key = signing_key_option(sign_key)
     chosen = _features(features)
     quantizer = _quantizer(quantize, scale_policy)
@@ -191,17 +202,17 @@ def init(log: str = typer.Argument(..., help="log directory or URL"),
                f"version 0: {len(commit.tensors)} tensors, {commit.delta_bytes} bytes{_files_said(commit)}")
 
 
-def append(log: str = typer.Argument(..., help="log directory or URL"),
-           from_: Path = typer.Option(..., "--from", help="checkpoint: .safetensors or a directory"),
+def append(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
+           from_: Path = typer.Option(..., "--from", metavar="CKPT", help="checkpoint: .safetensors or a directory"),
            files: bool | None = typer.Option(None, "--files/--no-files", help=FILES_HELP),
-           cache: str | None = typer.Option(None, "--cache", help=CACHE_HELP),
-           sign_key: Path | None = typer.Option(None, "--sign", help=SIGN_HELP),
+           cache: str | None = typer.Option(None, "--cache", metavar="DIR", help=CACHE_HELP),
+           sign_key: Path | None = typer.Option(None, "--sign", metavar="KEY", help=SIGN_HELP),
            allow_layout_change: bool = typer.Option(
                False, "--allow-layout-change",
                help="accept a checkpoint whose tensor table differs from the latest version's "
                     "(a tensor added, removed, renamed, reshaped or retyped); refused without it"),
-           quantize: str | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-           scale_policy: str = typer.Option("keep", "--scale-policy", help=SCALE_POLICY_HELP),
+           quantize: str | None = typer.Option(None, "--quantize", metavar="fp8-block", help=QUANTIZE_HELP),
+           scale_policy: str = typer.Option("keep", "--scale-policy", metavar="keep|fresh", help=SCALE_POLICY_HELP),
            as_json: bool = json_option()) -> None:
     """Append the checkpoint's state as the next version, stored as a delta (and, in a log
     that carries files, the directory's files: the whole set, a file left out is dropped).
@@ -211,6 +222,10 @@ def append(log: str = typer.Argument(..., help="log directory or URL"),
     The baseline (the latest version's state) comes from the local cache that init and append
     keep, checked against the commit's digests; without one the log is replayed.
     """
+    from dcr_log.checkpoint import load_checkpoint
+    from dcr_log.log.deltalog import DeltaLog
+    from dcr_log.write.writer import LogWriter, default_writer_id
+
     key = signing_key_option(sign_key)
     dlog = DeltaLog.open(log)
     if files and not dlog.has_files:

@@ -24,6 +24,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,13 +333,15 @@ class Receiver:
     def follow(self, log: DeltaLog, interval: float = 1.0, verify: str | None = None,
                on_version: Callable[[ApplyReport], None] | None = None,
                stop: Callable[[], bool] | None = None, until: int | None = None,
-               prefetch: bool = True) -> list[int]:
+               prefetch: bool = True,
+               on_wait: Callable[[int], AbstractContextManager[object]] | None = None) -> list[int]:
         """Keep applying: every version as soon as its commit record appears (polled every
         ``interval`` seconds), until ``stop()`` is true (checked between versions and while
         waiting) or the receiver reaches ``until``. While waiting for version v+1, the
         segments its writer has already written are fetched (``DeltaLog.prefetch``); they are
         used once the commit record lands and lists them, after the usual size and sha256
-        checks. Returns the versions applied."""
+        checks. ``on_wait(v + 1)``, if given, returns a context held while it waits (a status
+        line, say). Returns the versions applied."""
         stop = stop or (lambda: False)
         applied: list[int] = []
         while not stop():
@@ -348,12 +351,15 @@ class Receiver:
             if until is not None and held >= until:
                 break
             waiting = held + 1
-            while not stop() and not log.has_version(waiting):
-                if prefetch:
-                    log.prefetch(waiting)
-                deadline = time.monotonic() + interval
-                while not stop() and time.monotonic() < deadline:
-                    time.sleep(min(0.05, interval))
+            if stop() or log.has_version(waiting):
+                continue
+            with nullcontext() if on_wait is None else on_wait(waiting):
+                while not stop() and not log.has_version(waiting):
+                    if prefetch:
+                        log.prefetch(waiting)
+                    deadline = time.monotonic() + interval
+                    while not stop() and time.monotonic() < deadline:
+                        time.sleep(min(0.05, interval))
         return applied
 
     def route(self, log: DeltaLog, target: int | None = None) -> list[Step]:

@@ -7,8 +7,15 @@ from pathlib import Path
 
 import typer
 
-from dcr_log.cli.app import FOLLOW, TRUST_HELP, json_option, open_log, out, say_left, say_result
+from dcr_log.cli.app import FOLLOW, TRUST_HELP, json_option, open_log, out, progress_bar, say_left, say_result
 from dcr_log.errors import DcrError, UsageError
+
+
+def _state_bytes(commit) -> int:
+    """The bytes of a version's tensors: what a snapshot or squash encodes, for its progress bar."""
+    from dcr_log.coords import DTYPE_WIDTH, numel
+
+    return sum(numel(t.shape) * DTYPE_WIDTH[t.dtype] for t in commit.tensors)
 
 
 def snapshot(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
@@ -22,7 +29,8 @@ def snapshot(log: str = typer.Argument(..., metavar="LOG", help="log directory o
     dlog = DeltaLog.open(log)
     v = dlog.latest_version() if version is None else version
     say_left(lambda: f"snapshot {v} not written")
-    cu = write_snapshot(dlog, v)
+    with progress_bar("snapshot", _state_bytes(dlog.commit(v))) as advance:
+        cu = write_snapshot(dlog, v, progress=advance)
     say_result(as_json, {"snapshot": cu.version, "segments": len(cu.segments), "bytes": cu.delta_bytes},
                f"snapshot {cu.version}: {len(cu.segments)} segments, {cu.delta_bytes} bytes")
 
@@ -38,7 +46,8 @@ def squash(log: str = typer.Argument(..., metavar="LOG", help="log directory or 
 
     dlog = DeltaLog.open(log)
     say_left(lambda: f"squash {start}-{end} not written")
-    cu = write_squash(dlog, start, end)
+    with progress_bar("squash", _state_bytes(dlog.commit(end))) as advance:
+        cu = write_squash(dlog, start, end, progress=advance)
     chain = sum(dlog.commit(u).delta_bytes for u in range(max(start + 1, dlog.known_start()), end + 1))
     say_result(as_json, {"squash": [start, end], "bytes": cu.delta_bytes, "chain_bytes": chain,
                          "changed_elements": cu.stats.changed_elements},
@@ -134,7 +143,9 @@ def mirror_cmd(src: str = typer.Argument(..., metavar="SRC", help="the log to co
         finally:
             FOLLOW.active = False
         return
-    r = m.run_once()
+    with progress_bar("mirror", len(source.versions()), unit="versions") as advance:
+        m.progress = lambda v: advance()
+        r = m.run_once()
     said(r)
     if not (r.versions or r.objects):
         say_result(as_json, row(r), f"{target.url} is up to date at version {r.latest}")

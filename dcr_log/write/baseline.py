@@ -188,11 +188,11 @@ def _scatter(arrays: dict, scatters: Mapping) -> None:
     def scatter(item) -> None:
         key, parts = item
         arr = arrays[key]
-        for pos, values in parts:
-            scatter_words(arr, pos, values)
+        for start, pos, values in parts:
+            scatter_words(arr[start:], pos, values)
 
     items = list(scatters.items())
-    big = sum(pos.size for _, parts in items for pos, _ in parts) >= 1 << 16
+    big = sum(pos.size for _, parts in items for _, pos, _ in parts) >= 1 << 16
     for _ in map_ordered(scatter, items, DEFAULT_WORKERS, parallel=big):
         pass
 

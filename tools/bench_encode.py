@@ -18,7 +18,10 @@ Usage:
 (cumulative and own time) instead of timing. ``--breakdown RATE`` runs the stages of one
 append's encoding one after another on the calling thread, chunk by chunk as the writer cuts
 them, and prints each stage's CPU nanoseconds per change and per byte of the model: where the
-CPU goes per change.
+CPU goes per change. ``--gil`` runs each heavy call of the write path (change finding, the
+ulp pass, pcodec, digests, byte planes, zstd, pwrite, sha256) on the main thread while a
+probe thread counts Python loop iterations, and prints how much of its idle-time rate the
+probe kept: near 0 means the call holds the GIL (a pure Python loop is shown for reference).
 """
 
 from __future__ import annotations
@@ -50,6 +53,69 @@ def build(mib: int, rates: list[float], seed: int):
     layout = tensor_rows(n)
     flat = adam_step_pair(n, seed, tuple(lr_for_rate(r) for r in rates))
     return flat[0], flat[1:], layout
+
+
+def gil_probe(n: int = 1 << 24) -> list[tuple[str, float, float]]:
+    """(call, milliseconds, probe share) for each heavy call of the write path on n bf16
+    words, 10% changed."""
+    import hashlib
+    import os
+    import threading
+    import time
+
+    from dcr_log import native
+    from dcr_log.codec.base import FAST_LITERALS, zstd_compress_planes
+    from dcr_log.codec.ulp import _compress
+
+    if native.changes is None or native.digest is None:
+        raise SystemExit("the probe needs the C kernels")
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    b = a.copy()
+    b[rng.choice(n, n // 10, replace=False)] ^= 1
+    pos, bv, nv = np.empty(n, np.int64), np.empty(n, np.uint16), np.empty(n, np.uint16)
+    k = native.changes.find(a, b, 2, pos, bv, nv)
+    gaps, dist, planes = np.empty(k, np.uint32), np.empty(k, np.int16), np.empty(2 * n, np.uint8)
+    native.changes.ulp_prepare(pos[:k], bv[:k], nv[:k], 2, gaps, dist)
+    with tempfile.TemporaryFile() as tmp:
+        fd = tmp.fileno()
+        calls = {
+            "find": lambda: native.changes.find(a, b, 2, pos, bv, nv),
+            "ulp_prepare": lambda: native.changes.ulp_prepare(pos[:k], bv[:k], nv[:k], 2, gaps, dist),
+            "pcodec compress": lambda: _compress(gaps, 8),
+            "sum_pair": lambda: native.digest.sum_pair(pos[:k], 0, bv[:k], nv[:k], 2),
+            "sum_range": lambda: native.digest.sum_range(a, 2, 0),
+            "planes": lambda: native.changes.planes(a, 2, planes),
+            "zstd planes": lambda: zstd_compress_planes(planes, n, FAST_LITERALS),
+            "pwrite": lambda: os.pwrite(fd, a.data.cast("B"), 0),
+            "sha256": lambda: hashlib.sha256(a.data.cast("B")).digest(),
+            "copy of positions": lambda: pos[:k].copy(),
+            "a Python loop": lambda: sum(range(3_000_000)),
+        }
+        stop = threading.Event()
+        count = [0]
+
+        def probe() -> None:
+            while not stop.is_set():
+                count[0] += 1
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        try:
+            c0, t0 = count[0], time.perf_counter()
+            time.sleep(0.2)
+            idle_rate = (count[0] - c0) / (time.perf_counter() - t0)
+            out = []
+            for name, call in calls.items():
+                call()
+                c0, t0 = count[0], time.perf_counter()
+                call()
+                dt = time.perf_counter() - t0
+                out.append((name, dt * 1e3, (count[0] - c0) / (idle_rate * dt)))
+        finally:
+            stop.set()
+            thread.join()
+    return out
 
 
 def breakdown(base: np.ndarray, new: np.ndarray, chunk: int) -> dict:
@@ -125,8 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", type=float, default=None, metavar="RATE")
     ap.add_argument("--breakdown", type=float, default=None, metavar="RATE")
+    ap.add_argument("--gil", action="store_true", help="which calls release the GIL")
     ap.add_argument("--no-create", action="store_true", help="skip timing dense create")
     args = ap.parse_args(argv)
+    if args.gil:
+        for name, ms, share in gil_probe():
+            print(f"{name:>22}: {ms:7.1f} ms, the probe thread ran {share:4.0%} of its idle rate")
+        return 0
     single = args.profile if args.profile is not None else args.breakdown
     rates = [single] if single is not None else args.rates
     say = (lambda m: print(m, file=sys.stderr)) if args.json else print

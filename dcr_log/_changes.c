@@ -248,11 +248,125 @@ static PyObject *move(PyObject *args, int scatter) {
 static PyObject *py_gather(PyObject *self, PyObject *args) { return move(args, 0); }
 static PyObject *py_scatter(PyObject *self, PyObject *args) { return move(args, 1); }
 
+/* The ulp encoding's two sequences in one pass over a record's changes (spec/FORMAT.md
+ * section 11): gaps[0] = positions[0], gaps[i] = positions[i] - positions[i-1] - 1 (as
+ * uint32; the largest gap is returned, so a caller seeing one of 2^32 or more redoes them
+ * wider), and distances key(new) - key(base) mod 2^W as signed integers (int16 for 1- and
+ * 2-byte words, else the word's width). numpy needs nine passes and four temporaries. */
+#define ULP_PREPARE(T, S, D, BITS)                                                   \
+    static uint64_t ulp_prepare_##T(const int64_t *pos, const unsigned char *b,       \
+                                    const unsigned char *w, Py_ssize_t k,            \
+                                    uint32_t *gaps, D *dist) {                       \
+        const T top = (T)1 << ((BITS) - 1);                                          \
+        uint64_t most = 0;                                                           \
+        int64_t prev = -1;                                                           \
+        for (Py_ssize_t i = 0; i < k; i++) {                                         \
+            uint64_t gap = (uint64_t)(pos[i] - prev - 1);                            \
+            prev = pos[i];                                                           \
+            most = gap > most ? gap : most;                                          \
+            gaps[i] = (uint32_t)gap;                                                 \
+            T x, y;                                                                  \
+            memcpy(&x, b + sizeof(T) * i, sizeof(T));                               \
+            memcpy(&y, w + sizeof(T) * i, sizeof(T));                               \
+            T kx = (x & top) ? (T)~x : (T)(x ^ top);                                 \
+            T ky = (y & top) ? (T)~y : (T)(y ^ top);                                 \
+            dist[i] = (D)(S)(T)(ky - kx);                                            \
+        }                                                                            \
+        return most;                                                                 \
+    }
+
+ULP_PREPARE(uint8_t, int8_t, int16_t, 8)
+ULP_PREPARE(uint16_t, int16_t, int16_t, 16)
+ULP_PREPARE(uint32_t, int32_t, int32_t, 32)
+ULP_PREPARE(uint64_t, int64_t, int64_t, 64)
+
+/* ulp_prepare(positions, base, new, width, gaps_out, distances_out) -> largest gap. */
+static PyObject *py_ulp_prepare(PyObject *self, PyObject *args) {
+    Py_buffer pos, b, w, g, d;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*y*y*iw*w*", &pos, &b, &w, &width, &g, &d))
+        return NULL;
+    Py_ssize_t k = pos.len / 8;
+    int dwidth = width < 2 ? 2 : width;
+    PyObject *result = NULL;
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_SetString(PyExc_ValueError, "word width must be 1, 2, 4 or 8");
+    } else if (pos.len % 8 || b.len != k * width || w.len != k * width || g.len < 4 * k
+               || d.len < dwidth * k) {
+        PyErr_SetString(PyExc_ValueError, "positions, words and outputs do not match");
+    } else {
+        uint64_t most = 0;
+        Py_BEGIN_ALLOW_THREADS
+        switch (width) {
+        case 1: most = ulp_prepare_uint8_t(pos.buf, b.buf, w.buf, k, g.buf, d.buf); break;
+        case 2: most = ulp_prepare_uint16_t(pos.buf, b.buf, w.buf, k, g.buf, d.buf); break;
+        case 4: most = ulp_prepare_uint32_t(pos.buf, b.buf, w.buf, k, g.buf, d.buf); break;
+        default: most = ulp_prepare_uint64_t(pos.buf, b.buf, w.buf, k, g.buf, d.buf); break;
+        }
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromUnsignedLongLong(most);
+    }
+    PyBuffer_Release(&pos);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&d);
+    return result;
+}
+
+/* Byte planes (the dense and sparse encodings' layout): byte j of word i goes to
+ * out[j * n + i]. One pass with the GIL released, where numpy needs a shift and a
+ * truncating copy per plane. */
+#define PLANES(T)                                                                    \
+    static void planes_##T(const unsigned char *src, Py_ssize_t n, unsigned char *out) { \
+        for (Py_ssize_t i = 0; i < n; i++) {                                         \
+            T v;                                                                     \
+            memcpy(&v, src + sizeof(T) * i, sizeof(T));                             \
+            for (size_t j = 0; j < sizeof(T); j++)                                   \
+                out[j * (size_t)n + i] = (unsigned char)(v >> (8 * j));              \
+        }                                                                            \
+    }
+
+PLANES(uint16_t)
+PLANES(uint32_t)
+PLANES(uint64_t)
+
+/* planes(words, width, out): out holds n * width bytes. */
+static PyObject *py_planes(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*iw*", &src, &width, &out))
+        return NULL;
+    PyObject *result = NULL;
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_SetString(PyExc_ValueError, "word width must be 1, 2, 4 or 8");
+    } else if (src.len % width || out.len != src.len) {
+        PyErr_SetString(PyExc_ValueError, "out must hold the words' bytes");
+    } else {
+        Py_ssize_t n = src.len / width;
+        Py_BEGIN_ALLOW_THREADS
+        switch (width) {
+        case 1: memcpy(out.buf, src.buf, (size_t)n); break;
+        case 2: planes_uint16_t(src.buf, n, out.buf); break;
+        case 4: planes_uint32_t(src.buf, n, out.buf); break;
+        default: planes_uint64_t(src.buf, n, out.buf); break;
+        }
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", py_gather, METH_VARARGS, "words at int64 positions, into out"},
     {"scatter", py_scatter, METH_VARARGS, "values into words at int64 positions"},
     {"find", py_find, METH_VARARGS, "positions, base words and new words where two buffers differ"},
     {"step", py_step, METH_VARARGS, "the words distance steps from base in the ulp key order"},
+    {"ulp_prepare", py_ulp_prepare, METH_VARARGS, "the ulp encoding's gaps and distances of a record's changes"},
+    {"planes", py_planes, METH_VARARGS, "the byte planes of words, into out"},
     {NULL, NULL, 0, NULL},
 };
 

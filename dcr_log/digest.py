@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from dcr_log import native
-from dcr_log.coords import Box, numel
+from dcr_log.coords import Box, box_to_tensor_flat, numel
 
 SUM_DIGESTS = "sum-digests"
 MASK64 = (1 << 64) - 1
@@ -127,6 +127,21 @@ def sum_at(flat: np.ndarray, words: np.ndarray) -> int:
         np.bitwise_xor(x, words[lo:lo + k], out=x, casting="unsafe")
         total += _mix_sum(x, t)
     return total & MASK64
+
+
+def sum_pair(positions: np.ndarray, offset: int, base: np.ndarray, new: np.ndarray) -> tuple[int, int]:
+    """(sum of e(positions[i] + offset, base[i]), the same over ``new``): a record's base and
+    target digests in one pass, for positions that are flat indices less ``offset`` (a row
+    block's box-local positions)."""
+    positions = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
+    base = _unsigned(np.ascontiguousarray(base).reshape(-1))
+    new = _unsigned(np.ascontiguousarray(new).reshape(-1))
+    if not positions.size == base.size == new.size or base.dtype != new.dtype:
+        raise ValueError(f"{positions.size} positions for {base.size} base and {new.size} new words")
+    if native.digest is not None:
+        return native.digest.sum_pair(positions, offset & MASK64, base, new, base.itemsize)
+    flat = positions.view(np.uint64) + np.uint64(offset & MASK64)  # wraps mod 2^64, as in C
+    return sum_at(flat, base), sum_at(flat, new)
 
 
 def box_runs(box: Box, tensor_shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
@@ -246,6 +261,12 @@ class DigestScheme:
         """Digest of a box's words in box-local row-major order."""
         raise NotImplementedError
 
+    def record(self, box: Box, shape: tuple[int, ...], positions: np.ndarray, base: np.ndarray,
+               new: np.ndarray) -> tuple[int, int]:
+        """(base digest, target digest) of a delta record: the words ``base`` and ``new`` at
+        the box-local ``positions`` of ``box`` in a tensor of ``shape``."""
+        raise NotImplementedError
+
     def empty(self) -> int:
         raise NotImplementedError
 
@@ -262,6 +283,9 @@ class Xxh3Digests(DigestScheme):
 
     def box(self, box, shape, words) -> int:
         return xxh3_words(words)
+
+    def record(self, box, shape, positions, base, new) -> tuple[int, int]:
+        return xxh3_words(base), xxh3_words(new)
 
     def empty(self) -> int:
         return XXH3_EMPTY
@@ -281,6 +305,13 @@ class SumDigests(DigestScheme):
 
     def box(self, box, shape, words) -> int:
         return sum_box(box, shape, words)
+
+    def record(self, box, shape, positions, base, new) -> tuple[int, int]:
+        shape = tuple(int(s) for s in shape)
+        if box.is_row_block(shape):  # box-local positions are flat ones less its start
+            return sum_pair(positions, box.flat_start(shape), base, new)
+        flat = box_to_tensor_flat(box, shape, positions)
+        return sum_at(flat, base), sum_at(flat, new)
 
     def empty(self) -> int:
         return 0

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import zstandard
 
+from dcr_log import native
 from dcr_log.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -112,6 +113,9 @@ def to_planes(words: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         np.copyto(out, words.view(np.uint8))
         return out
     unsigned = words.view(np.dtype(f"<u{w}"))
+    if native.changes is not None and out.flags.c_contiguous:
+        native.changes.planes(unsigned.reshape(-1), w, out)  # one pass, the GIL released
+        return out
     np.copyto(out[:count], unsigned, casting="unsafe")  # truncation keeps the low byte
     if w == 2:
         shifted = np.right_shift(unsigned, 8)

@@ -22,6 +22,7 @@ pcodec compression level (informative, 0..12).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import numpy as np
@@ -163,7 +164,8 @@ class UlpEncoding(Encoding):
         if attempt.rate > policy.sparse_max_rate:
             return None
         params, payload = cls(policy.ulp_level).encode(attempt.kind, attempt.changes,
-                                                       base=attempt.base_values, new=attempt.new_values)
+                                                       base=attempt.base_values, new=attempt.new_values,
+                                                       buffer=attempt.buffer)
         if len(payload) <= policy.ulp_sparse_ratio * payload_size(attempt.kind, attempt.changes.k,
                                                                     attempt.word_size):
             attempt.skip.add(SparseEncoding.name)
@@ -171,10 +173,20 @@ class UlpEncoding(Encoding):
         return Candidate.encoded(cls.name, params, payload)
 
     def encode(self, kind: str, changes: ChangeSet, base: np.ndarray | None = None,
-               new: np.ndarray | None = None) -> tuple[dict, bytes]:
+               new: np.ndarray | None = None, buffer: Callable[[str, np.dtype, int], np.ndarray] | None = None
+               ) -> tuple[dict, bytes]:
         """``base`` and ``new``: the words at the changed positions (the writer has them);
-        without them ``changes`` must be relative (its values the distances)."""
+        without them ``changes`` must be relative (its values the distances). ``buffer``
+        (tag, dtype, n) gives reusable scratch arrays for the gaps and distances."""
         self.check_kind(kind)
+        positions = delta_positions(changes)
+        k = positions.size
+        if k == 0:
+            raise ValueError("ulp: a record needs at least one change")
+        if base is not None and new is not None:
+            fused = self._encode_native(positions, base, new, buffer)
+            if fused is not None:
+                return fused
         if base is None:
             if not changes.relative:
                 raise ValueError("ulp: encode needs the base and new words, or distances")
@@ -183,16 +195,39 @@ class UlpEncoding(Encoding):
             distance = ulp_distance(base, cast(np.ndarray, new))
         w = distance.dtype.itemsize
         signed = distance.view(np.dtype(f"<i{w}")).astype(distance_dtype(distance.dtype), copy=False)
-        positions = delta_positions(changes).astype(np.int64, copy=False)
-        k = positions.size
-        if k == 0:
-            raise ValueError("ulp: a record needs at least one change")
+        positions = positions.astype(np.int64, copy=False)
         gaps = np.empty(k, dtype=np.int64)
         gaps[0] = positions[0]
         np.subtract(positions[1:], positions[:-1], out=gaps[1:])
         gaps[1:] -= 1
         gap_bytes = 4 if int(gaps.max()) < 1 << 32 else 8
-        gap_file = _compress(gaps.astype(f"<u{gap_bytes}"), self.level)
+        return self._payload(gaps.astype(f"<u{gap_bytes}"), signed, gap_bytes)
+
+    def _encode_native(self, positions: np.ndarray, base: np.ndarray, new: np.ndarray,
+                       buffer: Callable[[str, np.dtype, int], np.ndarray] | None) -> tuple[dict, bytes] | None:
+        """The gaps and distances in one C pass (None: inputs it does not take)."""
+        kernels = native.changes
+        w = base.dtype.itemsize
+        if (kernels is None or positions.dtype != np.int64 or new.dtype.itemsize != w
+                or not positions.flags.c_contiguous or not base.size == new.size == positions.size):
+            return None
+        get = buffer or (lambda tag, dtype, n: np.empty(n, dtype=dtype))
+        k = positions.size
+        word = np.dtype(f"<u{w}")
+        gaps = get("ulp_gaps", np.dtype(np.uint32), k)
+        signed = get("ulp_distances", distance_dtype(word), k)
+        largest = kernels.ulp_prepare(positions, np.ascontiguousarray(base).view(word),
+                                      np.ascontiguousarray(new).view(word), w, gaps, signed)
+        if largest >= 1 << 32:  # a gap that needs 8 bytes: redo them wide (rare: huge boxes)
+            wide = np.empty(k, dtype=np.uint64)
+            wide[0] = positions[0]
+            np.subtract(positions[1:], positions[:-1], out=wide[1:].view(np.int64))
+            wide[1:] -= np.uint64(1)
+            return self._payload(wide, signed, 8)
+        return self._payload(gaps, signed, 4)
+
+    def _payload(self, gaps: np.ndarray, signed: np.ndarray, gap_bytes: int) -> tuple[dict, bytes]:
+        gap_file = _compress(gaps, self.level)
         distance_file = _compress(signed, self.level)
         return {"level": self.level, "gap_bytes": gap_bytes}, b"".join(
             [np.uint64(len(gap_file)).astype("<u8").tobytes(), gap_file, distance_file])

@@ -182,17 +182,28 @@ class Baseline:
             self.arrays[key] = mm[at:at + n].view(word_dtype(self.dtypes[key]))
 
 
+# A record with at least this many changes is scattered as a task of its own.
+SCATTER_TASK_MIN = 1 << 16
+
+
 def _scatter(arrays: dict, scatters: Mapping) -> None:
-    """The committed changes into the baseline's pieces, pieces on the shared pool's threads
-    (the C scatter releases the GIL)."""
+    """The committed changes into the baseline's pieces on the shared pool's threads (the C
+    scatter releases the GIL). A piece's records cover disjoint boxes, so its large records
+    are tasks of their own (one large tensor does not leave the other threads idle); its
+    small ones go together."""
     def scatter(item) -> None:
         key, parts = item
         arr = arrays[key]
-        for pos, values in parts:
-            scatter_words(arr, pos, values)
+        for start, pos, values in parts:
+            scatter_words(arr[start:], pos, values)
 
-    items = list(scatters.items())
-    big = sum(pos.size for _, parts in items for pos, _ in parts) >= 1 << 16
+    items: list = []
+    for key, parts in scatters.items():
+        small = [part for part in parts if part[1].size < SCATTER_TASK_MIN]
+        items.extend((key, [part]) for part in parts if part[1].size >= SCATTER_TASK_MIN)
+        if small:
+            items.append((key, small))
+    big = sum(pos.size for _, parts in items for _, pos, _ in parts) >= 1 << 16
     for _ in map_ordered(scatter, items, DEFAULT_WORKERS, parallel=big):
         pass
 

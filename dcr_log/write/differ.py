@@ -142,6 +142,16 @@ def find_changes(base: np.ndarray, new: np.ndarray, scratch: _Scratch | None = N
     each array once; the results are copied out of per-thread buffers (O(changes)).
     """
     scratch = scratch or _Scratch()
+    pos, bv, nv, in_scratch = _find_changes_in(base, new, scratch)
+    if in_scratch:
+        return pos.copy(), bv.copy(), nv.copy()
+    return pos, bv, nv
+
+
+def _find_changes_in(base: np.ndarray, new: np.ndarray, scratch: _Scratch
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """find_changes, its results left in ``scratch``'s buffers when the last item is True
+    (valid until the thread's next call: the caller copies what it keeps)."""
     if (native.changes is not None and base.flags.c_contiguous and new.flags.c_contiguous
             and base.dtype == new.dtype and base.size == new.size):
         n = base.size
@@ -150,8 +160,8 @@ def find_changes(base: np.ndarray, new: np.ndarray, scratch: _Scratch | None = N
         bv = scratch.get("found_base", word, n)
         nv = scratch.get("found_new", word, n)
         k = native.changes.find(base.view(word), new.view(word), word.itemsize, pos, bv, nv)
-        return pos[:k].copy(), bv[:k].view(base.dtype).copy(), nv[:k].view(base.dtype).copy()
-    return find_changes_numpy(base, new, scratch)
+        return pos[:k], bv[:k].view(base.dtype), nv[:k].view(base.dtype), True
+    return (*find_changes_numpy(base, new, scratch), False)
 
 
 def find_changes_numpy(base: np.ndarray, new: np.ndarray, scratch: _Scratch | None = None
@@ -282,10 +292,12 @@ class Differ:
                       new_box: np.ndarray, kind: str) -> BoxDelta | None:
         n = new_box.size
         scratch = self._scratch()
-        positions, base_vals, new_vals = find_changes(base_box, new_box, scratch)
+        positions, base_vals, new_vals, in_scratch = _find_changes_in(base_box, new_box, scratch)
         k = positions.size
         if k == 0:
             return None
+        if in_scratch:  # the record keeps positions and new words; base words die with this call
+            positions, new_vals = positions.copy(), new_vals.copy()
         values = np.bitwise_xor(base_vals, new_vals) if kind == "xor" else new_vals
         changes = ChangeSet(n, positions, values)
 
@@ -295,8 +307,7 @@ class Differ:
         attempt = self._attempt(kind, changes, base_vals, new_vals, full_xor)
         enc, params, payload = choose(attempt, self.features)
         digests = self.digests
-        flat = box_to_tensor_flat(box, shape, positions) if digests.composable else positions
-        base_d, target_d = digests.at(flat, base_vals), digests.at(flat, new_vals)
+        base_d, target_d = digests.record(box, shape, positions, base_vals, new_vals)
         rec = Record(name, kind, box, enc, params, k, base_d, target_d, payload)
         delta = (target_d - base_d) & MASK64 if digests.composable else None
         return BoxDelta(rec, positions, new_vals, delta)

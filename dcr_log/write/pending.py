@@ -21,7 +21,9 @@ class Pending:
         self.composable = composable
         self.kept = kept
         self.generation = generation
-        self.scatters: dict[PieceKey, list[tuple[np.ndarray, np.ndarray]]] = {}
+        # Per piece: (start, positions from start, new words); the offset is applied by the
+        # scatter (a view from start), not by a pass over the positions here.
+        self.scatters: dict[PieceKey, list[tuple[int, np.ndarray, np.ndarray]]] = {}
         self.fresh: dict[PieceKey, np.ndarray] = {}  # the whole new words of a fresh piece (no cache)
         self.contrib: dict[PieceKey, int] = {}
         self.segment_keys: list[str] = []  # every segment this rank tried to write
@@ -35,12 +37,12 @@ class Pending:
             # buffers may change after append returns).
             values = delta.new_values
             if key in self.kept:
-                pos = np.arange(start, start + values.size, dtype=np.int64)
-                self.scatters.setdefault(key, []).append((pos, np.array(values, copy=True)))
+                pos = np.arange(values.size, dtype=np.int64)
+                self.scatters.setdefault(key, []).append((start, pos, np.array(values, copy=True)))
             # Otherwise the worker that encoded the chunk wrote it to the new cache generation
             # or to the piece's fresh words.
             return
-        self.scatters.setdefault(key, []).append((delta.positions + start, delta.new_values))
+        self.scatters.setdefault(key, []).append((start, delta.positions, delta.new_values))
 
     def abort(self) -> None:
         if self.generation is not None:

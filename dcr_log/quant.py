@@ -39,7 +39,10 @@ POLICIES = ("fresh", "keep")
 # The linear layers' weights an FP8 engine quantizes: 2-D ``.weight`` tensors that are not
 # embeddings, norms or the output head (vLLM's Fp8LinearMethod covers LinearBase layers; the
 # embedding, lm_head and norms stay in the checkpoint's dtype). NeMo RL's refit uses the same rule.
-_NOT_QUANTIZED = re.compile(r"norm|embed|lm_head", re.IGNORECASE)
+# MoE routers are linear layers built without a quant_config in vLLM's MoE models (Mixtral's
+# ``block_sparse_moe.gate``, DeepSeek's and Qwen's ``mlp.gate``, Qwen's ``shared_expert_gate``),
+# and block-FP8 checkpoints keep them in bf16: they are not quantized either.
+_NOT_QUANTIZED = re.compile(r"norm|embed|lm_head|\.gate\.weight$|shared_expert_gate\.weight$", re.IGNORECASE)
 
 
 def quantized_by_default(name: str, shape: tuple[int, ...]) -> bool:

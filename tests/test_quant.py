@@ -194,6 +194,11 @@ def test_state_quantization_selects_linear_weights_and_logs_bit_exact(tmp_path):
     assert tuple(q["model.layers.0.mlp.down_proj.weight_scale_inv"].shape) == (1, 2)
     assert q["lm_head.weight"].dtype == torch.bfloat16 and q["model.norm.weight"].dtype == torch.bfloat16
     assert quantized_by_default("model.layers.3.mlp.experts.7.gate_proj.weight", (8, 8))
+    # MoE routers stay as they are (vLLM builds them without a quant_config).
+    for router in ("model.layers.3.block_sparse_moe.gate.weight", "model.layers.3.mlp.gate.weight",
+                   "model.layers.3.mlp.shared_expert_gate.weight"):
+        assert not quantized_by_default(router, (8, 8)), router
+    assert quantized_by_default("model.layers.3.mlp.shared_expert.gate_proj.weight", (8, 8))
     writer = LogWriter.create(tmp_path / "log", versions[0], cache_dir=False)
     for v in versions[1:]:
         writer.append(v)

@@ -3,6 +3,7 @@
 Every version changes 1-5% of the bf16 words of every tensor by one or two ulps (spread over
 whole tensors, like an optimizer step); version 3 also changes one tensor whole; version 5
 changes the tensor table (it adds a tensor vLLM's loader ignores), and version 6 goes on from it.
+The block-FP8 family (``fp8_versions``) is versions 0..3 of such steps, quantized per version.
 """
 
 from __future__ import annotations

@@ -72,6 +72,7 @@ def versions(src: Path, root: Path, seed: int) -> list[Path]:
 
 
 FP8_VERSIONS = 3
+DOUBLED = "model.layers.1.mlp.down_proj.weight"  # times 2 at FP8 version 2: every block a new scale
 
 
 def build_fp8_source(out: Path) -> Path:
@@ -90,7 +91,9 @@ def fp8_versions(src: Path, root: Path, seed: int, policy: str = "keep") -> list
     """Block-FP8 checkpoint directories for versions 0..FP8_VERSIONS: the bf16 states stepped as
     above (1-3% of the words per version), each quantized with ``Fp8BlockQuantizer`` (e4m3
     weights, fp32 ``*_scale_inv`` per 128x128 block; ``keep``: the previous version's scales
-    kept where they fit), with the quantizer's ``quantization_config`` in config.json."""
+    kept where they fit), with the quantizer's ``quantization_config`` in config.json. At version
+    2 one weight doubles (exactly, in bf16): every one of its blocks outgrows its scale and takes
+    a new one (small steps alone move no scale under ``keep``)."""
     import json
 
     from dcr_log.quant import Fp8BlockQuantizer
@@ -103,6 +106,8 @@ def fp8_versions(src: Path, root: Path, seed: int, policy: str = "keep") -> list
     for v in range(FP8_VERSIONS + 1):
         if v:
             bf16 = step(bf16, v, seed)
+        if v == 2:
+            bf16[DOUBLED] = bf16[DOUBLED] * 2
         fp8 = quant.quantize_state(bf16, previous=fp8)
         d = root / f"v{v}"
         shutil.copytree(src, d)

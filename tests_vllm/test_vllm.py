@@ -100,6 +100,10 @@ def test_refit_equals_fresh_engine_at_every_version(kind, tmp_path_factory, tmp_
     assert (report["blocks"] > 0) == (kind in ("mixtral", "fp8")), report
     if kind == "fp8":
         assert_fp8_weights_repacked(first, dirs[0])
+        # Scales move too: at version 2 every scale of the doubled weight is new.
+        scales = f"t/{models.DOUBLED}_scale_inv"
+        before, after = (load(root / f"fresh{v}.npz")[scales].view(np.uint32) for v in (1, 2))
+        assert before.size == 4 and not np.any(before == after)
 
 
 def assert_fp8_weights_repacked(engine: dict, checkpoint: Path) -> None:

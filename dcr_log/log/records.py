@@ -1,4 +1,6 @@
-"""TODO"""
+"""Records applied to words: decode a record's payload for its tensor, locate its changes
+(box or flat), and turn current words and payload values into target words (xor, ulp steps,
+plain values) or back into bases. Pure array code: no I/O."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""TODO"""
+"""Segments held for reading: in memory when small, else in a local file read through a
+memory map whose pages are given back behind the reader, hashed (sha256) in chunks as they
+are read so a segment is checked against its commit record before a record is used."""
 
 from __future__ import annotations
 

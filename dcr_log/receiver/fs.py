@@ -1,4 +1,6 @@
-"""TODO"""
+"""Local file-system helpers of the receiver: refuse what is not a plain regular file, check
+free space before writing, write files atomically (tmp + fsync + rename + directory fsync)
+keeping their mode."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""TODO"""
+"""A receiver's storage on a safetensors checkpoint directory: tensors are updated in place
+through memory maps (msync before each journal marker), the layout is rewritten file by file
+(tmp + fsync + rename) and the index last."""
 
 from __future__ import annotations
 

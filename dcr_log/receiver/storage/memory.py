@@ -1,4 +1,5 @@
-"""TODO"""
+"""A receiver's storage in process memory: NumPy arrays, or the caller's torch tensors (CPU
+or GPU) written through word views; neither survives the process (not durable)."""
 
 from __future__ import annotations
 

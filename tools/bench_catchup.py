@@ -7,7 +7,7 @@ A bf16 Llama-shaped model (dcr_log.synthetic, Adam steps changing about ``--rate
 spread over every tensor) is logged for ``--versions`` versions. Then, each in a fresh child
 process (this file, ``--child``), so that nothing the parent built counts:
 
-- ``write_squash(log, 0, versions - 1)`` (read back and applied to the start state, the default);
+- ``write_squash(log, 0, versions - 1)`` (every record checked as it is encoded, the default);
 - ``write_snapshot(log, versions - 1)`` (every record checked as it is encoded, the default).
 
 Each child reports its peak RSS during the call (VmHWM, reset through /proc/self/clear_refs

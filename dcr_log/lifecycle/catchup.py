@@ -4,7 +4,7 @@ create-if-absent (spec/FORMAT.md sections 23 and 24)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from dcr_log.format.keys import check_writer_id
 from dcr_log.format.lifecycle import CatchUp
 from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.deltalog import DeltaLog
-from dcr_log.log.records import decode_record, flat_positions, gather_words
+from dcr_log.log.records import apply_to_words, decode_record, flat_positions, gather_words
 from dcr_log.log.replay import Progress
 from dcr_log.state import TensorBits
 from dcr_log.store import AlreadyExists
@@ -63,15 +63,13 @@ def _delete(log: DeltaLog, keys: list[str]) -> None:
             pass  # an orphan for retention to remove
 
 
-def _publish(log: DeltaLog, cu: CatchUp, keys: list[str], check: Callable[[CatchUp], None] | None) -> CatchUp:
-    """Check the written object, then create its manifest (create-if-absent). The loser of a
+def _publish(log: DeltaLog, cu: CatchUp, keys: list[str]) -> CatchUp:
+    """Create the written object's manifest (create-if-absent). The loser of a
     race deletes its own segments and returns the winner's manifest."""
     try:
         for ref in cu.segments:  # retention removes orphans older than its grace: still there?
             if log.store.head(ref.key) is None:
                 raise IntegrityError(f"{ref.key} disappeared before {cu.key} was written")
-        if check is not None:
-            check(cu)
         log.store.put_new(cu.key, cu.to_bytes())
     except AlreadyExists:
         _delete(log, keys)
@@ -89,9 +87,10 @@ def _existing(log: DeltaLog, key: str) -> CatchUp | None:
         return None
 
 
-# A squash builds its end state in this many groups of tensors, one at a time (each from its
-# start state and the versions' records for the group), so it holds the start state plus about
-# a sixteenth of the model, not both whole states; each group reads the versions' segments.
+# A squash is built in this many groups of tensors, one at a time: each group's start state
+# is materialized alone, advanced through the versions' records for it and diffed, so a squash
+# holds about two sixteenths of the model (the group's start and end), not the whole start
+# state. Each group reads the start's route and the versions' segments.
 SQUASH_GROUPS = 16
 
 
@@ -131,7 +130,7 @@ def write_snapshot(log: DeltaLog, version: int | None = None, *, writer_id: str 
     state.clear()
     cu = CatchUp(log.log_id, version, None, None, commit.state_digest, log.commit_sha256(version),
                  tuple(refs), CommitStats(changed, commit.stats.total_elements, count), utc_now(), writer_id)
-    return _publish(log, cu, keys, None)
+    return _publish(log, cu, keys)
 
 
 def _check_tensor_record(rec: Record, info: TensorInfo, bits: TensorBits, digests: DigestScheme) -> None:
@@ -153,12 +152,15 @@ def write_squash(log: DeltaLog, start: int, end: int | None = None, *, writer_id
     states (what xor records composed by xor, and the last of the overwrite and tensor
     records, give), encoded as the writer encodes a version.
 
-    Memory: the start state, plus the end state of one group of tensors at a time (about
-    1/SQUASH_GROUPS of the model, or the largest tensor): each group is advanced from the start
-    state through the versions' records for it (the versions' segments are read once per
-    group), every tensor checked against ``end``'s digest. With ``check``, the squash is read
-    back and applied to the start state (in place) first. ``progress(n)`` is called with each
-    tensor's bytes once its records are written. An existing squash is returned as it is."""
+    Memory: one group of tensors at a time (about 1/SQUASH_GROUPS of the model, or the largest
+    tensor), its start and its end state: the group's start is materialized alone (the start's
+    route is read once per group), advanced through the versions' records for it (their
+    segments are read once per group) and every tensor checked against ``end``'s digest. With
+    ``check``, every record is decoded as a reader decodes it and applied to the group's start
+    words, before it is written, and the result must be ``end``'s words bit for bit (as a
+    snapshot is checked: the bytes written are covered by the segments' SHA-256 in the
+    manifest, so the squash is not read back). ``progress(n)`` is called with each tensor's
+    bytes once its records are written. An existing squash is returned as it is."""
     writer_id = check_writer_id(writer_id or default_writer_id())
     end = log.latest_version() if end is None else end
     if not 0 <= start < end:
@@ -174,20 +176,40 @@ def write_squash(log: DeltaLog, start: int, end: int | None = None, *, writer_id
         if step_commit.parent_state_digest != previous.state_digest:
             raise IntegrityError(f"version {v}: parent digest does not match version {v - 1}")
         previous = step_commit
-    base = log.materialize(start)
     table = commit.tensor_map()
     differ = Differ(policy, log.digests, features=log.identity.features)
 
     def records() -> Iterator[Record]:
         for group in _tensor_groups(table, SQUASH_GROUPS):
-            held = {n: TensorBits(base[n].dtype, base[n].shape, base[n].words.copy()) for n in group if n in base}
+            base = log.materialize(start, tensors=group)
+            held = {n: TensorBits(b.dtype, b.shape, b.words.copy()) for n, b in base.items()}
             for v in range(start + 1, end + 1):
                 log.apply_version(held, v, tensors=group)
             for name in sorted(group, key=str.encode):
-                new = held.pop(name)
-                if log.digests.tensor(new.words, new.shape) != table[name].digest:
+                new, old = held.pop(name), base.pop(name, None)
+                info = table[name]
+                if log.digests.tensor(new.words, new.shape) != info.digest:
                     raise IntegrityError(f"version {end}: tensor {name!r} does not match its digest")
-                yield from differ.diff(name, base.get(name), new, "xor")
+                if not check:
+                    yield from differ.diff(name, old, new, "xor")
+                else:
+                    # The records are applied, as a reader applies them, to the start's words
+                    # (the boxes are disjoint, so the encoder, still reading later boxes, never
+                    # sees a box written), or to a zeroed tensor when the records are whole.
+                    if old is not None and (old.dtype, old.shape) == (new.dtype, new.shape):
+                        words = old.words
+                    else:
+                        words = np.zeros_like(new.words)
+                    for rec in differ.diff(name, old, new, "xor"):
+                        try:
+                            apply_to_words(rec, decode_record(rec, info), words, info.shape, log.digests)
+                        except IntegrityError as exc:
+                            raise IntegrityError(f"squash {start}-{end}: the record of {name!r} at {rec.box} "
+                                                 f"does not decode as written: {exc}") from None
+                        yield rec
+                    if not np.array_equal(words.view(np.uint8), new.words.view(np.uint8)):
+                        raise IntegrityError(f"squash {start}-{end}: the records of {name!r} do not lead "
+                                             f"to version {end}'s words")
                 if progress:
                     progress(new.nbytes)
 
@@ -195,7 +217,7 @@ def write_squash(log: DeltaLog, start: int, end: int | None = None, *, writer_id
     cu = CatchUp(log.log_id, end, start, base_commit.state_digest, commit.state_digest,
                  log.commit_sha256(end), tuple(refs), CommitStats(changed, commit.stats.total_elements, count),
                  utc_now(), writer_id)
-    return _publish(log, cu, keys, _check_apply(log, base) if check else None)
+    return _publish(log, cu, keys)
 
 
 def _tensor_groups(table: dict[str, TensorInfo], groups: int) -> list[set[str]]:
@@ -215,12 +237,3 @@ def _tensor_groups(table: dict[str, TensorInfo], groups: int) -> list[set[str]]:
     if current:
         out.append(current)
     return out
-
-
-def _check_apply(log: DeltaLog, base: dict[str, TensorBits] | None) -> Callable[[CatchUp], None]:
-    """Read the object back and apply it (to ``base``, consumed): every tensor digest of its
-    version must hold (DeltaLog.apply_step)."""
-    def check(cu: CatchUp) -> None:
-        state = {} if base is None else base
-        log.apply_step(state, log.catchup_step(cu))
-    return check

@@ -88,13 +88,15 @@ class Undo:
 @dataclass(frozen=True, slots=True)
 class _Held:
     """A record of the batch that the storage holds, with what pass one kept of it (its
-    decoded changes and located place, or None: decoded and located again)."""
+    decoded changes, located place, and gathered words and target, or None: decoded, located
+    and classified again)."""
 
     index: int
     record: Record
     info: TensorInfo
     changes: ChangeSet | None
     place: Any
+    gathered: tuple[np.ndarray, np.ndarray] | None  # (current words, target) from pass 1
 
 
 @dataclass(slots=True)
@@ -165,7 +167,8 @@ class BatchWriter:
             if not storage.holds(rec.tensor):
                 report.unheld += 1
                 continue
-            items.append(_Held(i, rec, info, ctx.cache.take_changes(seg, i), ctx.cache.take_place(seg, i)))
+            items.append(_Held(i, rec, info, ctx.cache.take_changes(seg, i), ctx.cache.take_place(seg, i),
+                               None if i in torn else ctx.cache.take_gathered(seg, i)))
             report.changed_elements += rec.n_changed
             ctx.touched.add(rec.tensor)
 
@@ -176,6 +179,11 @@ class BatchWriter:
             changes = item.changes or decode_record(rec, info)
             where = flat_positions(rec, info.shape, changes)
             place = item.place or storage.locate(rec.tensor, where)
+            if item.gathered is not None:
+                # Pass 1 of this call found it at base and checked its target; nothing was
+                # written since (RECEIVER.md 5.4, step 1).
+                cur, target = item.gathered
+                return Write(i, rec, place, where, target, cur, rec.kind == "xor", False)
             values = storage.select(place, changes.values)
             if rec.kind == "tensor":
                 # Whole values and no precondition: writing them again is harmless.

@@ -100,12 +100,19 @@ class PassOne:
     ``done`` are not read again and torn ones are not refused."""
 
     def __init__(self, storage: Storage, digests: GroupDigests, commit: Step, table: dict[str, TensorInfo],
-                 parent_layout: TableLayout, recovering: bool):
+                 parent_layout: TableLayout, recovering: bool, keep_gathered: bool = False):
         self.storage = storage
         self.digests = digests
         self.commit = commit
         self.table = table
         self.recovering = recovering
+        # The writes follow in the same call, with nothing written in between: the words
+        # gathered here and the targets computed from them serve the write pass for records
+        # found at base (on one rank: a group classifies again, so its sums stay in step).
+        self.keep_gathered = keep_gathered and not recovering and digests.group.size == 1
+        # Per tensor, the end of the flat spans of the records seen: a record that may meet an
+        # earlier one is classified again after that one is written (as 5.4 does in order).
+        self._span_end: dict[str, int] = {}
         self.rules = StepRules(commit.kind, commit.describe(), table, parent_layout)
 
     def run(self, cache: SegmentCache, progress: Mapping[int, SegmentProgress],
@@ -158,12 +165,14 @@ class PassOne:
                     moves[rec.tensor] = (moves.get(rec.tensor, 0) + rec.target_digest - d) & MASK64
                     continue
                 if d == rec.target_digest:
+                    cache.drop_gathered(seg, p.index)
                     continue
                 if d == rec.base_digest:
                     if d_target != rec.target_digest:
                         raise IntegrityError(f"version {version}: record of {rec.tensor!r} does not "
                                              "lead to its target digest")
                     continue
+                cache.drop_gathered(seg, p.index)
                 if recovering and prog.done <= p.index < prog.started_end:
                     continue  # torn by the interrupted apply; the redo images finish it
                 # Raised once the log is shown consistent (the composition): a base digest
@@ -244,6 +253,10 @@ class PassOne:
             # Every record is checked here at sample and full (sample thins out only the
             # whole-tensor checks): nothing found after the first write can be the log's fault.
             where = flat_positions(rec, info.shape, changes)
+            first, end = _span(where)
+            alone = first >= self._span_end.get(rec.tensor, 0)
+            if end > first:
+                self._span_end[rec.tensor] = max(end, self._span_end.get(rec.tensor, 0))
             if rec.kind == "tensor":  # no precondition; its values must be its target
                 if self.digests.scheme.at(where, changes.values) != rec.target_digest:
                     raise IntegrityError(f"version {version}: tensor record of {rec.tensor!r} "
@@ -259,5 +272,16 @@ class PassOne:
             cur = storage.gather(place)
             values = storage.select(place, changes.values)
             target = record_targets(rec.kind, changes, cur, values)
+            if self.keep_gathered and kept_changes and alone:
+                cache.keep_gathered(seg, i, cur, target)
             pending.append(_Precondition(i, rec, self.digests.part(place, where, cur),
                                          self.digests.part(place, where, target)))
+
+
+def _span(where) -> tuple[int, int]:
+    """[first, last + 1) of a record's flat positions (a slice, or an index array, increasing)."""
+    if isinstance(where, slice):
+        return where.start, where.stop
+    if not len(where):
+        return 0, 0
+    return int(where[0]), int(where[-1]) + 1

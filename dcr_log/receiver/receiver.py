@@ -431,11 +431,14 @@ class Receiver:
             # A catch-up object is not signed: under a trust policy every record is checked,
             # so that the result is the trusted version's (its tensor digests).
             verify = "full"
-        staged = self._prepare(log, step, verify, verified_digest)
+        staged = self._prepare(log, step, verify, verified_digest, writes_follow=True)
         return self._write_version(staged), (staged.commit.state_digest if verify == "full" else None)
 
-    def _prepare(self, log: DeltaLog, step: int | Step, verify: str, verified_digest: int | None) -> _Staged:
-        """Everything before the first write: lineage, pass 1 (decoding, preconditions)."""
+    def _prepare(self, log: DeltaLog, step: int | Step, verify: str, verified_digest: int | None,
+                 writes_follow: bool = False) -> _Staged:
+        """Everything before the first write: lineage, pass 1 (decoding, preconditions).
+        ``writes_follow``: the writes run right after, in this call (not after ``stage``, while
+        the storage may have served), so pass 1's classification carries over to them."""
         t0 = time.perf_counter()
         storage = self.storage
         st = self._lineage_state(log)
@@ -513,7 +516,8 @@ class Receiver:
                 before = {}
             else:
                 before = log.commit(step.parent).tensor_map() if readable and step.parent is not None else None
-            pass_one = PassOne(storage, self._digest_parts, commit, table, parent_layout, recovering)
+            pass_one = PassOne(storage, self._digest_parts, commit, table, parent_layout, recovering,
+                               keep_gathered=writes_follow)
             found = pass_one.run(cache, progress, before, classify=verify != "none")
             composition, neither = found.composition, found.neither
             journal_bytes = redo_journal_bytes(found.redo_bytes)

@@ -1,6 +1,7 @@
 """A version's segments between pass one and the writes: fetched once (ahead, on threads),
-kept in memory within a budget or spooled to local disk, with the records pass one decoded
-and located kept for the write pass (SegmentCache)."""
+kept in memory within a budget or spooled to local disk, with the records pass one decoded,
+located and (when the writes follow at once) classified kept for the write pass
+(SegmentCache)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class SegmentCache:
         self._decoded: dict[tuple[int, int], Any] = {}
         self._decoded_used = 0
         self._places: dict[tuple[int, int], Any] = {}
+        self._gathered: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._pending: dict[int, Future[memoryview | SegmentFile]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -136,6 +138,29 @@ class SegmentCache:
             self._decoded_used += nbytes
             return True
         return False
+
+    def keep_gathered(self, segment: int, record: int, current: np.ndarray, target: np.ndarray) -> None:
+        """Keep the words pass 1 gathered at a record's positions and the target it computed
+        from them, within the byte budget, for a write pass that runs right after it (see
+        take_gathered)."""
+        nbytes = current.nbytes + target.nbytes
+        if self._decoded_used + nbytes <= self.budget:
+            self._gathered[(segment, record)] = (current, target)
+            self._decoded_used += nbytes
+
+    def drop_gathered(self, segment: int, record: int) -> None:
+        """Pass 1 did not find the record at its base: the write pass classifies it again."""
+        kept = self._gathered.pop((segment, record), None)
+        if kept is not None:
+            self._decoded_used -= kept[0].nbytes + kept[1].nbytes
+
+    def take_gathered(self, segment: int, record: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(current words, target) of a record pass 1 found at its base and whose target digest
+        it checked, or None."""
+        kept = self._gathered.pop((segment, record), None)
+        if kept is not None:
+            self._decoded_used -= kept[0].nbytes + kept[1].nbytes
+        return kept
 
     def staged_bytes(self) -> int:
         """Decoded records and mapped positions kept for the write pass."""

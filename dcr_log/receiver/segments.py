@@ -142,7 +142,10 @@ class SegmentCache:
     def keep_gathered(self, segment: int, record: int, current: np.ndarray, target: np.ndarray) -> None:
         """Keep the words pass 1 gathered at a record's positions and the target it computed
         from them, within the byte budget, for a write pass that runs right after it (see
-        take_gathered)."""
+        take_gathered). Not words on an accelerator: its memory is the engine's."""
+        device = getattr(current, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            return
         nbytes = current.nbytes + target.nbytes
         if self._decoded_used + nbytes <= self.budget:
             self._gathered[(segment, record)] = (current, target)

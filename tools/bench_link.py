@@ -7,15 +7,17 @@ Makes a network namespace with a veth pair, starts SeaweedFS (S3) inside it, and
 directions of the link with ``tc qdisc ... tbf rate <rate>mbit``. On a bf16 Llama-shaped model
 (``--mib``, Adam steps that change the given fractions of the stored words):
 
-- dense refit: GET of the whole checkpoint (model.safetensors) and its write to a local file,
-  fsynced;
+- dense refit: the upload (PUT) of the whole checkpoint (model.safetensors), then its GET and
+  its write to a local file, fsynced (the trainer's new weights to the receiver's disk, as the
+  dcr refit is timed); the GET + write + fsync alone is printed beside it;
 - dcr refit (segments of ``--segment-mib``): a follow-mode receiver (``Receiver.follow``: a checkpoint
   directory, written in place and flushed, or with ``--receiver memory`` numpy arrays) while a
   writer in the same process appends the version to the log on the server; timed from the
   writer's start to the receiver's joint commit, and from the commit record's creation to the
   joint commit (the receiver's side: it prefetched the segments while the writer wrote them).
 
-Prints, per change rate, both times, the speed-ups over dense, the bytes, and the receiver's
+Prints, per change rate, both times, the speed-ups over dense (whole, and over its GET + write +
+fsync alone), the receiver's time against that GET + write + fsync, the bytes, and the receiver's
 time over (delta bytes / link rate). Needs root (network namespaces, tc); says so and exits
 otherwise. Everything it creates (the namespace, the veth pair, the server, its files) is
 removed at the end.
@@ -128,10 +130,20 @@ def main() -> int:
         ckpt = work / "model.safetensors"
         save_safetensors(state, ckpt)
         from dcr_log.store import Store
-        Store.open(url + "-dense").put_new("model.safetensors", ckpt.read_bytes())
-        dense = min(dense_refit(url + "-dense", "model.safetensors", work / "dense.safetensors") for _ in range(2))
-        print(f"dense refit (GET {nbytes / 2**20:.0f} MiB + write + fsync): {dense:.2f} s "
-              f"({nbytes / dense / 1e6:.1f} MB/s)")
+        dense_store = Store.open(url + "-dense")
+        blob = ckpt.read_bytes()
+        uploads = []
+        for i in range(2):
+            t0 = time.perf_counter()
+            dense_store.put_new(f"model-{i}.safetensors", blob)
+            uploads.append(time.perf_counter() - t0)
+        del blob
+        upload = min(uploads)
+        download = min(dense_refit(url + "-dense", f"model-{i}.safetensors", work / "dense.safetensors")
+                       for i in range(2))
+        dense = upload + download
+        print(f"dense refit (upload {nbytes / 2**20:.0f} MiB + GET + write + fsync): {dense:.2f} s "
+              f"(upload {upload:.2f} s, GET + write + fsync {download:.2f} s, {nbytes / download / 1e6:.1f} MB/s)")
         receiver = work / "receiver"
         log = DeltaLog.open(url)
         if args.receiver == "directory":
@@ -180,11 +192,12 @@ def main() -> int:
             n: TensorBits(check[n].dtype, check[n].shape, a.reshape(-1)) for n, a in arrays.items()}
         assert state_equal(held, check), "the receiver differs from the log"
         print(f"\n{'changed':>8} {'delta':>10} {'bytes x':>8} {'writer->commit':>15} {'commit->commit':>15} "
-              f"{'(writes)':>9} {'speed-up':>9} {'(recv)':>7} {'recv / link time':>17}")
+              f"{'(writes)':>9} {'speed-up':>9} {'(GET only)':>10} {'(recv)':>7} {'recv / link time':>17}")
         for rate, changed, delta, whole, recv, wrote in rows:
             link_time = delta / link
             print(f"{changed:8.2%} {delta:10d} {nbytes / delta:8.0f} {whole:14.2f}s {recv:14.3f}s {wrote:8.3f}s "
-                  f"{dense / whole:8.1f}x {dense / recv:6.1f}x {recv / (link_time + 0.2):9.2f} of (delta/link + 0.2 s)")
+                  f"{dense / whole:8.1f}x {download / whole:9.1f}x {download / recv:6.1f}x "
+                  f"{recv / (link_time + 0.2):9.2f} of (delta/link + 0.2 s)")
         print(f"the receiver ({args.receiver}) holds the log's latest version, bit for bit")
         return 0
     finally:

@@ -216,6 +216,19 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]
     return boxes
 
 
+def flat_span(box: Box, shape: tuple[int, ...]) -> tuple[int, int]:
+    """[first, last + 1) flat indices of a box's elements: every element lies inside."""
+    if box.size == 0:
+        return 0, 0
+    if not shape:
+        return 0, 1
+    first = last = 0
+    for o, s, dim in zip(box.offset, box.shape, shape):
+        first = first * dim + o
+        last = last * dim + o + s - 1
+    return first, last + 1
+
+
 def box_end(box: Box) -> tuple[int, ...]:
     return tuple(o + s for o, s in zip(box.offset, box.shape))
 

@@ -207,7 +207,7 @@ def write_squash(log: DeltaLog, start: int, end: int | None = None, *, writer_id
                             raise IntegrityError(f"squash {start}-{end}: the record of {name!r} at {rec.box} "
                                                  f"does not decode as written: {exc}") from None
                         yield rec
-                    if not np.array_equal(words.view(np.uint8), new.words.view(np.uint8)):
+                    if not TensorBits(new.dtype, new.shape, words).same_bits(new):
                         raise IntegrityError(f"squash {start}-{end}: the records of {name!r} do not lead "
                                              f"to version {end}'s words")
                 if progress:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dcr_log.coords import numel
+from dcr_log.coords import flat_span, numel
 from dcr_log.digest import MASK64, DigestScheme
 from dcr_log.errors import IntegrityError, NotFoundError
 from dcr_log.format import Record
@@ -72,7 +72,7 @@ class _ParallelApply:
         return self
 
     def submit(self, rec: Record, info, bits: TensorBits) -> None:
-        start, end = _flat_span(rec.box, info.shape)
+        start, end = flat_span(rec.box, info.shape)
         if start < self._span_end.get(rec.tensor, 0):
             self._drain()  # may overlap an earlier record: let everything before it land first
             self._span_end.clear()
@@ -98,19 +98,6 @@ class _ParallelApply:
             # after apply_version returns); the first error is the one raised.
             wait(self._pending)
             self._pending.clear()
-
-
-def _flat_span(box, shape: tuple[int, ...]) -> tuple[int, int]:
-    """[first, last + 1) flat indices of a box's elements: every element lies inside."""
-    if box.size == 0:
-        return 0, 0
-    if not shape:
-        return 0, 1
-    first = last = 0
-    for o, s, dim in zip(box.offset, box.shape, shape):
-        first = first * dim + o
-        last = last * dim + o + s - 1
-    return first, last + 1
 
 
 def state_equal(a: dict[str, TensorBits], b: dict[str, TensorBits]) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import xxhash
 
 from dcr_log.codec import ChangeSet
-from dcr_log.coords import DTYPE_WIDTH, numel, tiles
+from dcr_log.coords import DTYPE_WIDTH, flat_span, numel, tiles
 from dcr_log.digest import MASK64, zeros_outside
 from dcr_log.errors import IntegrityError, LineageError, StoreError
 from dcr_log.format import Record
@@ -253,7 +253,7 @@ class PassOne:
             # Every record is checked here at sample and full (sample thins out only the
             # whole-tensor checks): nothing found after the first write can be the log's fault.
             where = flat_positions(rec, info.shape, changes)
-            first, end = _span(where)
+            first, end = flat_span(rec.box, info.shape)
             alone = first >= self._span_end.get(rec.tensor, 0)
             if end > first:
                 self._span_end[rec.tensor] = max(end, self._span_end.get(rec.tensor, 0))
@@ -277,11 +277,3 @@ class PassOne:
             pending.append(_Precondition(i, rec, self.digests.part(place, where, cur),
                                          self.digests.part(place, where, target)))
 
-
-def _span(where) -> tuple[int, int]:
-    """[first, last + 1) of a record's flat positions (a slice, or an index array, increasing)."""
-    if isinstance(where, slice):
-        return where.start, where.stop
-    if not len(where):
-        return 0, 0
-    return int(where[0]), int(where[-1]) + 1

@@ -153,9 +153,7 @@ class SegmentCache:
 
     def drop_gathered(self, segment: int, record: int) -> None:
         """Pass 1 did not find the record at its base: the write pass classifies it again."""
-        kept = self._gathered.pop((segment, record), None)
-        if kept is not None:
-            self._decoded_used -= kept[0].nbytes + kept[1].nbytes
+        self.take_gathered(segment, record)
 
     def take_gathered(self, segment: int, record: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(current words, target) of a record pass 1 found at its base and whose target digest

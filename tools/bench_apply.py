@@ -11,8 +11,8 @@ rate holding version 0 (the base) and version 1 (one step). Each timed apply tak
 holding version 0 to version 1 (reading and checking the segments, decoding, gathering,
 writing, flushing and journaling); the receiver is reset between repetitions, untimed.
 Each apply is paired with one ``np.copyto`` of the whole model right after it
-(tools/timing.py): seconds are the medians of ``--reps``, "x copyto" the median pair's speed
-ratio.
+(tools/timing.py): seconds (wall, and "CPU s": the process's CPU time, every thread) are the
+medians of ``--reps``, "x copyto" the median pair's speed ratio.
 """
 
 from __future__ import annotations
@@ -151,14 +151,15 @@ def run(args, work: Path) -> int:
                     pairing, journal = bench_memory(kind, log, base, expected, verify, args.reps, work, copyto)
                 seconds = pairing.op_wall
                 gbs = model_bytes / seconds / 1e9
-                rows.append((kind, label, verify, seconds, gbs, 1 / pairing.ratio, journal / seconds))
+                rows.append((kind, label, verify, seconds, pairing.op_cpu, gbs, 1 / pairing.ratio,
+                             journal / seconds))
         shutil.rmtree(root)
 
-    header = ("receiver", "changed", "verify", "apply s", "GB/s", "x copyto", "journal %")
+    header = ("receiver", "changed", "verify", "apply s", "CPU s", "GB/s", "x copyto", "journal %")
     print()
     print("  ".join(f"{h:>9}" for h in header))
-    for kind, label, verify, seconds, gbs, ratio, share in rows:
-        print("  ".join(f"{c:>9}" for c in (kind, label, verify, f"{seconds:.3f}", f"{gbs:.2f}",
+    for kind, label, verify, seconds, cpu, gbs, ratio, share in rows:
+        print("  ".join(f"{c:>9}" for c in (kind, label, verify, f"{seconds:.3f}", f"{cpu:.3f}", f"{gbs:.2f}",
                                              f"{ratio:.2f}", f"{share * 100:.1f}")))
     return 0
 

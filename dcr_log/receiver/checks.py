@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from dcr_log.codec import ChangeSet
@@ -57,6 +58,20 @@ def sample_tensors(tensors: Sequence[TensorInfo], version: int) -> list[str]:
     if not picked and order:
         picked.append(min(order, key=lambda n: (sizes[n], n)))
     return picked
+
+
+@dataclass(frozen=True, slots=True)
+class _Classified:
+    """An xor record's classification, made on a pool thread as it is decoded: its flat
+    positions, its place in the storage, the words there, its target, and the digest parts of
+    both."""
+
+    where: np.ndarray | slice
+    place: object
+    current: np.ndarray
+    target: np.ndarray
+    current_part: int
+    target_part: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +147,16 @@ class PassOne:
         neither: LineageError | None = None
         # Per tensor, the sum of its records' digest moves (target minus base).
         moves: dict[str, int] = {}
+        # Tensors whose xor records are classified on the pool's threads as they are decoded
+        # (the words gathered, the target and both digest parts computed), where the storage's
+        # reads may run in parallel: kept tensors that the storage holds in the table's
+        # layout. Nothing writes until pass one ends; the records are still taken in order.
+        ahead: set[str] = set()
+        if classify and storage.parallel_reads:
+            held = storage.layout()
+            ahead = {name for name, info in table.items()
+                     if name not in rules.created and storage.holds(name)
+                     and held.get(name) == (info.dtype, tuple(info.shape))}
         for seg, ref in enumerate(commit.segments):
             prog = progress.get(seg, SegmentProgress())
             if prog.done >= ref.records:
@@ -141,8 +166,10 @@ class PassOne:
             whole = whole and prog.done == 0
             pending: list[_Precondition] = []
 
-            def decode(i: int, recs: list[Record] = recs, done: int = prog.done) -> ChangeSet | Exception | None:
-                return self._decode_ahead(recs[i], i >= done)
+            def decode(i: int, recs: list[Record] = recs, done: int = prog.done
+                       ) -> tuple[ChangeSet | Exception | None, _Classified | None]:
+                changes = self._decode_ahead(recs[i], i >= done)
+                return changes, self._classify_ahead(recs[i], changes, ahead)
 
             decoded = map_ordered(decode, range(len(recs)), APPLY_WORKERS,
                                   sum(r.n_changed for r in recs) >= PARALLEL_MIN_CHANGES)
@@ -225,12 +252,30 @@ class PassOne:
         except Exception as exc:
             return exc
 
+    def _classify_ahead(self, rec: Record, changes: ChangeSet | Exception | None,
+                        ahead: set[str]) -> _Classified | None:
+        """An xor record of a tensor in ``ahead``, classified on the thread that decoded it;
+        None for the others, and where anything fails (pass one classifies it again, in order,
+        and raises there)."""
+        if rec.kind != "xor" or rec.tensor not in ahead or not isinstance(changes, ChangeSet):
+            return None
+        try:
+            storage = self.storage
+            where = flat_positions(rec, self.table[rec.tensor].shape, changes)
+            place = storage.locate(rec.tensor, where)
+            current = storage.gather(place)
+            target = record_targets(rec.kind, changes, current, storage.select(place, changes.values))
+            return _Classified(where, place, current, target, self.digests.part(place, where, current),
+                               self.digests.part(place, where, target))
+        except Exception:
+            return None
+
     def _segment(self, cache: SegmentCache, seg: int, recs: list[Record], prog: SegmentProgress,
-                 classify: bool, decoded: Iterator[ChangeSet | Exception | None],
+                 classify: bool, decoded: Iterator[tuple[ChangeSet | Exception | None, _Classified | None]],
                  pending: list[_Precondition]) -> None:
         """Pass 1 over one segment's records, in order (see run)."""
         version, storage, rules = self.commit.version, self.storage, self.rules
-        for (i, rec), changes in zip(enumerate(recs), decoded):
+        for (i, rec), (changes, made) in zip(enumerate(recs), decoded):
             if i < prog.done:
                 continue
             # (The squash rule was checked before the step went in flight: when recovering,
@@ -252,7 +297,7 @@ class PassOne:
                 continue
             # Every record is checked here at sample and full (sample thins out only the
             # whole-tensor checks): nothing found after the first write can be the log's fault.
-            where = flat_positions(rec, info.shape, changes)
+            where = made.where if made is not None else flat_positions(rec, info.shape, changes)
             first, end = flat_span(rec.box, info.shape)
             alone = first >= self._span_end.get(rec.tensor, 0)
             if end > first:
@@ -266,14 +311,17 @@ class PassOne:
                     place = storage.locate(rec.tensor, where)
                     pending.append(_Precondition(i, rec, self.digests.part(place, where, storage.gather(place)), 0))
                 continue
-            place = storage.locate(rec.tensor, where)
+            if made is None:
+                place = storage.locate(rec.tensor, where)
+                cur = storage.gather(place)
+                target = record_targets(rec.kind, changes, cur, storage.select(place, changes.values))
+                parts = self.digests.part(place, where, cur), self.digests.part(place, where, target)
+            else:
+                place, cur, target, parts = made.place, made.current, made.target, (made.current_part,
+                                                                                    made.target_part)
             if kept_changes:
                 cache.keep_place(seg, i, place)
-            cur = storage.gather(place)
-            values = storage.select(place, changes.values)
-            target = record_targets(rec.kind, changes, cur, values)
             if self.keep_gathered and kept_changes and alone:
                 cache.keep_gathered(seg, i, cur, target)
-            pending.append(_Precondition(i, rec, self.digests.part(place, where, cur),
-                                         self.digests.part(place, where, target)))
+            pending.append(_Precondition(i, rec, *parts))
 

@@ -47,6 +47,9 @@ class Storage(ABC):
     files_dir: Path | None = None
     # Set by the Receiver: called at named points so tests can inject faults.
     fault: FaultHook | None = None
+    # Whether locate, gather, select and digest_at may run on several threads at once while
+    # nothing writes (pass one classifies records on the pool's threads): host memory does.
+    parallel_reads = False
 
     @abstractmethod
     def layout(self) -> TableLayout:

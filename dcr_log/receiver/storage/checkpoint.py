@@ -71,6 +71,7 @@ class CheckpointStorage(Storage):
     """
 
     durable = True
+    parallel_reads = True  # reads of the memory maps
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)

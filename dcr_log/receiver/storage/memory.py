@@ -43,6 +43,8 @@ class NumpyStorage(Storage):
     mapping holds TensorBits, else arrays; bf16 and fp8 arrays as unsigned words).
     """
 
+    parallel_reads = True
+
     def __init__(self, tensors: MutableMapping[str, Any], dtypes: Mapping[str, str] | None = None,
                  owns_layout: bool = False):
         self.owns_layout = owns_layout
@@ -191,6 +193,12 @@ class TorchStorage(Storage):
 
     def layout(self) -> TableLayout:
         return dict(self._meta)
+
+    @property
+    def parallel_reads(self) -> bool:  # type: ignore[override]
+        # Host tensors are read as numpy views by the C gather; an accelerator's through its
+        # streams, which stay on one thread.
+        return not self.device_words and all(f.device.type == "cpu" for f in self._flat.values())
 
     def _host_to_device(self, arr: np.ndarray, device) -> Any:
         if not arr.flags.writeable or not arr.flags.c_contiguous:

@@ -1,0 +1,119 @@
+"""Pass one classifies xor records on the pool's threads as it decodes them (gathers the words
+at their positions, computes their targets and both digest parts), where the storage's reads
+may run in parallel; it still takes the records in order, and the bits are the log's."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from test_receiver import LAYOUT_VERSION, build_log, numpy_receiver
+from helpers import assert_same_bits
+from dcr_log import LineageError, LogWriter, TensorBits
+from dcr_log.receiver import Receiver, checks, write_checkpoint
+from dcr_log.receiver.storage import memory
+
+
+@pytest.fixture
+def ahead(monkeypatch):
+    """The records classified ahead (tensor names), and the threads that did it."""
+    seen: dict = {"tensors": [], "threads": set()}
+    real = checks.PassOne._classify_ahead
+
+    def counted(self, rec, changes, names):
+        made = real(self, rec, changes, names)
+        if made is not None:
+            seen["tensors"].append(rec.tensor)
+            seen["threads"].add(threading.current_thread().name)
+        return made
+
+    monkeypatch.setattr(checks.PassOne, "_classify_ahead", counted)
+    return seen
+
+
+def _xor_records(log, version, tensors) -> list[str]:
+    return sorted(r.tensor for r in log.records(version) if r.kind == "xor" and r.tensor in tensors)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_every_kept_xor_record_is_classified_ahead(tmp_path, ahead, monkeypatch, parallel):
+    """With parallel reads every xor record of version 1 is classified ahead; without them
+    none is. Either way the apply ends with the log's bits."""
+    monkeypatch.setattr(memory.NumpyStorage, "parallel_reads", parallel)
+    log, states = build_log(tmp_path / "log")
+    rx, tensors = numpy_receiver(tmp_path, states[0])
+    with rx:
+        rx.bind(log, 0)
+        rx.apply(log, to=1, verify="sample")
+    assert_same_bits(tensors, states[1])
+    assert sorted(ahead["tensors"]) == (_xor_records(log, 1, tensors) if parallel else [])
+
+
+def test_a_layout_change_classifies_only_kept_tensors_ahead(tmp_path, ahead):
+    """Across the version that adds, drops, reshapes and retypes tensors, no record of a
+    created (reshaped, retyped) tensor is classified ahead, and the bits are the log's."""
+    log, states = build_log(tmp_path / "log")
+    rx, tensors = numpy_receiver(tmp_path, states[LAYOUT_VERSION - 1])
+    with rx:
+        rx.bind(log, LAYOUT_VERSION - 1)
+        rx.apply(log, to=LAYOUT_VERSION, verify="full")
+    assert_same_bits(tensors, states[LAYOUT_VERSION])
+    changed = {"w.new", "w.b", "w.d"}
+    assert ahead["tensors"] and not changed & set(ahead["tensors"])
+
+
+def test_a_word_changed_behind_the_journal_is_found_ahead_too(tmp_path, ahead):
+    """A word that is neither the record's base nor its target is found by the records
+    classified ahead: LineageError, nothing written."""
+    log, states = build_log(tmp_path / "log")
+    rx, tensors = numpy_receiver(tmp_path, states[0])
+    name = next(r.tensor for r in log.records(1) if r.kind == "xor" and r.tensor in tensors)
+    with rx:
+        rx.bind(log, 0)
+        words = tensors[name].words
+        words ^= np.array(0x5A5A5A5A5A5A5A5A, dtype=np.uint64).astype(words.dtype)
+        before = {k: v.words.copy() for k, v in tensors.items()}
+        with pytest.raises(LineageError):
+            rx.apply(log, to=1, verify="sample")
+        assert rx.version == 0
+    assert name in ahead["tensors"]
+    for k, v in before.items():
+        assert np.array_equal(tensors[k].words, v), k
+
+
+def _big_log(root, n: int = 1 << 20):
+    """Two bf16 tensors, 5% of their words changed: segments large enough for the pool."""
+    rng = np.random.default_rng(5)
+    base = {f"w{i}": TensorBits("BF16", (n // 256, 256), rng.integers(0, 1 << 16, n, dtype=np.uint16))
+            for i in range(2)}
+    new = {}
+    for k, b in base.items():
+        w = b.words.copy()
+        hit = rng.random(n) < 0.05
+        w[hit] ^= 1
+        new[k] = TensorBits(b.dtype, b.shape, w)
+    writer = LogWriter.create(root, base, cache_dir=False)
+    writer.append(new)
+    return writer.log, base, new
+
+
+@pytest.mark.parametrize("receiver", ["numpy", "checkpoint"])
+def test_large_segments_are_classified_on_pool_threads(tmp_path, ahead, receiver):
+    log, base, new = _big_log(tmp_path / "log")
+    if receiver == "numpy":
+        tensors = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
+        rx = Receiver.open(tensors, tmp_path / "j")
+    else:
+        (tmp_path / "ckpt").mkdir()
+        write_checkpoint(base, tmp_path / "ckpt")
+        rx = Receiver.open(tmp_path / "ckpt")
+    with rx:
+        rx.bind(log, 0, verify="none")
+        rx.apply(log, to=1, verify="sample")
+        for k, v in new.items():
+            got = tensors[k].words if receiver == "numpy" else rx.storage.words(k)
+            assert np.array_equal(got, v.words), k
+    assert sorted(ahead["tensors"]) == _xor_records(log, 1, new)
+    assert ahead["threads"] and threading.current_thread().name not in ahead["threads"]

@@ -96,7 +96,7 @@ class _Held:
     info: TensorInfo
     changes: ChangeSet | None
     place: Any
-    gathered: tuple[np.ndarray, np.ndarray] | None  # (current words, target) from pass 1
+    gathered: tuple[np.ndarray, np.ndarray, Any] | None  # (current words, target, positions) from pass 1
 
 
 @dataclass(slots=True)
@@ -176,14 +176,15 @@ class BatchWriter:
             """Gather, targets and digest parts of one record: reads only, so records run
             on the shared pool's threads (numpy, the digests and pcodec release the GIL)."""
             i, rec, info = item.index, item.record, item.info
-            changes = item.changes or decode_record(rec, info)
-            where = flat_positions(rec, info.shape, changes)
-            place = item.place or storage.locate(rec.tensor, where)
             if item.gathered is not None:
                 # Pass 1 of this call found it at base and checked its target; nothing was
                 # written since (RECEIVER.md 5.4, step 1).
-                cur, target = item.gathered
+                cur, target, where = item.gathered
+                place = item.place or storage.locate(rec.tensor, where)
                 return Write(i, rec, place, where, target, cur, rec.kind == "xor", False)
+            changes = item.changes or decode_record(rec, info)
+            where = flat_positions(rec, info.shape, changes)
+            place = item.place or storage.locate(rec.tensor, where)
             values = storage.select(place, changes.values)
             if rec.kind == "tensor":
                 # Whole values and no precondition: writing them again is harmless.

@@ -322,6 +322,6 @@ class PassOne:
             if kept_changes:
                 cache.keep_place(seg, i, place)
             if self.keep_gathered and kept_changes and alone:
-                cache.keep_gathered(seg, i, cur, target)
+                cache.keep_gathered(seg, i, cur, target, where)
             pending.append(_Precondition(i, rec, *parts))
 

@@ -48,7 +48,7 @@ class SegmentCache:
         self._decoded: dict[tuple[int, int], Any] = {}
         self._decoded_used = 0
         self._places: dict[tuple[int, int], Any] = {}
-        self._gathered: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._gathered: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, Any]] = {}
         self._pending: dict[int, Future[memoryview | SegmentFile]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -139,28 +139,30 @@ class SegmentCache:
             return True
         return False
 
-    def keep_gathered(self, segment: int, record: int, current: np.ndarray, target: np.ndarray) -> None:
-        """Keep the words pass 1 gathered at a record's positions and the target it computed
-        from them, within the byte budget, for a write pass that runs right after it (see
-        take_gathered). Not words on an accelerator: its memory is the engine's."""
+    def keep_gathered(self, segment: int, record: int, current: np.ndarray, target: np.ndarray,
+                      where) -> None:
+        """Keep the words pass 1 gathered at a record's positions, the target it computed from
+        them and the positions (flat in the tensor), within the byte budget, for a write pass
+        that runs right after it (see take_gathered). Not words on an accelerator: its memory
+        is the engine's."""
         device = getattr(current, "device", None)
         if device is not None and getattr(device, "type", "cpu") != "cpu":
             return
-        nbytes = current.nbytes + target.nbytes
+        nbytes = current.nbytes + target.nbytes + getattr(where, "nbytes", 0)
         if self._decoded_used + nbytes <= self.budget:
-            self._gathered[(segment, record)] = (current, target)
+            self._gathered[(segment, record)] = (current, target, where)
             self._decoded_used += nbytes
 
     def drop_gathered(self, segment: int, record: int) -> None:
         """Pass 1 did not find the record at its base: the write pass classifies it again."""
         self.take_gathered(segment, record)
 
-    def take_gathered(self, segment: int, record: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """(current words, target) of a record pass 1 found at its base and whose target digest
-        it checked, or None."""
+    def take_gathered(self, segment: int, record: int) -> tuple[np.ndarray, np.ndarray, Any] | None:
+        """(current words, target, flat positions) of a record pass 1 found at its base and
+        whose target digest it checked, or None."""
         kept = self._gathered.pop((segment, record), None)
         if kept is not None:
-            self._decoded_used -= kept[0].nbytes + kept[1].nbytes
+            self._decoded_used -= kept[0].nbytes + kept[1].nbytes + getattr(kept[2], "nbytes", 0)
         return kept
 
     def staged_bytes(self) -> int:

@@ -105,6 +105,22 @@ def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape:
     to write) are both verified before anything is written: a failing record leaves the words
     as they were. One gather and one scatter per record.
     """
+    positions = changes.positions
+    if record.kind != "tensor" and positions is not None and record.box.is_row_block(shape):
+        # A row block is a contiguous run of the words: moved at its box-local positions, with
+        # both digests in one pass over them (no flat index array).
+        start = record.box.flat_start(shape)
+        run = words[start:start + record.box.size]
+        current = gather_words(run, positions)
+        target = record_targets(record.kind, changes, current, changes.values)
+        if check:
+            base_digest, target_digest = digests.record(record.box, shape, positions, current, target)
+            if base_digest != record.base_digest:
+                raise IntegrityError(f"{record.tensor}: base values differ from the record's precondition")
+            if target_digest != record.target_digest:
+                raise IntegrityError(f"{record.tensor}: values to write differ from the record's target")
+        scatter_words(run, positions, target)
+        return
     where = flat_positions(record, shape, changes)
     if record.kind == "tensor":
         target = changes.values

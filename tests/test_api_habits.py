@@ -16,6 +16,7 @@ from helpers import assert_same_bits, change_words, make_state
 import dcr_log
 from dcr_log import DeltaLog, LogWriter, ShardedWriter
 from dcr_log.errors import UsageError
+from dcr_log.receiver import Receiver, write_checkpoint
 
 SPEC = {"w": ("BF16", (16, 9)), "b": ("F32", (5,))}
 
@@ -102,3 +103,32 @@ def test_readers_of_unsigned_logs_import_no_cryptography():
     cryptography when a key is made, read or checked, not before."""
     heavy = _imported_after("import dcr_log.receiver, dcr_log.log")
     assert "numpy" in heavy and "cryptography" not in heavy
+
+
+
+def test_pyarrow_is_imported_by_the_first_segment_read_not_before(tmp_path):
+    """Opening a log, reading its commit records and applying a version with no records read
+    no segment, so they import no pyarrow (``dcr apply`` of an empty delta starts faster); the
+    first segment read imports it."""
+    state = make_state(np.random.default_rng(3), SPEC)
+    with LogWriter.create(tmp_path / "log", state, cache_dir=False) as writer:
+        writer.append(state)  # no change: a version with no records
+    assert DeltaLog.open(tmp_path / "log").commit(1).stats.records == 0
+    (tmp_path / "rx").mkdir()
+    write_checkpoint(state, tmp_path / "rx")
+    with Receiver.open(tmp_path / "rx") as rx:  # a checkpoint directory at version 0
+        rx.bind(DeltaLog.open(tmp_path / "log"), 0)
+    probe = textwrap.dedent(f"""
+        import sys
+        from dcr_log import DeltaLog
+        from dcr_log.receiver import Receiver
+        log = DeltaLog.open({str(tmp_path / "log")!r})
+        with Receiver.open({str(tmp_path / "rx")!r}) as rx:
+            applied = rx.apply(log)
+        empty = "pyarrow" in sys.modules
+        log.materialize(0)
+        print(applied, empty, "pyarrow" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[1]", "False", "True"]

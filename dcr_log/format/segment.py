@@ -2,29 +2,52 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 
 from dcr_log.coords import Box
 from dcr_log.errors import IntegrityError
 from dcr_log.format import limits as L
 from dcr_log.format.canonical import canonical_bytes, parse_json
 
-SEGMENT_SCHEMA = pa.schema([
-    pa.field("tensor", pa.utf8(), nullable=False),
-    pa.field("kind", pa.utf8(), nullable=False),
-    pa.field("box_offset", pa.list_(pa.field("item", pa.uint64(), nullable=False)), nullable=False),
-    pa.field("box_shape", pa.list_(pa.field("item", pa.uint64(), nullable=False)), nullable=False),
-    pa.field("encoding", pa.utf8(), nullable=False),
-    pa.field("params", pa.utf8(), nullable=False),
-    pa.field("n_changed", pa.uint64(), nullable=False),
-    pa.field("base_digest", pa.uint64(), nullable=False),
-    pa.field("target_digest", pa.uint64(), nullable=False),
-    pa.field("payload", pa.large_binary(), nullable=False),
-])
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+def load_pyarrow() -> Any:
+    # pyarrow is imported when a segment is first read or written, not with the package: a
+    # command that reads no segment (``dcr apply`` of an empty delta) starts without it.
+    import pyarrow
+
+    return pyarrow
+
+
+@functools.cache
+def segment_schema() -> pa.Schema:
+    """The segment files' Arrow schema (section 8), without its metadata."""
+    pa = load_pyarrow()
+    return pa.schema([
+        pa.field("tensor", pa.utf8(), nullable=False),
+        pa.field("kind", pa.utf8(), nullable=False),
+        pa.field("box_offset", pa.list_(pa.field("item", pa.uint64(), nullable=False)), nullable=False),
+        pa.field("box_shape", pa.list_(pa.field("item", pa.uint64(), nullable=False)), nullable=False),
+        pa.field("encoding", pa.utf8(), nullable=False),
+        pa.field("params", pa.utf8(), nullable=False),
+        pa.field("n_changed", pa.uint64(), nullable=False),
+        pa.field("base_digest", pa.uint64(), nullable=False),
+        pa.field("target_digest", pa.uint64(), nullable=False),
+        pa.field("payload", pa.large_binary(), nullable=False),
+    ])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SEGMENT_SCHEMA":  # the schema, built (and pyarrow imported) on first use
+        return segment_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Records are grouped into Arrow record batches of about this many payload bytes, so a reader
 # holds one batch at a time.
@@ -62,23 +85,25 @@ def _meta(log_id: str, version: int) -> dict[bytes, bytes]:
 
 
 def _batch(records: list[Record]) -> pa.RecordBatch:
+    pa = load_pyarrow()
     return pa.record_batch([
         pa.array([r.tensor for r in records], pa.utf8()),
         pa.array([r.kind for r in records], pa.utf8()),
-        pa.array([list(r.box.offset) for r in records], SEGMENT_SCHEMA.field("box_offset").type),
-        pa.array([list(r.box.shape) for r in records], SEGMENT_SCHEMA.field("box_shape").type),
+        pa.array([list(r.box.offset) for r in records], segment_schema().field("box_offset").type),
+        pa.array([list(r.box.shape) for r in records], segment_schema().field("box_shape").type),
         pa.array([r.encoding for r in records], pa.utf8()),
         pa.array([canonical_bytes(r.params).decode() for r in records], pa.utf8()),
         pa.array([r.n_changed for r in records], pa.uint64()),
         pa.array([r.base_digest for r in records], pa.uint64()),
         pa.array([r.target_digest for r in records], pa.uint64()),
         _payload_column(records),
-    ], schema=SEGMENT_SCHEMA)
+    ], schema=segment_schema())
 
 
 def _payload_column(records: list[Record]) -> pa.Array:
     """The payloads as one large_binary array built from its buffers: one join, where
     pa.array over a list of bytes objects is an order of magnitude slower."""
+    pa = load_pyarrow()
     offsets = np.zeros(len(records) + 1, dtype=np.int64)
     np.cumsum([len(r.payload) for r in records], out=offsets[1:])
     # One record (a large payload has a batch of its own): its buffer as is, not copied.
@@ -97,7 +122,7 @@ class SegmentBuilder:
     """
 
     def __init__(self, log_id: str, version: int):
-        self._schema = SEGMENT_SCHEMA.with_metadata(_meta(log_id, version))
+        self._schema = segment_schema().with_metadata(_meta(log_id, version))
         self._batches: list[list[Record]] = [[]]
         self._pending_bytes = 0
         self.records = 0
@@ -123,6 +148,7 @@ class SegmentBuilder:
         return self.payload_bytes + text + 512 * self.records + (64 << 10) * len(self._batches) + (1 << 20)
 
     def _write(self, sink) -> None:
+        pa = load_pyarrow()
         writer = pa.ipc.new_file(sink, self._schema)
         for batch in self._batches:
             if batch:
@@ -131,11 +157,13 @@ class SegmentBuilder:
 
     def write_to(self, f) -> None:
         """Write the segment file to a binary file object (no copy of it in memory)."""
+        pa = load_pyarrow()
         self._write(pa.PythonFile(f, mode="w"))
 
     def finish(self, into: pa.Buffer | None = None) -> pa.Buffer:
         """The segment's bytes: a slice of ``into`` (a mutable buffer to reuse) when it is
         large enough, else of a new buffer."""
+        pa = load_pyarrow()
         bound = self._bound()
         buf = into if into is not None and into.size >= bound else pa.allocate_buffer(bound)
         sink = pa.FixedSizeBufferWriter(buf)
@@ -168,12 +196,13 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
 
     ``data`` may be bytes or any buffer; payloads are zero-copy slices of it.
     """
+    pa = load_pyarrow()
     try:
         reader = pa.ipc.open_file(pa.py_buffer(data))
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise IntegrityError(f"segment of version {version}: not an Arrow IPC file ({exc})") from None
     schema = reader.schema
-    if not schema.remove_metadata().equals(SEGMENT_SCHEMA):
+    if not schema.remove_metadata().equals(segment_schema()):
         raise IntegrityError(f"segment of version {version}: unexpected schema")
     meta = schema.metadata or {}
     if meta != _meta(log_id, version):
@@ -184,7 +213,7 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
             batch.validate(full=True)
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise IntegrityError(f"segment of version {version}: corrupt batch ({exc})") from None
-        cols = {name: batch.column(name) for name in SEGMENT_SCHEMA.names}
+        cols = {name: batch.column(name) for name in segment_schema().names}
         offsets = cols["box_offset"].to_pylist()
         shapes = cols["box_shape"].to_pylist()
         payload = _payload_slices(cols["payload"])

@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-import pyarrow as pa
+from dcr_log.format.segment import load_pyarrow
 
 # A reader holds a segment of at most this many bytes in memory (writers keep them near 64
 # MiB); a larger one is read from a local file through a memory map (SegmentFile): its sha256
@@ -75,7 +75,7 @@ class _Mapping:
 
     def __init__(self, mm: mmap.mmap):
         self.mm = mm
-        self.address = pa.py_buffer(mm).address
+        self.address = load_pyarrow().py_buffer(mm).address
         self._recent: deque[tuple[int, int]] = deque()
         self._held = 0
         self._lock = threading.Lock()
@@ -85,7 +85,7 @@ class _Mapping:
         length = len(payload)
         if not length:
             return None
-        start = pa.py_buffer(payload).address - self.address
+        start = load_pyarrow().py_buffer(payload).address - self.address
         return lambda: self._done(start, length)
 
     def _done(self, start: int, length: int) -> None:

@@ -6,9 +6,8 @@ import hashlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import pyarrow as pa
-
 from dcr_log.format import SegmentBuilder, SegmentRef
+from dcr_log.format.segment import load_pyarrow
 from dcr_log.store import Store
 
 # Segment uploads in flight at once on a remote store (each holds one segment in memory).
@@ -75,4 +74,4 @@ class SegmentUploader:
                 self._pool.shutdown(wait=True)
                 self._pool = None
             # Arrow's pool keeps the segments' buffers for reuse; a trainer needs them back.
-            pa.default_memory_pool().release_unused()
+            load_pyarrow().default_memory_pool().release_unused()

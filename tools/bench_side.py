@@ -45,7 +45,9 @@ xor in the same minute, per rate):
   state holding its parent (checked bit-exact after every one);
 - dense create (once, not per rate: it does not depend on the rate): ``LogWriter.create`` of the
   base into a fresh directory, its baseline cache built (checked: at least the model's bytes);
-  the log and the cache are removed untimed after each, so each is a first create;
+  the log and the cache are removed untimed after each, so each is a first create; an untimed
+  ``os.sync`` runs before the create and before its xor, so that neither runs beside the
+  other's writeback;
 - receivers: numpy, torch (CPU) and checkpoint-directory ``Receiver`` apply of the rate's
   first version from its parent, default verification, reset untimed between repetitions and
   checked bit-exact after every apply;
@@ -427,7 +429,9 @@ def time_dense_create(base_state, repeats: int, work: Path, cache_root: Path, xo
     creates, bridge = [], []
     for r in range(repeats):
         directory = work / f"create-{r}"
-        creates.append(paired(lambda: LogWriter.create(directory, base_state), xor, 1))
+        # os.sync before each timed call: the xor paired with a create would otherwise run
+        # beside the kernel's writeback of what the create wrote (0.08-0.13 s for one xor).
+        creates.append(paired(lambda: LogWriter.create(directory, base_state), xor, 1, before=os.sync))
         built = cache_bytes(cache_root)
         if built < model_bytes:
             raise SystemExit(f"dense create left {built} bytes of baseline cache, not the model's "

@@ -260,15 +260,19 @@ class PassOne:
         if rec.kind != "xor" or rec.tensor not in ahead or not isinstance(changes, ChangeSet):
             return None
         try:
-            storage = self.storage
-            where = flat_positions(rec, self.table[rec.tensor].shape, changes)
-            place = storage.locate(rec.tensor, where)
-            current = storage.gather(place)
-            target = record_targets(rec.kind, changes, current, storage.select(place, changes.values))
-            return _Classified(where, place, current, target, self.digests.part(place, where, current),
-                               self.digests.part(place, where, target))
+            return self._classify(rec, changes)
         except Exception:
             return None
+
+    def _classify(self, rec: Record, changes: ChangeSet) -> _Classified:
+        """A record's words at its positions, its target from them, and both digest parts."""
+        storage = self.storage
+        where = flat_positions(rec, self.table[rec.tensor].shape, changes)
+        place = storage.locate(rec.tensor, where)
+        current = storage.gather(place)
+        target = record_targets(rec.kind, changes, current, storage.select(place, changes.values))
+        return _Classified(where, place, current, target, self.digests.part(place, where, current),
+                           self.digests.part(place, where, target))
 
     def _segment(self, cache: SegmentCache, seg: int, recs: list[Record], prog: SegmentProgress,
                  classify: bool, decoded: Iterator[tuple[ChangeSet | Exception | None, _Classified | None]],
@@ -297,12 +301,12 @@ class PassOne:
                 continue
             # Every record is checked here at sample and full (sample thins out only the
             # whole-tensor checks): nothing found after the first write can be the log's fault.
-            where = made.where if made is not None else flat_positions(rec, info.shape, changes)
             first, end = flat_span(rec.box, info.shape)
             alone = first >= self._span_end.get(rec.tensor, 0)
             if end > first:
                 self._span_end[rec.tensor] = max(end, self._span_end.get(rec.tensor, 0))
             if rec.kind == "tensor":  # no precondition; its values must be its target
+                where = flat_positions(rec, info.shape, changes)
                 if self.digests.scheme.at(where, changes.values) != rec.target_digest:
                     raise IntegrityError(f"version {version}: tensor record of {rec.tensor!r} "
                                          "does not match its target digest")
@@ -311,17 +315,10 @@ class PassOne:
                     place = storage.locate(rec.tensor, where)
                     pending.append(_Precondition(i, rec, self.digests.part(place, where, storage.gather(place)), 0))
                 continue
-            if made is None:
-                place = storage.locate(rec.tensor, where)
-                cur = storage.gather(place)
-                target = record_targets(rec.kind, changes, cur, storage.select(place, changes.values))
-                parts = self.digests.part(place, where, cur), self.digests.part(place, where, target)
-            else:
-                place, cur, target, parts = made.place, made.current, made.target, (made.current_part,
-                                                                                    made.target_part)
+            made = made or self._classify(rec, changes)
             if kept_changes:
-                cache.keep_place(seg, i, place)
+                cache.keep_place(seg, i, made.place)
             if self.keep_gathered and kept_changes and alone:
-                cache.keep_gathered(seg, i, cur, target, where)
-            pending.append(_Precondition(i, rec, *parts))
+                cache.keep_gathered(seg, i, made.current, made.target, made.where)
+            pending.append(_Precondition(i, rec, made.current_part, made.target_part))
 

@@ -122,6 +122,9 @@ def test_bench_codec_reports_what_the_codec_comments_quote(capsys):
     assert ulp["8"]["bits_per_change"] < row["sparse_bits"]
     assert ulp["8"]["bits_per_change"] < row["bound_bits"]
     assert ulp["8"]["bits_per_change"] < ulp["2"]["bits_per_change"]
+    rans = row["ulp_rans"]
+    assert rans["bits_per_change"] < row["sparse_bits"] and rans["bits_per_change"] < row["bound_bits"]
+    assert rans["encode_mchg_s"] > 0 and rans["decode_mchg_s"] > 0
     assert row["distance_entropy"] < row["xor_entropy"] and row["unit_steps"] > 0.5
     kernels = report["kernels"]
     timings = [kernels["xor_ms"], *kernels["ulp_step_1pct"].values(), *kernels["fresh_fill"].values()]
@@ -161,7 +164,7 @@ def test_percost_tiny_run_json(capsys):
     # checked on exact data above).
     stages = report["modes"]["one-core"]["stages"]
     assert set(stages) == set(bench_percost.STAGES)
-    for name in ("find_changes", "pcodec", "choose", "diff_box"):
+    for name in ("find_changes", "rans", "pcodec", "choose", "diff_box"):
         f = stages[name]
         assert f["points"] >= 2 and np.isfinite(f["ns_per_change"]) and np.isfinite(f["fixed_ms"]), (name, f)
-    assert report["modes"]["one-core"]["stage_seconds"][0]["encodings"] == ["ulp"]
+    assert report["modes"]["one-core"]["stage_seconds"][0]["encodings"] == ["ulp-rans"]

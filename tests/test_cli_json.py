@@ -195,19 +195,23 @@ def test_tables_are_whole_without_a_terminal(tmp_path, ckpts):
 
 
 @pytest.mark.parametrize("features,expected", [("sum-digests", ["sum-digests"]), ("none", []),
-                                               ("ulp-encoding,sum-digests", ["sum-digests", "ulp-encoding"])])
+                                               ("ulp-encoding,sum-digests", ["sum-digests", "ulp-encoding"]),
+                                               (None, ["rans-encoding", "sum-digests"])])
 def test_init_features(tmp_path, ckpts, capsys, features, expected):
-    """``dcr init --features``: a log for readers without pcodec (no ulp records in any version)."""
+    """``dcr init --features``: the default (ulp-rans records), logs as before rans-encoding
+    (ulp records, coded by pcodec), and logs without either (no ulp records in any version)."""
     from dcr_log.log.deltalog import DeltaLog
 
     log = tmp_path / "log"
-    assert dcr(capsys, "init", log, "--from", ckpts[0], "--cache", "none", "--features", features, "--json")[0] == 0
+    chosen = [] if features is None else ["--features", features]
+    assert dcr(capsys, "init", log, "--from", ckpts[0], "--cache", "none", *chosen, "--json")[0] == 0
     assert dcr(capsys, "append", log, "--from", ckpts[1], "--cache", "none", "--json")[0] == 0
     dlog = DeltaLog.open(log)
     assert list(dlog.identity.features) == expected
     encodings = {rec.encoding for rec in dlog.records(1)}
-    if "ulp-encoding" not in expected:
-        assert "ulp" not in encodings and encodings, encodings
+    assert encodings
+    assert ("ulp" in encodings) == ("ulp-encoding" in expected), encodings
+    assert ("ulp-rans" in encodings) == ("rans-encoding" in expected), encodings
 
 
 def test_init_refuses_unknown_features_before_writing(tmp_path, ckpts, capsys):

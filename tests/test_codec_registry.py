@@ -23,8 +23,9 @@ from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.codec.ulp import UlpEncoding
+from dcr_log.codec.ulp_rans import UlpRansEncoding
 from dcr_log.errors import IntegrityError, UsageError
-from dcr_log.format.commit import ULP_ENCODING
+from dcr_log.format.commit import RANS_ENCODING, ULP_ENCODING
 from dcr_log.state import TensorBits
 from dcr_log.write.differ import Differ, EncodePolicy
 
@@ -140,8 +141,8 @@ def test_writer_skips_an_encoding_whose_feature_the_log_lacks():
 
 
 def test_register_rules():
-    assert list(ENCODINGS) == ["raw", "ulp", "sparse", "dense"]
-    assert [required_feature(name) for name in ENCODINGS] == [None, ULP_ENCODING, None, None]
+    assert list(ENCODINGS) == ["raw", "ulp", "ulp-rans", "sparse", "dense"]
+    assert [required_feature(name) for name in ENCODINGS] == [None, ULP_ENCODING, RANS_ENCODING, None, None]
     assert required_feature("no-such-encoding") is None
     with pytest.raises(UsageError):
         register(RawEncoding)
@@ -181,7 +182,7 @@ N = 10_000
 def tried(monkeypatch):
     """The names of the encodings that offered a candidate for each box, in order."""
     calls: list[str] = []
-    for cls in (RawEncoding, UlpEncoding, SparseEncoding, DenseEncoding):
+    for cls in (RawEncoding, UlpEncoding, UlpRansEncoding, SparseEncoding, DenseEncoding):
         original = cls.try_encode
 
         def spy(cls, attempt, original=original):
@@ -247,10 +248,15 @@ def test_without_ulp_the_rates_gate_sparse_and_dense(tried, rate, expect_tried):
     (0.01, False, ["raw", "ulp", "sparse"], None),           # not floats: ulp above half of raw
     (0.3, False, ["raw", "ulp", "sparse", "dense"], None),
 ])
-def test_with_ulp_it_steers_sparse_and_dense(tried, rate, float_steps, expect_tried, chosen):
+@pytest.mark.parametrize("feature, name", [(ULP_ENCODING, "ulp"), (RANS_ENCODING, "ulp-rans")])
+def test_with_ulp_it_steers_sparse_and_dense(tried, rate, float_steps, expect_tried, chosen, feature, name):
+    """The same steering with either coder of ulp distances (pcodec or rANS)."""
+    rename = {"ulp": name}
+    expect_tried = [rename.get(e, e) for e in expect_tried]
+    chosen = rename.get(chosen, chosen)
     rng, k = np.random.default_rng(8), int(round(rate * N))
     base, new = _pair(rng, k, ulp_steps=True) if float_steps else _wide_pair(rng, k)
-    encoding = _one(Differ(EncodePolicy(workers=1), ulp=True), base, new)
+    encoding = _one(Differ(EncodePolicy(workers=1), features=(feature,)), base, new)
     assert tried == expect_tried
     assert encoding in expect_tried
     if chosen is not None:
@@ -279,9 +285,11 @@ def test_small_changes_choose_as_before():
     """The choices at the documented rates on bf16 training steps."""
     rng = np.random.default_rng(11)
     plain, ulp = Differ(EncodePolicy(workers=1)), Differ(EncodePolicy(workers=1), ulp=True)
+    rans = Differ(EncodePolicy(workers=1), features=(RANS_ENCODING,))
     base, new = _pair(rng, 1, ulp_steps=True)
     assert _one(plain, base, new) == "raw"  # one change: 10 bytes beat any frame
+    assert _one(rans, base, new) == "raw"   # nor a rANS record's two frequency tables
     base, new = _pair(rng, 100, ulp_steps=True)
-    assert (_one(plain, base, new), _one(ulp, base, new)) == ("sparse", "ulp")
+    assert (_one(plain, base, new), _one(ulp, base, new), _one(rans, base, new)) == ("sparse", "ulp", "ulp-rans")
     base, new = _pair(rng, 8000, ulp_steps=False)
-    assert (_one(plain, base, new), _one(ulp, base, new)) == ("dense", "dense")
+    assert (_one(plain, base, new), _one(ulp, base, new), _one(rans, base, new)) == ("dense", "dense", "dense")

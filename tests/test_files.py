@@ -151,13 +151,13 @@ def test_commit_records_carry_files_only_with_the_feature(logged, tmp_path):
     data = commit.to_bytes()
     assert CommitRecord.from_bytes(data, 1) == commit
     obj = json.loads(data)
-    assert obj["features"] == ["files", "sum-digests", "ulp-encoding"]
+    assert obj["features"] == ["files", "rans-encoding", "sum-digests"]
     assert [f["name"] for f in obj["files"]] == sorted(FILE_SETS[1], key=str.encode)
     assert all(f["key"] == "files/" + f["sha256"] for f in obj["files"])
     # A log without the feature: commit records as they always were, no files member.
     plain = LogWriter.create(tmp_path / "plain", _states()[0], cache_dir=False)
     record = json.loads(plain.log.commit(0).to_bytes())
-    assert "files" not in record and record["features"] == ["sum-digests", "ulp-encoding"]
+    assert "files" not in record and record["features"] == ["rans-encoding", "sum-digests"]
     assert plain.log.files(0) == [] and not plain.log.has_files
     assert not (tmp_path / "plain" / "files").exists()
 
@@ -177,7 +177,7 @@ def test_round_trip_through_the_api(tmp_path):
     writer.append(states[2])  # None: the parent's files, nothing uploaded
     assert sorted(p.name for p in (tmp_path / "log" / "files").iterdir()) == objects
     log = DeltaLog.open(tmp_path / "log")
-    assert log.has_files and log.identity.features == ("files", "sum-digests", "ulp-encoding")
+    assert log.has_files and log.identity.features == ("files", "rans-encoding", "sum-digests")
     for v, want in enumerate([FILE_SETS[0], FILE_SETS[1], FILE_SETS[1]]):
         entries = log.files(v)
         assert [e.name for e in entries] == sorted(want, key=str.encode)
@@ -343,11 +343,11 @@ def test_cli_feature_switches_and_refusals(tmp_path):
     ck = _checkpoint(tmp_path / "ck", states[0], {"config.json": b"{}"})
     rc, _, err = run_cli("init", tmp_path / "nofiles", "--from", ck, "--no-files")
     assert rc == 0, err
-    assert DeltaLog.open(tmp_path / "nofiles").identity.features == ("sum-digests", "ulp-encoding")
+    assert DeltaLog.open(tmp_path / "nofiles").identity.features == ("rans-encoding", "sum-digests")
     weights = _checkpoint(tmp_path / "weights", states[0], {})
     rc, _, err = run_cli("init", tmp_path / "plain", "--from", weights)
     assert rc == 0, err  # a directory of weights only: no feature, as before
-    assert DeltaLog.open(tmp_path / "plain").identity.features == ("sum-digests", "ulp-encoding")
+    assert DeltaLog.open(tmp_path / "plain").identity.features == ("rans-encoding", "sum-digests")
     rc, _, err = run_cli("init", tmp_path / "forced", "--from", weights, "--files")
     assert rc == 0, err
     forced = DeltaLog.open(tmp_path / "forced")

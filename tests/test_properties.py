@@ -177,11 +177,13 @@ def test_special_float_patterns_survive_every_path(where, tmp_path):
     _check_log(location, [base, target, base, target, base], np.random.default_rng(1))
 
 
-@pytest.mark.parametrize("features, delta_encoding", [(("sum-digests", "ulp-encoding"), "ulp"),
+@pytest.mark.parametrize("features, delta_encoding", [(("rans-encoding", "sum-digests"), "ulp-rans"),
+                                                      (("sum-digests", "ulp-encoding"), "ulp"),
                                                       (("sum-digests",), "sparse")])
 def test_all_encodings_and_kinds_are_exercised(tmp_path, features, delta_encoding):
     """A designed sequence whose records use every encoding and kind, still bit-exact: in a
-    new log (ulp wins the sparse changes) and in one without the feature ulp-encoding."""
+    new log (ulp-rans wins the sparse changes), in a log of the feature ulp-encoding (ulp
+    does) and in one without either."""
     rng = np.random.default_rng(5)
     n = 20000
     base = {"w": TensorBits("BF16", (n,), rng.integers(0x3C00, 0x3D00, n, dtype=np.uint16)),
@@ -206,7 +208,7 @@ def test_all_encodings_and_kinds_are_exercised(tmp_path, features, delta_encodin
     assert {("xor", delta_encoding), ("xor", "raw"), ("xor", "dense"), ("tensor", "raw"),
             ("tensor", "dense"), ("overwrite", "sparse")} <= used
     if delta_encoding == "sparse":
-        assert all(enc != "ulp" for _, enc in used)
+        assert all(enc not in ("ulp", "ulp-rans") for _, enc in used)
     assert any(kind == "overwrite" for kind, _ in used)
     _check_log(tmp_path / "log", states, rng)
 

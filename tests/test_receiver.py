@@ -621,12 +621,17 @@ def _ulp_steps(rng, bits: TensorBits, rate: float) -> TensorBits:
     return TensorBits(bits.dtype, bits.shape, words)
 
 
+ULP_FEATURES = {"ulp": ("sum-digests", "ulp-encoding"), "ulp-rans": ("rans-encoding", "sum-digests"),
+                "xxh3": ()}
+
+
 @pytest.mark.parametrize("verify", ["none", "sample", "full"])
-@pytest.mark.parametrize("kind", ["layout", "ulp", "xxh3"])
+@pytest.mark.parametrize("kind", ["layout", "ulp", "ulp-rans", "xxh3"])
 def test_torch_device_words_receiver_is_bit_exact(tmp_path, kind, verify):
     """Gathers, targets and digests computed on the tensors' device (torch ops; sum digests in
     torch, xxh3 through the host) give every version bit for bit: a log with layout changes and
-    an overwrite version, one whose records are ulp distances, and a plain xxh3 log."""
+    an overwrite version, logs whose records are ulp distances (pcodec and rANS), and a plain
+    xxh3 log."""
     if kind == "layout":
         log, states = build_log(tmp_path / "log", seed=4)
     else:
@@ -634,8 +639,7 @@ def test_torch_device_words_receiver_is_bit_exact(tmp_path, kind, verify):
         state = make_state(rng, SPEC)
         states = [copy_state(state)]
         # Whole-tensor boxes: big enough for ulp's pcodec files to beat raw and sparse.
-        writer = LogWriter.create(tmp_path / "log", state, segment_bytes=400,
-                                  features=() if kind == "xxh3" else ("sum-digests", "ulp-encoding"))
+        writer = LogWriter.create(tmp_path / "log", state, segment_bytes=400, features=ULP_FEATURES[kind])
         for v in range(1, 4):
             state = {n: _ulp_steps(rng, b, 0.08) if b.dtype in ("BF16", "F32", "F16") else
                      change_words(rng, b, 0.08) for n, b in state.items()}
@@ -643,7 +647,7 @@ def test_torch_device_words_receiver_is_bit_exact(tmp_path, kind, verify):
             states.append(copy_state(state))
         log = DeltaLog.open(tmp_path / "log")
     used = {r.encoding for v in log.versions()[1:] for r in log.records(v)}
-    assert ("ulp" in used) == (kind == "ulp")
+    assert ("ulp" in used) == (kind == "ulp") and ("ulp-rans" in used) == (kind == "ulp-rans")
     rx, tensors = _device_receiver(tmp_path, states)
     with rx:
         rx.bind(log, 0)
@@ -677,17 +681,18 @@ def test_torch_device_sum_digest_of_whole_tensors(tmp_path, logged):
             assert storage.tensor_digest(name, log.digests) == host
 
 
+@pytest.mark.parametrize("encoding", ["ulp", "ulp-rans"])
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_memory_rollback_undoes_ulp_records(tmp_path, kind):
+def test_memory_rollback_undoes_ulp_records(tmp_path, kind, encoding):
     """A failure after some ulp records were written: the rollback steps each one back by its
     distances (record_bases), and the tensors hold version 0's bits again."""
     rng = np.random.default_rng(9)
     state = make_state(rng, {"w.a": ("BF16", (64, 48)), "w.b": ("F32", (40, 10)), "w.c": ("F16", (300,))})
     first = copy_state(state)
-    writer = LogWriter.create(tmp_path / "log", state, segment_bytes=400)
+    writer = LogWriter.create(tmp_path / "log", state, segment_bytes=400, features=ULP_FEATURES[encoding])
     writer.append({n: _ulp_steps(rng, b, 0.1) for n, b in state.items()})
     log = DeltaLog.open(tmp_path / "log")
-    assert {r.encoding for r in log.records(1)} == {"ulp"}
+    assert {r.encoding for r in log.records(1)} == {encoding}
     if kind == "numpy":
         tensors = copy_state(first)
     else:

@@ -191,8 +191,17 @@ def test_server_killed_in_the_middle_of_applies_and_appends(own_server, tmp_path
         state = {k: change_words(rng, b, 0.05) for k, b in state.items()}
     code, out, err = _dcr(env, "init", url, "--from", ckpts[0], "--cache", "none")
     assert code == 0, err
+    # How long each command takes here: the kills land within that (a fixed delay would land
+    # after the command on a fast machine, and test nothing).
+    took = {"append": [], "apply": []}
     for i in range(1, 6):
+        t0 = time.perf_counter()
         assert _dcr(env, "append", url, "--from", ckpts[i], "--cache", "none")[0] == 0
+        took["append"].append(time.perf_counter() - t0)
+    assert _dcr(env, "apply", url, "--receiver", tmp_path / "timed", "--to", "0")[0] == 0
+    t0 = time.perf_counter()
+    assert _dcr(env, "apply", url, "--receiver", tmp_path / "timed")[0] == 0
+    took["apply"].append(time.perf_counter() - t0)
     after = {k: v for k, v in env.items() if k != "DCR_STORE_DEADLINE"}
     rand = random.Random(7)
     kills = {"apply": 0, "append": 0}
@@ -202,7 +211,7 @@ def test_server_killed_in_the_middle_of_applies_and_appends(own_server, tmp_path
         """Run ``dcr WHAT ARGS``, SIGKILL the server under it, wait for it, restart the server."""
         proc = subprocess.Popen([sys.executable, "-m", "dcr_log", what, *map(str, args)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        time.sleep(rand.uniform(0.3, 0.9))
+        time.sleep(rand.uniform(0.3, 0.9) * min(took[what]))
         server.kill()
         kills[what] += 1
         proc.wait(60)

@@ -2,8 +2,9 @@
 
 Every valid log reads back, version by version, to the tensors its expected.json lists, both
 through dcr_log.DeltaLog and through a small independent reader written from spec/FORMAT.md
-alone (pyarrow, zstandard, pcodec, xxhash and numpy; nothing from dcr_log), features sum-digests
-(section 7.1), files (section 22) and ulp-encoding (section 11) included, and so do its
+alone (pyarrow, zstandard, pcodec, xxhash and numpy, and tools/rans_spec.py for the rANS of
+ulp-rans; nothing from dcr_log), features sum-digests (section 7.1), files (section 22),
+ulp-encoding and rans-encoding (section 11) included, and so do its
 snapshots and squashes, from the log start of retention on (sections 23 to 25). Every invalid
 log fails with the stated error class at the stated stage and not before. The generator
 reproduces the committed files byte for byte.
@@ -28,6 +29,9 @@ import zstandard
 
 from dcr_log import DeltaLog, errors
 from dcr_log.state import TensorBits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import rans_spec  # noqa: E402, I001  (the ulp-rans coder, from FORMAT.md section 11 alone)
 
 REPO = Path(__file__).resolve().parents[1]
 VECTORS = REPO / "spec" / "vectors"
@@ -159,8 +163,9 @@ def spec_state_digest(table: list[dict]) -> str:
     return f"{xxhash.xxh3_64_intdigest(b''.join(lines)):016x}"
 
 
-# Feature ulp-encoding, FORMAT.md section 11.
+# Features ulp-encoding and rans-encoding, FORMAT.md section 11.
 ULP_ENCODING = "ulp-encoding"
+RANS_ENCODING = "rans-encoding"
 
 
 def spec_key(words: np.ndarray, bits: int) -> np.ndarray:
@@ -187,10 +192,11 @@ def pco_numbers(data: bytes, k: int, number_type: str) -> np.ndarray:
 
 
 class Distances:
-    """ulp values: signed distances in key order from the base words (resolved when applied)."""
+    """ulp values: signed distances in key order from the base words (resolved when applied),
+    of a record in ``encoding`` (ulp or ulp-rans)."""
 
-    def __init__(self, d: np.ndarray, bits: int):
-        self.d, self.bits, self.size = d, bits, d.size
+    def __init__(self, d: np.ndarray, bits: int, encoding: str = "ulp"):
+        self.d, self.bits, self.size, self.encoding = d, bits, d.size, encoding
 
     def xor_values(self, base: np.ndarray) -> np.ndarray:
         mod = np.uint64((1 << self.bits) - 1) if self.bits < 64 else None
@@ -230,6 +236,14 @@ def decode_payload(row: dict, n: int, w: int) -> tuple[np.ndarray, np.ndarray]:
         assert w > 1 or (d.min() >= -128 and d.max() <= 127), "a 1-byte distance out of range"
         assert int(gaps.max()) < n, "gap beyond the box"
         return (np.cumsum(gaps + np.uint64(1)) - np.uint64(1)).astype(np.int64), Distances(d, 8 * w)
+    if row["encoding"] == "ulp-rans":
+        assert kind == "xor" and params == {} and k >= 1
+        try:
+            positions, words = rans_spec.decode(payload, n, k, w)
+        except rans_spec.SpecError as exc:
+            raise AssertionError(f"ulp-rans: {exc}") from None
+        signed = [x - (1 << (8 * w)) if x >> (8 * w - 1) else x for x in words]
+        return np.array(positions, dtype=np.int64), Distances(np.array(signed, dtype=np.int64), 8 * w, "ulp-rans")
     assert row["encoding"] == "dense" and kind != "overwrite" and set(params) == {"level"}
     full = unplane(zstd_exact(payload, n * w), n, w)
     if kind == "tensor":
@@ -518,9 +532,9 @@ def _spec_read(root: Path, facts: set[str], where: dict, from_states: dict) -> d
     identity = spec_unseal((root / "dcr.json").read_bytes())
     assert set(identity) == {"format_version", "log_id", "created_at", "features"}
     features = identity["features"]
-    # format 1 defines three features, listed in this order; a name is never listed twice
+    # format 1 defines four features, listed in this order; a name is never listed twice
     assert identity["format_version"] == 1 and isinstance(features, list), features
-    assert features == [f for f in (FILES, SUM_DIGESTS, ULP_ENCODING) if f in features], features
+    assert features == [f for f in (FILES, RANS_ENCODING, SUM_DIGESTS, ULP_ENCODING) if f in features], features
     facts.update(features)
     log_id = identity["log_id"]
     where["stage"] = "listing"
@@ -671,17 +685,26 @@ def apply_row(row: dict, state: dict, created: set, facts: set, features: list[s
     else:
         assert row["base_digest"] == 0
     if isinstance(values, Distances):
-        assert ULP_ENCODING in features, "a ulp record in a log without the feature"
+        feature, fact = {"ulp": (ULP_ENCODING, "ulp"), "ulp-rans": (RANS_ENCODING, "rans")}[values.encoding]
+        assert feature in features, f"a {values.encoding} record in a log without the feature"
         base = words[flat]
         d = values.d.astype(np.int64)
         values = values.xor_values(base)
         key_base, key_target = spec_key(base, 8 * w), spec_key(base ^ values, 8 * w)
-        facts.add(f"ulp-width:{w}")
+        facts.add(f"{fact}-width:{w}")
         # key(B) + d left 0 .. 2^W - 1: a step up landed below its start, or one down above it.
         if np.any(((d > 0) & (key_target < key_base)) | ((d < 0) & (key_target > key_base))):
-            facts.add("ulp-wraps")
+            facts.add(f"{fact}-wraps")
         if np.any(values >> (8 * w - 1)):  # the xor flips the sign bit: base and target differ in sign
-            facts.add("ulp-crosses-sign")
+            facts.add(f"{fact}-crosses-sign")
+        if fact == "rans":
+            if k >= 2 * rans_spec.LANES:
+                facts.add("rans-every-stream")  # each of the four streams holds a symbol
+            zigzag = [rans_spec.zigzag(int(x)) - 1 for x in d]
+            if max(rans_spec.to_bin(v)[0] for v in zigzag) == rans_spec.NBINS - 1:
+                facts.add("rans-widest-bin")
+            if not shape:
+                facts.add("rans-0-d")
     if kind == "xor":
         words[flat] ^= values
     else:
@@ -898,6 +921,18 @@ def test_ulp_vectors_cover_the_feature():
     wanted = {ULP_ENCODING, "xor/ulp", "xor/sparse", "ulp-width:1", "ulp-width:2", "ulp-width:4",
               "ulp-width:8", "gap_bytes:4", "gap_bytes:8", "ulp-wraps", "ulp-crosses-sign",
               "interior-box-2d"}
+    assert wanted <= facts, sorted(wanted - facts)
+
+
+def test_ulp_rans_vectors_cover_the_feature():
+    """The logs with feature rans-encoding exercise every word width, a sign crossing, a key
+    that wraps around, the widest bin, every stream and a 0-d tensor."""
+    facts: set[str] = set()
+    for name in [n for n in VALID if RANS_ENCODING in log_features(n)]:
+        spec_replay(VECTORS / name / "log", facts)
+    wanted = {RANS_ENCODING, "xor/ulp-rans", "xor/sparse", "rans-width:1", "rans-width:2", "rans-width:4",
+              "rans-width:8", "rans-wraps", "rans-crosses-sign", "rans-every-stream", "rans-widest-bin",
+              "rans-0-d", "interior-box-2d"}
     assert wanted <= facts, sorted(wanted - facts)
 
 

@@ -7,8 +7,9 @@ pair, default 4 Mi, one record's box), in one process:
 - entropy in bits per change of the xor words and of the ulp distances, and the share of
   distances that are +1 or -1;
 - bits per change: the zeroth-order bound (log2 C(n, k) / k + the xor entropy), ``sparse``,
-  and ``ulp`` at each of ``--levels`` (pcodec levels), with ulp's encode and decode speed in
-  M changes/s (one thread, the fastest of ``--repeats``: no baseline);
+  ``ulp-rans``, and ``ulp`` at each of ``--levels`` (pcodec levels), with the encode and
+  decode speed of both ulp encodings in M changes/s (one thread, the fastest of
+  ``--repeats``: no baseline);
 - the pcodec files against the empirical entropy of what they hold (gaps, distances);
 - where the ``constriction`` package is installed (it is not a dependency), a static rANS
   coder of ulp's symbols (gap and zigzagged distance, each as one categorical), for
@@ -40,6 +41,7 @@ from dcr_log import buffers  # noqa: E402
 from dcr_log.codec.base import ChangeSet  # noqa: E402
 from dcr_log.codec.sparse import SparseEncoding  # noqa: E402
 from dcr_log.codec.ulp import UlpEncoding, step_from, step_from_numpy, ulp_distance  # noqa: E402
+from dcr_log.codec.ulp_rans import UlpRansEncoding  # noqa: E402
 from dcr_log.log.records import gather_words, scatter_words  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
 from dcr_log.write.differ import _Scratch, find_changes, find_changes_numpy  # noqa: E402
@@ -112,7 +114,13 @@ def codec_rows(rates: list[float], n: int, levels: list[int], repeats: int, seed
                 "gap_file_bits": gap_file * 8 / k,
                 "distance_file_bits": (len(payload) - 8 - gap_file) * 8 / k,
                 "encode_mchg_s": k / encode_s / 1e6, "decode_mchg_s": k / decode_s / 1e6}
-        row["rans"] = rans_row(gaps, distances, k, repeats)
+        rans = UlpRansEncoding()
+        params, payload = rans.encode("xor", changes, base=b, new=v)
+        encode_s = fastest(lambda: rans.encode("xor", changes, base=b, new=v), repeats).wall
+        decode_s = fastest(lambda: rans.decode("xor", params, payload, n, k, np.dtype("<u2")), repeats).wall
+        row["ulp_rans"] = {"bits_per_change": len(payload) * 8 / k,
+                           "encode_mchg_s": k / encode_s / 1e6, "decode_mchg_s": k / decode_s / 1e6}
+        row["constriction"] = rans_row(gaps, distances, k, repeats)
         rows.append(row)
     return rows
 
@@ -175,9 +183,12 @@ def print_report(report: dict) -> None:
             print(f"  ulp level {level}: {u['bits_per_change']:.2f} (gaps {u['gap_file_bits']:.2f}, "
                   f"distances {u['distance_file_bits']:.2f}); encode {u['encode_mchg_s']:.0f}, "
                   f"decode {u['decode_mchg_s']:.0f} M changes/s")
-        if r["rans"]:
-            print(f"  rANS (constriction): {r['rans']['bits_per_change']:.2f} bits/change, decode "
-                  f"{r['rans']['decode_msym_s']:.0f} M symbols/s")
+        u = r["ulp_rans"]
+        print(f"  ulp-rans: {u['bits_per_change']:.2f}; encode {u['encode_mchg_s']:.0f}, decode "
+              f"{u['decode_mchg_s']:.0f} M changes/s")
+        if r["constriction"]:
+            print(f"  rANS (constriction): {r['constriction']['bits_per_change']:.2f} bits/change, decode "
+                  f"{r['constriction']['decode_msym_s']:.0f} M symbols/s")
         else:
             print("  rANS (constriction): not installed")
     k = report["kernels"]

@@ -15,6 +15,9 @@ materialize, and ``open_directory(...).apply(verify=...)`` at a random level. Ta
   only the Arrow, record and payload checks can catch it);
 - ``record-reencoded``: one record's payload decoded, one value changed and encoded again with
   its own encoding, segment and commit record re-sealed (only the record digests can catch it);
+- ``payload-resealed``: one record's payload bytes damaged as ``segment``'s are, segment and
+  commit record re-sealed (only the encodings' own checks and the record digests can catch
+  it: a decoder's checks, the ulp-rans tables, streams and bit stream among them);
 - ``table-changed``: a version's tensor table changed with no record to back it (a tensor
   added, of a small, empty or huge claimed shape, renamed, reshaped or retyped), re-sealed with
   its state digest recomputed;
@@ -68,32 +71,39 @@ from dcr_log.receiver import open_directory, write_checkpoint  # noqa: E402
 from dcr_log.state import TensorBits  # noqa: E402
 from dcr_log.write import LogWriter  # noqa: E402
 
-TARGETS = ("segment", "segment-resealed", "record-reencoded", "table-changed", "commit-bytes",
-           "commit-json", "identity-bytes", "identity-json", "journal", "receiver")
+TARGETS = ("segment", "segment-resealed", "record-reencoded", "payload-resealed", "table-changed",
+           "commit-bytes", "commit-json", "identity-bytes", "identity-json", "journal", "receiver")
 # Damage after which the log still claims the true versions' bits (its tensor tables are the
 # true ones, or a change to them that no record backs): an apply (at sample or full) or a
 # replay that succeeds must give exactly the true bits. RESEALED damage passes every check but
 # the digests, which verify=none skips (a tensor added without records is zero-filled there).
-EXACT = ("segment", "segment-resealed", "record-reencoded", "table-changed", "commit-bytes",
-         "identity-bytes")
-RESEALED = ("segment-resealed", "record-reencoded", "table-changed")
+EXACT = ("segment", "segment-resealed", "record-reencoded", "payload-resealed", "table-changed",
+         "commit-bytes", "identity-bytes")
+RESEALED = ("segment-resealed", "record-reencoded", "payload-resealed", "table-changed")
 CASE_SECONDS = 20
 
 
 # -- the template --------------------------------------------------------------------------------
 
 def _states() -> list[dict[str, TensorBits]]:
+    from dcr_log.codec.ulp import step_from
+
     rng = np.random.default_rng(1234)
+    weights = (rng.standard_normal(16 * 64).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     st = {"a.w": TensorBits("BF16", (32, 48), rng.integers(0, 1 << 16, 32 * 48, dtype=np.uint16)),
           "b.w": TensorBits("F32", (10, 10), rng.integers(0, 1 << 32, 100, dtype=np.uint32)),
           "c": TensorBits("I8", (7,), rng.integers(0, 256, 7, dtype=np.uint8)),
+          "e.w": TensorBits("BF16", (16, 64), weights),
           "s": TensorBits("I64", (), np.array([0], np.uint64))}
     out = [st]
     for v in range(1, 4):
         nxt = {}
         for n, b in out[-1].items():
             w = b.words.copy()
-            if w.size:
+            if n == "e.w":  # a quarter of the words a unit up or down: ulp-rans records
+                d = np.where(rng.random(w.size) < 0.25, rng.choice([-1, 1], w.size), 0)
+                w = step_from(w, d.astype(np.int16).view(np.uint16))
+            elif w.size:
                 w[rng.integers(0, w.size, max(1, w.size // 20))] ^= 1
             nxt[n] = TensorBits(b.dtype, b.shape, w)
         if v == 2:
@@ -266,8 +276,9 @@ def reencode_record(rng: random.Random, log: Path, version: int) -> str:
         return f"record-reencoded v{version}#{index}/{j}: no values"
     m = rng.randrange(values.size)
     one = values[m:m + 1]
-    if changes.relative:  # a distance in ulps: another nonzero one
-        one += 1 if one[0] != -1 else 2
+    if changes.relative:  # a distance in ulps (W-bit two's complement): another nonzero one
+        signed = one.view(np.dtype(f"<i{one.itemsize}"))
+        signed += 1 if signed[0] != -1 else 2
     else:
         bit = np.array([1 << rng.randrange(8 * values.itemsize)], dtype=values.dtype)
         flipped = one ^ bit
@@ -280,6 +291,27 @@ def reencode_record(rng: random.Random, log: Path, version: int) -> str:
     path.write_bytes(encode_segment(records, log_id, version))
     _reseal_segment(log, version, index, path.read_bytes())
     return f"record-reencoded v{version}#{index}/{j} {rec.kind}/{rec.encoding} value {m}"
+
+
+def damage_payload(rng: random.Random, log: Path, version: int) -> str:
+    """One record's payload bytes damaged, the segment and commit record re-sealed around it."""
+    from dataclasses import replace
+
+    from dcr_log.format.segment import encode_segment, iter_segment
+
+    log_id = json.loads((log / "dcr.json").read_bytes())["log_id"]
+    commit = json.loads((log / version_key(version)).read_bytes())
+    index = rng.randrange(len(commit["segments"]))
+    path = log / commit["segments"][index]["key"]
+    records = list(iter_segment(path.read_bytes(), log_id, version))
+    j = rng.randrange(len(records))
+    rec = records[j]
+    if not len(rec.payload):
+        return f"payload-resealed v{version}#{index}/{j}: empty payload"
+    records[j] = replace(rec, payload=mutate_bytes(rng, bytes(rec.payload)))
+    path.write_bytes(encode_segment(records, log_id, version))
+    _reseal_segment(log, version, index, path.read_bytes())
+    return f"payload-resealed v{version}#{index}/{j} {rec.kind}/{rec.encoding}"
 
 
 def change_table(rng: random.Random, log: Path, version: int) -> str:
@@ -337,6 +369,8 @@ def damage(rng: random.Random, target: str, log: Path, rx: Path) -> str:
         return f"{target} v{version}#{index}"
     if target == "record-reencoded":
         return reencode_record(rng, log, rng.choice((2, 3)))
+    if target == "payload-resealed":
+        return damage_payload(rng, log, rng.choice((2, 3)))
     if target == "table-changed":
         return change_table(rng, log, rng.choice((2, 3)))
     if target in ("commit-bytes", "commit-json"):

@@ -43,6 +43,7 @@ from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.codec.ulp import UlpEncoding
+from dcr_log.codec.ulp_rans import UlpRansEncoding
 from dcr_log.coords import DTYPE_WIDTH, Box, numel, word_dtype
 from dcr_log.digest import SUM
 from dcr_log.format import (
@@ -60,7 +61,7 @@ from dcr_log.format import (
     version_key,
 )
 from dcr_log.format.canonical import canonical_bytes, seal
-from dcr_log.format.commit import ULP_ENCODING
+from dcr_log.format.commit import RANS_ENCODING, ULP_ENCODING
 from dcr_log.format.lifecycle import CatchUp, Marker, check_object_key
 from dcr_log.format.signature import signature_message
 from dcr_log.format.tensors import TensorInfo, state_digest
@@ -68,6 +69,9 @@ from dcr_log.signing import SigningKey, public_text
 from dcr_log.state import TensorBits
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rans_spec  # noqa: E402  (the ulp-rans coder written from the spec)
+
 DEFAULT_OUT = ROOT / "spec" / "vectors"
 WRITER = "vector-writer"
 CREATED_AT = "2025-01-01T00:00:00.000000Z"
@@ -312,7 +316,16 @@ def spec_encode(kind, encoding, n, positions, values, level, gap_bytes=None,
         assert kind == "xor"
         gw = gap_bytes or (4 if int(gaps_of(positions).max()) < 1 << 32 else 8)
         return {"gap_bytes": gw, "level": level}, ulp_payload(positions, base, base ^ values, gw, level)
+    if encoding == "ulp-rans":
+        assert kind == "xor"
+        return {}, rans_payload(positions, base, base ^ values)
     raise ValueError(encoding)
+
+
+def rans_payload(positions, base, target) -> bytes:
+    """FORMAT.md section 11, ulp-rans: tools/rans_spec.py, written from that section."""
+    return rans_spec.encode([int(p) for p in positions], [int(x) for x in base], [int(x) for x in target],
+                            base.dtype.itemsize)
 
 
 def encode(kind, encoding, n, positions, values, level=3, gap_bytes=None, base=None) -> tuple[dict, bytes]:
@@ -323,6 +336,10 @@ def encode(kind, encoding, n, positions, values, level=3, gap_bytes=None, base=N
     changes = ChangeSet(n, None if kind == "tensor" else positions, values)
     if encoding == "ulp":
         lib = UlpEncoding(level).encode(kind, changes, base=base, new=base ^ values)
+        assert lib == mine, f"{kind}/{encoding}: library and spec encodings differ"
+        return lib
+    if encoding == "ulp-rans":
+        lib = UlpRansEncoding().encode(kind, changes, base=base, new=base ^ values)
         assert lib == mine, f"{kind}/{encoding}: library and spec encodings differ"
         return lib
     encoder = {"raw": RawEncoding(), "sparse": SparseEncoding(level), "dense": DenseEncoding(level)}[encoding]
@@ -1293,6 +1310,57 @@ def v_ulp() -> LogBuilder:
     return b
 
 
+def v_ulp_rans() -> LogBuilder:
+    """Feature rans-encoding (with sum-digests): the ulp vector's changes in ulp-rans."""
+    b = LogBuilder("ulp-rans", features=(RANS_ENCODING, SUM_DIGESTS))
+    w0 = det_tensor("rw0", "BF16", (16, 64))
+    big = zeros_tensor("U8", (70000,))
+    st = {"w": w0, "specials": words_tensor("BF16", (16,), SPECIALS["BF16"]),
+          "f32": det_tensor("rf32", "F32", (40,)), "f16": det_tensor("rf16", "F16", (3, 10)),
+          "f64": det_tensor("rf64", "F64", (8,)), "fp8": det_tensor("rfp8", "F8_E4M3", (20,)),
+          "i8": det_tensor("ri8", "I8", (12,)), "u16": det_tensor("ru16", "U16", (9,)), "big": big,
+          "one": det_tensor("rone", "F32", ())}
+    s = b.step(st)
+    b.commit(s, [Seg([s.tensor(n, "raw") for n in st])])
+
+    interior = Box((2, 8), (4, 16))
+    st = dict(st)
+    # Weight-like steps: mostly one unit in the last place, some two or three, a few far.
+    st["w"] = ulp_stepped(st["w"], det_positions("rw1", box_flat((16, 64), rows_box((16, 64), 0, 2)), 24),
+                          [1, -1, 1, -1, 2, -1, 1, -3, 1, -2, 1, -1, 700, -1, 1, -40000])
+    st["w"] = ulp_stepped(st["w"], det_positions("rw1i", box_flat((16, 64), interior), 9), [1, -1, 2])
+    st["w"] = ulp_stepped(st["w"], det_positions("rw1s", box_flat((16, 64), rows_box((16, 64), 6, 16)), 20),
+                          [1, -1])
+    # +0 one step down is -0; -0 down is the negative minimum subnormal; +inf up is a NaN;
+    # the largest positive NaN up wraps to the all-ones NaN; 1 up is 1 + ulp.
+    st["specials"] = ulp_stepped(st["specials"], [0, 1, 2, 15, 11], [-1, -1, 1, 1, 1])
+    st["f32"] = ulp_stepped(st["f32"], det_positions("rf32", np.arange(40), 7), [1, -1, 5, -100000, 1 << 30])
+    st["f16"] = ulp_stepped(st["f16"], det_positions("rf16", np.arange(30), 6), [1, -2])
+    # 64-bit distances of 61 and 62 extra bits: the widest bins
+    st["f64"] = ulp_stepped(st["f64"], [0, 3, 6, 7], [1, -(1 << 62), -(1 << 63), (1 << 63) - 1])
+    st["fp8"] = ulp_stepped(st["fp8"], det_positions("rfp8", np.arange(20), 20), [1, -1, 127, -128])
+    st["i8"] = ulp_stepped(st["i8"], [0, 5, 11], [-128, 127, 1])
+    st["u16"] = ulp_stepped(st["u16"], [2, 4], [3, -3])
+    st["big"] = ulp_stepped(st["big"], [3, 69000, 69991, 69999], [1, -1, 2, 64])
+    st["one"] = ulp_stepped(st["one"], [0], [-1])
+    s = b.step(st)
+    b.commit(s, [Seg([
+        s.xor("w", "ulp-rans", rows_box((16, 64), 0, 2)), s.xor("w", "ulp-rans", interior),
+        s.xor("w", "sparse", rows_box((16, 64), 6, 16)),
+        s.xor("specials", "ulp-rans"), s.xor("f32", "ulp-rans"), s.xor("f16", "ulp-rans"),
+        s.xor("f64", "ulp-rans"), s.xor("fp8", "ulp-rans"),  # every element changed
+        s.xor("i8", "ulp-rans"), s.xor("u16", "ulp-rans"), s.xor("one", "ulp-rans"),  # a 0-d tensor
+        s.xor("big", "ulp-rans", Box((0,), (69990,))),  # a gap of 68996
+        s.xor("big", "ulp-rans", Box((69990,), (10,))),
+    ])])
+    st = dict(st)
+    st["w"] = ulp_stepped(st["w"], det_positions("rw2", box_flat((16, 64), rows_box((16, 64), 2, 16)), 300),
+                          [-1, 1, 1, -1, 2, 1, -1, 1, -1, -1, 1, 3])
+    s = b.step(st)
+    b.commit(s, [Seg([s.xor("w", "ulp-rans", rows_box((16, 64), 2, 16))])])  # 300 changes, both lanes
+    return b
+
+
 VALID = [
     (v_worked_example, "one BF16 tensor; version 1 is the sparse xor record decoded in FORMAT.md"),
     (v_kinds_and_encodings, "every record kind with every encoding it allows; gap_bytes 1, 2, 4 and "
@@ -1318,6 +1386,12 @@ VALID = [
      "NaN, the largest NaN wrapping around), F32, F16, F64, F8_E4M3 (every element changed), "
      "I8 and U16 (1-byte distances at -128 and 127), a gap of 68996 and a record with u64 gaps; "
      "pcodec levels 0, 4, 8 and 12"),
+    (v_ulp_rans, "feature rans-encoding (with sum-digests): xor records as distances from the base "
+     "in the encoding ulp-rans (bins, static rANS, extra bits), on BF16 (interior boxes, steps of one "
+     "to 40000 units, a record of 300 changes), float specials (+0 to -0, +inf to a NaN, the largest "
+     "NaN wrapping around), F32, F16, F64 (distances of up to 2^63 units: the widest bins), F8_E4M3 "
+     "(every element changed), I8 and U16 (1-byte distances at -128 and 127), a 0-d F32 and a gap of "
+     "68996"),
     (v_retention, "sections 23 to 25 (with sum-digests): a log after retention, starting at "
      "version 3 (a log-start marker naming snapshot 3's manifest; versions 0 to 2 and their "
      "segments deleted); snapshots at 3 (one tensor in two boxes), 4 (retired) and 5 (two "
@@ -1532,6 +1606,109 @@ def _ulp_gap_beyond_box(row):
 def _ulp_length_beyond_payload(row):
     gaps, d = _ulp_files(row)
     _ulp_rewrite(row, gaps, d, length=lambda gap_len, total: total - 7)
+
+
+RANS_FEATURES = (RANS_ENCODING, SUM_DIGESTS)
+
+
+def _w_as_rans(s: Step, recs):
+    """Version 1's xor record of the BF16 tensor w (3 changes in a box of 32) in ulp-rans."""
+    return [s.xor("w", "ulp-rans") if r.tensor == "w" else r for r in recs]
+
+
+def _x_overwrite_as_rans(s: Step, recs):
+    x0, x1 = s.base["x"].words, s.new["x"].words
+    changed = x0 != x1
+    return [Record("x", "overwrite", r.box, "ulp-rans", {}, r.n_changed, r.base_digest, r.target_digest,
+                   rans_payload(np.flatnonzero(changed), x0[changed], x1[changed]))
+            if r.tensor == "x" else r for r in recs]
+
+
+def _rans_parts(payload: bytes) -> dict:
+    """Where the parts of a ulp-rans payload start (FORMAT.md section 11)."""
+    blen = int.from_bytes(payload[:8], "little")
+    at, tables = 8 + blen, []
+    for _ in range(2):
+        tables.append(at)
+        at += 32 + 2 * sum(bin(x).count("1") for x in payload[at:at + 32])
+    return {"bits": 8, "blen": blen, "tables": tables, "lengths": at, "streams": at + 12}
+
+
+def _rans_edit(fn: Callable[[bytearray, dict], bytes | None]):
+    """A row hook's edit of the w record's ulp-rans payload."""
+    def edit(row):
+        data = bytearray(row["payload"])
+        out = fn(data, _rans_parts(bytes(data)))
+        row["payload"] = bytes(data) if out is None else out
+    return edit
+
+
+def _w_words():
+    """w's base words, positions and target words of invalid_base's version 1 (box-local)."""
+    base = det_tensor("w0", "BF16", (4, 8))
+    new = flipped(base, "w1", 3)
+    positions = np.flatnonzero(base.words != new.words)
+    return positions, base.words[positions], new.words[positions]
+
+
+def _rans_table_sum(data, parts):
+    data[parts["tables"][0] + 32] ^= 1  # the gap table's first frequency: they sum to 4095 or 4097
+
+
+def _rans_table_symbol(data, parts):
+    data[parts["tables"][1] + 31] |= 0x80  # symbol 255 in the distance table
+
+
+def _rans_low_state(data, parts):
+    data[parts["streams"]:parts["streams"] + 4] = (0xFFFF).to_bytes(4, "little")
+
+
+def _rans_moved_state(data, parts):
+    data[parts["streams"]] ^= 1  # stream 0's state, still in range: it cannot end at 2^16
+
+
+def _rans_word_left(data, parts):
+    return bytes(data) + b"\0\0"  # one more word in stream 3
+
+
+def _rans_stream_length(data, parts):
+    at = parts["lengths"]
+    data[at:at + 4] = (len(data)).to_bytes(4, "little")  # stream 0 runs past the payload
+
+
+def _rans_padding(data, parts):
+    last = parts["bits"] + parts["blen"] - 1
+    assert data[last] < 0x80, "the w record's bit stream must end in padding bits"
+    data[last] |= 0x80
+
+
+def _rans_gap_beyond_box(row):
+    positions, base, new = _w_words()
+    positions = positions.copy()
+    positions[-1] = 32  # the box holds 32 elements
+    row["payload"] = rans_payload(positions, base, new)
+
+
+def _rans_distance_beyond_word(row):
+    positions, base, _ = _w_words()
+    # as 32-bit words: a step of 40000 units, whose zigzag image does not fit 16 bits
+    wide = base.astype("<u4") << 16
+    far = spec_unkey((spec_key(wide) + np.uint64(40000)) & np.uint64(0xFFFFFFFF), 32).astype("<u4")
+    row["payload"] = rans_payload(positions, wide, far)
+
+
+def _rans_wrong_distance(row):
+    positions, base, new = _w_words()
+    new = new.copy()
+    new[0] = spec_unkey(spec_key(new[:1]) + np.uint64(1) & np.uint64(0xFFFF), 16)[0]
+    if new[0] == base[0]:
+        new[0] = spec_unkey(spec_key(new[:1]) + np.uint64(1) & np.uint64(0xFFFF), 16)[0]
+    row["payload"] = rans_payload(positions, base, new)
+
+
+def _rans_two_changes(row):
+    positions, base, new = _w_words()
+    row["payload"] = rans_payload(positions[:2], base[:2], new[:2])  # the record says 3
 
 
 def _new_tensor_as_xor(s: Step, recs):
@@ -1754,6 +1931,55 @@ INVALID = [
     ("apply-ulp-overwrite", "IntegrityError", "apply", 1,
      "an overwrite record uses the ulp encoding, which carries only xor records",
      {"features": ULP_FEATURES, "v1_records": _x_overwrite_as_ulp}, None),
+    ("segment-ulp-rans-without-feature", "IntegrityError", "segment", 1,
+     "a record uses the encoding 'ulp-rans' in a log whose features (sum-digests) do not list rans-encoding",
+     {"features": (SUM_DIGESTS,), "v1_records": _w_as_rans}, None),
+    ("apply-ulp-rans-table-sum", "IntegrityError", "apply", 1,
+     "a ulp-rans record's gap table has frequencies that do not sum to 4096",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_edit(_rans_table_sum))},
+     None),
+    ("apply-ulp-rans-table-symbol", "IntegrityError", "apply", 1,
+     "a ulp-rans record's distance table lists symbol 255 (bins end at 251)",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans,
+      "rows_hook": row_hook("w", _rans_edit(_rans_table_symbol))}, None),
+    ("apply-ulp-rans-initial-state", "IntegrityError", "apply", 1,
+     "a ulp-rans record's stream 0 starts at the state 65535, below 2^16",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_edit(_rans_low_state))},
+     None),
+    ("apply-ulp-rans-final-state", "IntegrityError", "apply", 1,
+     "a ulp-rans record's stream 0 starts at another state in range: it does not end at 2^16",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans,
+      "rows_hook": row_hook("w", _rans_edit(_rans_moved_state))}, None),
+    ("apply-ulp-rans-word-left-over", "IntegrityError", "apply", 1,
+     "a ulp-rans record's last stream holds a word no symbol reads",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_edit(_rans_word_left))},
+     None),
+    ("apply-ulp-rans-stream-length", "IntegrityError", "apply", 1,
+     "a ulp-rans record's stream 0 length runs past the end of its payload",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans,
+      "rows_hook": row_hook("w", _rans_edit(_rans_stream_length))}, None),
+    ("apply-ulp-rans-padding", "IntegrityError", "apply", 1,
+     "a ulp-rans record's bit stream has a padding bit set",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_edit(_rans_padding))},
+     None),
+    ("apply-ulp-rans-gap-beyond-box", "IntegrityError", "apply", 1,
+     "a ulp-rans record's last position is 32 in a box of 32 elements",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_gap_beyond_box)}, None),
+    ("apply-ulp-rans-distance-beyond-word", "IntegrityError", "apply", 1,
+     "a ulp-rans record of BF16 words holds distances of 40000 units as 32-bit words: zigzagged, they "
+     "do not fit 16 bits",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans,
+      "rows_hook": row_hook("w", _rans_distance_beyond_word)}, None),
+    ("apply-ulp-rans-change-count", "IntegrityError", "apply", 1,
+     "a ulp-rans record's payload holds 2 changes for its 3",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_two_changes)}, None),
+    ("apply-ulp-rans-wrong-distance", "IntegrityError", "apply", 1,
+     "a ulp-rans record's first distance is one unit more: a valid payload whose target digest fails",
+     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_wrong_distance)},
+     None),
+    ("apply-ulp-rans-overwrite", "IntegrityError", "apply", 1,
+     "an overwrite record uses the ulp-rans encoding, which carries only xor records",
+     {"features": RANS_FEATURES, "v1_records": _x_overwrite_as_rans}, None),
     ("apply-unknown-encoding", "IntegrityError", "apply", 1,
      "a record names encoding 'lz4'", {"rows_hook": row_hook("x", lambda r: r.update(encoding="lz4"))}, None),
     ("apply-unknown-param", "IntegrityError", "apply", 1,

@@ -135,7 +135,7 @@ def _with_quantization_config(quantizer, carried: dict | None) -> dict | None:
 
 # dcr_log.write.sharded.DEFAULT_FEATURES, said here without importing the writer (a test checks
 # the two agree)
-FEATURES_DEFAULT = "sum-digests,ulp-encoding"
+FEATURES_DEFAULT = "rans-encoding,sum-digests"
 
 
 def _features(text: str) -> tuple[str, ...]:
@@ -169,8 +169,9 @@ def init(log: str = typer.Argument(..., metavar="LOG", help="log directory or UR
          sign_key: Path | None = typer.Option(None, "--sign", metavar="KEY", help=SIGN_HELP),
          features: str = typer.Option(
              FEATURES_DEFAULT, "--features", metavar="NAMES",
-             help="the log's format features, comma-separated ('none': a plain format-1 log); leave out "
-                  "ulp-encoding for readers without pcodec (FORMAT.md section 14); files is added by --files"),
+             help="the log's format features, comma-separated ('none': a plain format-1 log; ulp-encoding: "
+                  "pcodec-coded records, as logs before rans-encoding; FORMAT.md section 14); files is added "
+                  "by --files"),
          quantize: str | None = typer.Option(None, "--quantize", metavar="fp8-block", help=QUANTIZE_HELP),
          scale_policy: str = typer.Option("keep", "--scale-policy", metavar="keep|fresh", help=SCALE_POLICY_HELP),
          as_json: bool = json_option()) -> None:

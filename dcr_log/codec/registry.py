@@ -2,9 +2,10 @@
 order writers try them in, and which log feature a reader needs for each.
 
 Registration order is trial order and tie order: the writer keeps the first of the smallest
-candidates, so with the default registry (raw, ulp, sparse, dense) the choice and the bytes
-are those of every earlier release. A third-party or test encoding is added with
-``register`` (or ``registered``, for a block) and tried after the built-in ones.
+candidates, so with the default registry (raw, ulp, ulp-rans, sparse, dense) the choice and
+the bytes are those of every earlier release in a log without the feature rans-encoding. A
+third-party or test encoding is added with ``register`` (or ``registered``, for a block) and
+tried after the built-in ones.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.raw import RawEncoding
 from dcr_log.codec.sparse import SparseEncoding
 from dcr_log.codec.ulp import UlpEncoding
+from dcr_log.codec.ulp_rans import UlpRansEncoding
 from dcr_log.errors import IntegrityError, UsageError
 from dcr_log.format.segment import KINDS
 
 # Name -> class, in trial order. Readers look names up here; writers walk it in order.
 ENCODINGS: dict[str, type[Encoding]] = {
-    cls.name: cls for cls in (RawEncoding, UlpEncoding, SparseEncoding, DenseEncoding)
+    cls.name: cls for cls in (RawEncoding, UlpEncoding, UlpRansEncoding, SparseEncoding, DenseEncoding)
 }
 
 

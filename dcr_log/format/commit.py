@@ -16,11 +16,12 @@ from dcr_log.format.keys import check_segment_key
 from dcr_log.format.tensors import TensorInfo, digest_hex
 
 FORMAT_VERSION = 1
-# The log feature that allows the ``ulp`` encoding (section 14).
+# The log features that allow the ``ulp`` and ``ulp-rans`` encodings (section 14).
 ULP_ENCODING = "ulp-encoding"
+RANS_ENCODING = "rans-encoding"
 # Features this implementation reads and writes. A reader MUST refuse a log or commit that
 # lists a feature it does not know.
-KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS, FILES, ULP_ENCODING})
+KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS, FILES, ULP_ENCODING, RANS_ENCODING})
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")

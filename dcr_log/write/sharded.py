@@ -47,7 +47,7 @@ from dcr_log.format import (
     SegmentBuilder,
     segment_key,
 )
-from dcr_log.format.commit import ULP_ENCODING
+from dcr_log.format.commit import RANS_ENCODING
 from dcr_log.format.keys import check_writer_id
 from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.log.deltalog import DeltaLog
@@ -69,8 +69,8 @@ from dcr_log.write.uploader import SegmentUploader
 DEFAULT_SEGMENT_BYTES = 64 << 20
 
 
-# The features of a new log: digests that update in O(changes) and the ulp encoding.
-DEFAULT_FEATURES = (SUM_DIGESTS, ULP_ENCODING)
+# The features of a new log: the ulp-rans encoding and digests that update in O(changes).
+DEFAULT_FEATURES = (RANS_ENCODING, SUM_DIGESTS)
 
 
 class ShardedWriter:

@@ -1,0 +1,118 @@
+"""``ulp-rans`` (feature ``rans-encoding``, ``xor`` records only): the ``ulp`` encoding's
+gaps and signed distances, each split into a bin (252 symbols: small values exactly, larger
+ones by their top three bits) and the bits below it; the bins coded by static rANS with
+a frequency table per record, the bits below stored as they are (spec/FORMAT.md section 11).
+
+Why not pcodec, which the ``ulp`` encoding uses: pcodec searches its bins per file and
+costs about 15 ns per change to encode on bf16 Adam steps; fixed bins and a static coder
+cost 5.5-6, for a payload about 1% smaller (the bins fit the gaps' geometric and the
+distances' peaked distributions within 0.1-0.3% of their entropy). Decoding costs 5 ns per
+change against pcodec's 3-4 (tools/bench_codec.py). The coder is the C module
+``dcr_log._rans``; there is no numpy form of it (rANS is a chain per stream), and
+tests/helpers/rans_reference.py is its plain-Python twin, written from the spec.
+
+Params: none (``{}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from dcr_log.codec.attempt import Attempt, Candidate
+from dcr_log.codec.base import ChangeSet, Encoding, check_params, delta_positions
+from dcr_log.codec.raw import payload_size
+from dcr_log.codec.sparse import SparseEncoding
+from dcr_log.codec.ulp import from_key
+from dcr_log.errors import IntegrityError
+from dcr_log.format.commit import RANS_ENCODING
+
+_coder = None
+
+
+def _rans():
+    # Imported on first use: `import dcr_log` stays light.
+    global _coder
+    if _coder is None:
+        from dcr_log import _rans as module
+
+        _coder = module
+    return _coder
+
+
+# What dcr_log._rans.decode's error codes mean.
+_DECODE_ERRORS = {
+    1: "the bit stream's length runs past the payload",
+    2: "the gap table is not valid",
+    3: "the distance table is not valid",
+    4: "the rANS streams' lengths or initial states are not valid",
+    5: "a gap or position lies beyond the box",
+    6: "a distance does not fit the word",
+    7: "a rANS stream does not end in its final state with every word read",
+    8: "the bit stream is not exactly as long as the extra bits, zero-padded",
+}
+
+
+class UlpRansEncoding(Encoding):
+    name = "ulp-rans"
+    kinds = ("xor",)
+    feature = RANS_ENCODING
+
+    @classmethod
+    def try_encode(cls, attempt: Attempt) -> Candidate | None:
+        """Not above ``policy.sparse_max_rate``. Like ``ulp``, once tried it steers the rest:
+        dense only from ``policy.ulp_dense_min_rate``, sparse only when this payload is above
+        ``policy.ulp_sparse_ratio`` of raw's (words that do not behave like floats)."""
+        policy = attempt.policy
+        if attempt.rate > policy.sparse_max_rate:
+            return None
+        params, payload = cls().encode(attempt.kind, attempt.changes, base=attempt.base_values,
+                                       new=attempt.new_values, buffer=attempt.buffer)
+        if len(payload) <= policy.ulp_sparse_ratio * payload_size(attempt.kind, attempt.changes.k,
+                                                                    attempt.word_size):
+            attempt.skip.add(SparseEncoding.name)
+        attempt.whole_box_min_rate = max(attempt.whole_box_min_rate, policy.ulp_dense_min_rate)
+        return Candidate.encoded(cls.name, params, payload)
+
+    def encode(self, kind: str, changes: ChangeSet, base: np.ndarray | None = None,
+               new: np.ndarray | None = None, buffer: Callable[[str, np.dtype, int], np.ndarray] | None = None
+               ) -> tuple[dict, bytes]:
+        """``base`` and ``new``: the words at the changed positions (the writer has them);
+        without them ``changes`` must be relative (its values the distances). ``buffer``
+        (tag, dtype, n) gives reusable scratch arrays."""
+        self.check_kind(kind)
+        positions = np.ascontiguousarray(delta_positions(changes), dtype=np.int64)
+        k = positions.size
+        if k == 0:
+            raise ValueError("ulp-rans: a record needs at least one change")
+        if base is None or new is None:
+            if not changes.relative:
+                raise ValueError("ulp-rans: encode needs the base and new words, or distances")
+            # Words whose keys are 0 and the distances: key(new) - key(base) is the distance.
+            word = np.dtype(f"<u{changes.values.dtype.itemsize}")
+            base = from_key(np.zeros(k, dtype=word))
+            new = from_key(np.ascontiguousarray(changes.values).view(word))
+        w = base.dtype.itemsize
+        word = np.dtype(f"<u{w}")
+        coder = _rans()
+        get = buffer or (lambda tag, dtype, n: np.empty(n, dtype=dtype))
+        out = get("rans_out", np.dtype(np.uint8), coder.bound(k))
+        scratch = get("rans_scratch", np.dtype(np.uint8), 6 * k + 64)
+        size = coder.encode(positions, np.ascontiguousarray(base).view(word), np.ascontiguousarray(new).view(word),
+                            w, out, scratch)
+        return {}, out[:size].tobytes()
+
+    def decode(self, kind, params, payload, n, k, word) -> ChangeSet:
+        """Positions and distances (``relative``): the xor words follow from the base words."""
+        self.check_kind(kind)
+        check_params(self.name, params, {})
+        if k == 0:
+            raise IntegrityError("ulp-rans: a record needs at least one change")
+        word = np.dtype(f"<u{word.itemsize}")
+        positions = np.empty(k, dtype=np.int64)
+        distances = np.empty(k, dtype=word)
+        code = _rans().decode(payload, n, k, word.itemsize, positions, distances)
+        if code:
+            raise IntegrityError(f"ulp-rans: {_DECODE_ERRORS.get(code, f'error {code}')}")
+        return ChangeSet(n, positions, distances, relative=True)

@@ -1,0 +1,342 @@
+"""The ulp-rans encoding (spec/FORMAT.md section 11): the C coder against the plain-Python
+coder written from the spec (tools/rans_spec.py), byte for byte and check for check.
+
+- every word width, 1 to thousands of changes, gaps up to 2^40, distances from 1 unit to
+  the whole word (NaN payloads, -0.0 and +0.0, infinities): the same payload from both
+  coders, and both decode it to the positions and distances that went in;
+- damaged payloads (a bit flipped, bytes cut, added or replaced): the C decoder accepts
+  exactly those the spec's decoder accepts, with the same values; it never writes outside
+  its outputs (the outputs are guarded);
+- one test per reader check, each on a payload that breaks only that rule.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from dcr_log import _rans
+from dcr_log.codec import ChangeSet, decode_changes
+from dcr_log.codec.ulp import step_from, ulp_distance
+from dcr_log.codec.ulp_rans import UlpRansEncoding
+from dcr_log.errors import IntegrityError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import rans_spec  # noqa: E402
+
+WIDTHS = (1, 2, 4, 8)
+
+
+def word(width: int) -> np.dtype:
+    return np.dtype(f"<u{width}")
+
+
+def c_encode(positions: np.ndarray, base: np.ndarray, new: np.ndarray) -> bytes:
+    k = positions.size
+    out = np.empty(_rans.bound(k), np.uint8)
+    scratch = np.empty(6 * k + 64, np.uint8)
+    size = _rans.encode(positions.astype(np.int64), base, new, base.itemsize, out, scratch)
+    return out[:size].tobytes()
+
+
+def c_decode(payload: bytes, n: int, k: int, width: int):
+    """(code, positions, distances); the outputs sit between guard words that must survive."""
+    guard = 0x5A
+    pos = np.full(k + 2, guard, np.int64)
+    dist = np.full(k + 16, guard, word(width))
+    code = _rans.decode(payload, n, k, width, pos[1:-1], dist[8:-8])
+    assert (pos[[0, -1]] == guard).all() and (dist[:8] == guard).all() and (dist[-8:] == guard).all()
+    return code, pos[1:-1], dist[8:-8]
+
+
+def spec_decode(payload: bytes, n: int, k: int, width: int):
+    try:
+        return rans_spec.decode(payload, n, k, width)
+    except rans_spec.SpecError:
+        return None
+
+
+# -- inputs ---------------------------------------------------------------------------------
+
+
+@st.composite
+def records(draw, max_k: int = 200):
+    """(n, positions, base words, new words, width): every change a real change."""
+    width = draw(st.sampled_from(WIDTHS))
+    bits = 8 * width
+    k = draw(st.integers(1, max_k))
+    spread = draw(st.sampled_from(["dense", "sparse", "huge"]))
+    if spread == "dense":
+        n = draw(st.integers(k, k + 10))
+    elif spread == "sparse":
+        n = draw(st.integers(k, 100 * k + 1000))
+    else:  # gaps beyond 2^32
+        n = draw(st.integers(k << 33, (k << 33) + (1 << 40)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if n <= 1 << 24:
+        positions = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+    else:
+        positions = np.unique(rng.integers(0, n, k, dtype=np.int64))
+        k = positions.size
+    mask = (1 << bits) - 1
+    base = rng.integers(0, mask, k, dtype=np.uint64, endpoint=True).astype(word(width))
+    special = np.array([0, 1 << (bits - 1), mask, (1 << (bits - 1)) - 1, mask >> 1, 1], np.uint64)
+    pick = rng.random(k) < 0.2
+    base[pick] = special[rng.integers(0, special.size, int(pick.sum()))].astype(word(width))
+    # Distances: mostly a unit or two, some far, some the extremes of the word.
+    kinds = rng.choice(4, k, p=[0.7, 0.15, 0.1, 0.05])
+    small = rng.choice([-3, -2, -1, 1, 2, 3], k)
+    far = rng.integers(-(1 << min(bits - 2, 40)), 1 << min(bits - 2, 40), k)
+    far[far == 0] = 5
+    extreme = rng.choice([-(1 << (bits - 1)), (1 << (bits - 1)) - 1, -(1 << (bits - 1)) + 1], k)
+    d = np.where(kinds == 0, small, np.where(kinds == 1, far, np.where(kinds == 2, small * 1000 + 1, extreme)))
+    d_words = (d.astype(object) % (1 << bits)).astype(np.uint64).astype(word(width))
+    new = step_from(base, d_words)
+    assume(bool((new != base).all()))
+    return n, positions, base, new, width
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records())
+def test_c_and_spec_coders_agree_byte_for_byte(record):
+    n, positions, base, new, width = record
+    payload = c_encode(positions, base, new)
+    spec = rans_spec.encode(positions.tolist(), base.astype(np.uint64).tolist(), new.astype(np.uint64).tolist(),
+                            width)
+    assert payload == spec
+    code, pos, dist = c_decode(payload, n, positions.size, width)
+    assert code == 0
+    assert np.array_equal(pos, positions)
+    assert np.array_equal(dist, ulp_distance(base, new))
+    got = rans_spec.decode(payload, n, positions.size, width)
+    assert got == (positions.tolist(), ulp_distance(base, new).astype(np.uint64).tolist())
+
+
+def _mutate(payload: bytes, how: int, where: int, value: int) -> bytes:
+    data = bytearray(payload)
+    at = where % len(data)
+    if how == 0:
+        data[at] ^= 1 << (value % 8)
+    elif how == 1:
+        data[at] = value % 256
+    elif how == 2:
+        del data[at:]
+    elif how == 3:
+        data[at:at] = bytes([value % 256]) * (1 + value % 3)
+    elif how == 4:
+        del data[at:at + 1 + value % 4]
+    else:  # one of the stream lengths or the bit stream's length moved by a little
+        field = value % 4
+        blen = int.from_bytes(data[:8], "little")
+        if field == 0:
+            data[:8] = (blen + (value % 5) - 2).to_bytes(8, "little", signed=True)
+        else:
+            data[at] ^= 0x80
+    return bytes(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records(max_k=60), st.integers(0, 5), st.integers(0, 1 << 30), st.integers(0, 1 << 30))
+def test_damaged_payloads_are_refused_exactly_as_the_spec_says(record, how, where, value):
+    """The C decoder and the spec's agree on every damaged payload: both refuse it, or both
+    read the same positions and distances from it (a flipped extra bit is still a valid
+    payload: the record's digests catch it, as for every encoding)."""
+    n, positions, base, new, width = record
+    damaged = _mutate(c_encode(positions, base, new), how, where, value)
+    k = positions.size
+    code, pos, dist = c_decode(damaged, n, k, width)
+    spec = spec_decode(damaged, n, k, width)
+    assert (code == 0) == (spec is not None), (code, how)
+    if spec is not None:
+        assert pos.tolist() == spec[0] and dist.astype(np.uint64).tolist() == spec[1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=300), st.integers(1, 40), st.sampled_from(WIDTHS))
+def test_arbitrary_bytes_never_crash_and_agree(data, k, width):
+    n = 1000
+    code, _, _ = c_decode(data, n, k, width)
+    assert (code == 0) == (spec_decode(data, n, k, width) is not None)
+
+
+# -- one test per reader check ---------------------------------------------------------------
+
+
+def _sample(width: int = 2, k: int = 50, n: int = 4000, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    positions = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+    base = rng.integers(0x3C00, 0x3E00, k).astype(word(width))
+    d = rng.choice([-2, -1, 1, 1, 2, 700], k).astype(np.int64)
+    new = step_from(base, (d % (1 << (8 * width))).astype(word(width)))
+    return n, positions, base, new
+
+
+def _parts(payload: bytes) -> dict:
+    """Offsets of the payload's parts (FORMAT.md section 11)."""
+    blen = int.from_bytes(payload[:8], "little")
+    at = 8 + blen
+    tables = []
+    for _ in range(2):
+        count = sum(bin(b).count("1") for b in payload[at:at + 32])
+        tables.append(at)
+        at += 32 + 2 * count
+    lengths = [int.from_bytes(payload[at + 4 * j:at + 4 * j + 4], "little") for j in range(3)]
+    return {"blen": blen, "tables": tables, "lengths_at": at, "streams_at": at + 12, "lengths": lengths}
+
+
+def _refused(payload: bytes, n: int, k: int, width: int = 2, match: str | None = None) -> None:
+    with pytest.raises(IntegrityError, match=match):
+        decode_changes("xor", "ulp-rans", {}, payload, n, k, word(width))
+    assert spec_decode(payload, n, k, width) is None
+
+
+def test_a_valid_sample_reads_back():
+    n, positions, base, new = _sample()
+    payload = c_encode(positions, base, new)
+    got = decode_changes("xor", "ulp-rans", {}, payload, n, positions.size, word(2))
+    assert got.relative and np.array_equal(got.positions, positions)
+    assert np.array_equal(step_from(base, got.values), new)
+
+
+def test_refuses_a_bit_stream_length_past_the_payload():
+    n, positions, base, new = _sample()
+    payload = bytearray(c_encode(positions, base, new))
+    payload[:8] = (len(payload)).to_bytes(8, "little")
+    _refused(bytes(payload), n, positions.size, match="bit stream's length")
+
+
+def test_refuses_nonzero_padding_and_extra_bit_stream_bytes():
+    n, positions, base, new = _sample(k=7)
+    payload = c_encode(positions, base, new)
+    parts = _parts(payload)
+    gaps = np.diff(positions, prepend=-1) - 1
+    us = [rans_spec.zigzag(rans_spec.distance(int(b), int(t), 16)) - 1 for b, t in zip(base, new)]
+    used = sum(rans_spec.to_bin(v)[1] for v in [*gaps, *us])
+    assert parts["blen"] == (used + 7) // 8 and used % 8, "the sample must leave padding bits"
+    padded = bytearray(payload)
+    padded[8 + parts["blen"] - 1] |= 0x80
+    _refused(bytes(padded), n, positions.size, match="zero-padded")
+    longer = payload[:8 + parts["blen"]] + b"\x00" + payload[8 + parts["blen"]:]
+    longer = (parts["blen"] + 1).to_bytes(8, "little") + longer[8:]
+    _refused(longer, n, positions.size, match="zero-padded")
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_refuses_tables_that_break_the_rules(which):
+    n, positions, base, new = _sample()
+    payload = c_encode(positions, base, new)
+    at = _parts(payload)["tables"][which]
+    what = "gap" if which == 0 else "distance"
+    sum_off = bytearray(payload)
+    sum_off[at + 32] ^= 1  # the first frequency, so that they no longer sum to 4096
+    _refused(bytes(sum_off), n, positions.size, match=f"{what} table")
+    zero = bytearray(payload)
+    first = int.from_bytes(zero[at + 32:at + 34], "little")
+    zero[at + 32:at + 34] = b"\x00\x00"
+    second = int.from_bytes(zero[at + 34:at + 36], "little")
+    zero[at + 34:at + 36] = (second + first).to_bytes(2, "little")  # the sum holds, one is 0
+    _refused(bytes(zero), n, positions.size, match=f"{what} table")
+    high = bytearray(payload)
+    high[at + 31] |= 0x20  # symbol 253
+    _refused(bytes(high), n, positions.size, match=f"{what} table")
+
+
+def test_refuses_a_state_below_the_interval_and_a_wrong_final_state():
+    n, positions, base, new = _sample()
+    payload = c_encode(positions, base, new)
+    at = _parts(payload)["streams_at"]
+    low = bytearray(payload)
+    low[at:at + 4] = (0xFFFF).to_bytes(4, "little")
+    _refused(bytes(low), n, positions.size, match="initial states")
+    moved = bytearray(payload)
+    state = int.from_bytes(moved[at:at + 4], "little")
+    moved[at:at + 4] = (state ^ 1).to_bytes(4, "little")
+    _refused(bytes(moved), n, positions.size)
+
+
+def test_refuses_a_word_left_over_and_an_odd_stream():
+    n, positions, base, new = _sample()
+    payload = c_encode(positions, base, new)
+    _refused(payload + b"\x00\x00", n, positions.size, match="final state")
+    _refused(payload + b"\x00", n, positions.size, match="lengths")
+    parts = _parts(payload)
+    shifted = bytearray(payload)
+    shifted[parts["lengths_at"]:parts["lengths_at"] + 4] = (parts["lengths"][0] + 2).to_bytes(4, "little")
+    _refused(bytes(shifted), n, positions.size)
+
+
+def test_refuses_gaps_past_the_box():
+    n, positions, base, new = _sample()
+    payload = c_encode(positions, base, new)
+    last = int(positions[-1])
+    _refused(payload, last, positions.size, match="beyond the box")  # the last position is n
+    assert decode_changes("xor", "ulp-rans", {}, payload, last + 1, positions.size, word(2)).k == positions.size
+
+
+def test_refuses_a_distance_wider_than_the_word():
+    rng = np.random.default_rng(3)
+    positions = np.arange(0, 40, 4, dtype=np.int64)
+    base = rng.integers(0, 1 << 16, positions.size).astype(np.uint16)
+    new = step_from(base, np.full(positions.size, 300, np.uint16))  # 300 units: past an I8 word
+    payload = c_encode(positions, base, new)
+    _refused(payload, 40, positions.size, width=1, match="does not fit the word")
+    one = c_encode(positions, base.astype(np.uint8), step_from(base.astype(np.uint8), np.full(positions.size, 0x80,
+                                                                                          np.uint8)))
+    got = decode_changes("xor", "ulp-rans", {}, one, 40, positions.size, word(1))
+    assert (got.values == 0x80).all()  # -128: the widest 1-byte distance reads back
+
+
+def test_refuses_params_and_an_overwrite_record():
+    n, positions, base, new = _sample()
+    payload = c_encode(positions, base, new)
+    with pytest.raises(IntegrityError, match="unknown parameter"):
+        decode_changes("xor", "ulp-rans", {"level": 1}, payload, n, positions.size, word(2))
+    with pytest.raises(IntegrityError, match="cannot carry records of kind 'overwrite'"):
+        decode_changes("overwrite", "ulp-rans", {}, payload, n, positions.size, word(2))
+
+
+def test_refuses_fewer_changes_than_the_payload_holds():
+    n, positions, base, new = _sample()
+    payload = c_encode(positions, base, new)
+    _refused(payload, n, positions.size - 1)
+    _refused(payload, n, positions.size + 1)
+
+
+def test_writer_refuses_what_is_not_a_change_set():
+    n, positions, base, new = _sample()
+    with pytest.raises(ValueError, match="increasing"):
+        c_encode(positions[::-1].copy(), base, new)
+    same = new.copy()
+    same[3] = base[3]
+    with pytest.raises(ValueError, match="equal"):
+        c_encode(positions, base, same)
+
+
+def test_encoding_takes_distances_without_the_words():
+    """A relative change set (distances, as a squash composes them) encodes to the payload of
+    the words it stands for."""
+    n, positions, base, new = _sample()
+    distances = ulp_distance(base, new)
+    enc = UlpRansEncoding()
+    from_words = enc.encode("xor", ChangeSet(n, positions, base ^ new), base=base, new=new)
+    from_distances = enc.encode("xor", ChangeSet(n, positions, distances, relative=True))
+    assert from_words == from_distances
+
+
+def test_the_payload_is_no_larger_than_its_bound_in_the_worst_case():
+    """Every change with the widest gap and distance: the bound the writer allocates holds."""
+    k = 64
+    positions = np.array([(1 << 40) * (i + 1) - 1 for i in range(k)], dtype=np.int64)
+    base = np.zeros(k, np.uint64)
+    new = np.full(k, 1 << 63, np.uint64)  # key distance 2^63 - 1... from +0 to -0 is 1; take the far side
+    new = step_from(base, np.full(k, (1 << 63) - 1, np.uint64))
+    payload = c_encode(positions, base, new)
+    assert len(payload) <= _rans.bound(k)
+    assert rans_spec.decode(payload, 1 << 47, k, 8)[0] == positions.tolist()
+    assert struct.unpack("<Q", payload[:8])[0] > 0

@@ -77,8 +77,117 @@ FIND(uint16_t, 16, 0x7FFF7FFF7FFF7FFFULL)
 FIND(uint32_t, 32, 0x7FFFFFFF7FFFFFFFULL)
 FIND(uint64_t, 64, 0x7FFFFFFFFFFFFFFFULL)
 
+/* With AVX-512 (x86-64 with BW and VBMI2, GCC or clang): 64 bytes compared per step, the
+ * differing words packed with vpcompress into registers and stored whole (the outputs hold
+ * FIND_SLACK entries past n for that), their positions likewise from a vector of lane
+ * indices. No branch per change: at 10% of bf16 words changed the scalar loop above
+ * mispredicts its exit once per block; here a block with changes costs the same whatever
+ * their number. Picked at run time (__builtin_cpu_supports), 2- and 4-byte words only. */
+#define FIND_SLACK 64
+
+#if defined(__x86_64__) && defined(__GNUC__) && (!defined(__clang__) || __clang_major__ >= 14)
+#include <immintrin.h>
+#define HAVE_FIND_AVX512 1
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
+
+/* Positions first + the compressed lane indices (16-bit lanes of idx), c of them: widened to
+ * int64 eight at a time. */
+AVX512_TARGET static inline void put_positions16(int64_t *pos, __m512i idx, int c, int64_t first) {
+    __m512i base = _mm512_set1_epi64(first);
+    /* the first eight always (no branch for the common block of 0-8 changes) */
+    _mm512_storeu_si512((void *)pos, _mm512_add_epi64(_mm512_cvtepu16_epi64(_mm512_castsi512_si128(idx)), base));
+    for (int j = 8; j < c; j += 8) {
+        idx = _mm512_alignr_epi32(idx, idx, 4); /* the next 8 16-bit lanes down */
+        _mm512_storeu_si512((void *)(pos + j),
+                            _mm512_add_epi64(_mm512_cvtepu16_epi64(_mm512_castsi512_si128(idx)), base));
+    }
+}
+
+AVX512_TARGET static Py_ssize_t find_uint16_t_avx512(const unsigned char *a, const unsigned char *b,
+                                                     Py_ssize_t n, int64_t *pos, unsigned char *bout,
+                                                     unsigned char *nout) {
+    Py_ssize_t k = 0, i = 0;
+    uint16_t *bw = (uint16_t *)bout, *nw = (uint16_t *)nout;
+    const __m512i lanes = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                           15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (; i + 32 <= n; i += 32) {
+        __m512i va = _mm512_loadu_si512((const void *)(a + 2 * i));
+        __m512i vb = _mm512_loadu_si512((const void *)(b + 2 * i));
+        __mmask32 m = _mm512_cmpneq_epi16_mask(va, vb);
+        if (!m)
+            continue;
+        int c = __builtin_popcount(m);
+        _mm512_storeu_si512((void *)(bw + k), _mm512_maskz_compress_epi16(m, va));
+        _mm512_storeu_si512((void *)(nw + k), _mm512_maskz_compress_epi16(m, vb));
+        put_positions16(pos + k, _mm512_maskz_compress_epi16(m, lanes), c, (int64_t)i);
+        k += c;
+    }
+    for (; i < n; i++) {
+        uint16_t va, vb;
+        memcpy(&va, a + 2 * i, 2);
+        memcpy(&vb, b + 2 * i, 2);
+        if (va != vb) {
+            pos[k] = i;
+            bw[k] = va;
+            nw[k] = vb;
+            k++;
+        }
+    }
+    return k;
+}
+
+AVX512_TARGET static Py_ssize_t find_uint32_t_avx512(const unsigned char *a, const unsigned char *b,
+                                                     Py_ssize_t n, int64_t *pos, unsigned char *bout,
+                                                     unsigned char *nout) {
+    Py_ssize_t k = 0, i = 0;
+    uint32_t *bw = (uint32_t *)bout, *nw = (uint32_t *)nout;
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (; i + 16 <= n; i += 16) {
+        __m512i va = _mm512_loadu_si512((const void *)(a + 4 * i));
+        __m512i vb = _mm512_loadu_si512((const void *)(b + 4 * i));
+        __mmask16 m = _mm512_cmpneq_epi32_mask(va, vb);
+        if (!m)
+            continue;
+        int c = __builtin_popcount(m);
+        _mm512_storeu_si512((void *)(bw + k), _mm512_maskz_compress_epi32(m, va));
+        _mm512_storeu_si512((void *)(nw + k), _mm512_maskz_compress_epi32(m, vb));
+        __m512i idx = _mm512_maskz_compress_epi32(m, lanes);
+        __m512i first = _mm512_set1_epi64((int64_t)i);
+        _mm512_storeu_si512((void *)(pos + k),
+                            _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(idx)), first));
+        if (c > 8)
+            _mm512_storeu_si512((void *)(pos + k + 8),
+                                _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(idx, 1)), first));
+        k += c;
+    }
+    for (; i < n; i++) {
+        uint32_t va, vb;
+        memcpy(&va, a + 4 * i, 4);
+        memcpy(&vb, b + 4 * i, 4);
+        if (va != vb) {
+            pos[k] = i;
+            bw[k] = va;
+            nw[k] = vb;
+            k++;
+        }
+    }
+    return k;
+}
+
+static int have_avx512(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2");
+    }
+    return known;
+}
+#endif
+
 /* find(base, new, width, positions, base_out, new_out) -> k. base and new hold n words of
- * `width` bytes; positions (int64), base_out and new_out (words) hold at least n entries. */
+ * `width` bytes; positions (int64), base_out and new_out (words) hold at least n entries
+ * (n + FIND_SLACK for the vector path, which is skipped when they hold fewer). */
 static PyObject *py_find(PyObject *self, PyObject *args) {
     Py_buffer a, b, pos, bout, nout;
     int width;
@@ -94,12 +203,24 @@ static PyObject *py_find(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "output buffers must hold n entries");
     } else {
         Py_ssize_t k = 0;
+        int vector = 0;
+#ifdef HAVE_FIND_AVX512
+        vector = (width == 2 || width == 4) && have_avx512() && pos.len >= 8 * (n + FIND_SLACK)
+                 && bout.len >= width * (n + FIND_SLACK) && nout.len >= width * (n + FIND_SLACK);
+#endif
         Py_BEGIN_ALLOW_THREADS
-        switch (width) {
-        case 1: k = find_uint8_t(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf); break;
-        case 2: k = find_uint16_t(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf); break;
-        case 4: k = find_uint32_t(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf); break;
-        default: k = find_uint64_t(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf); break;
+        if (vector) {
+#ifdef HAVE_FIND_AVX512
+            k = width == 2 ? find_uint16_t_avx512(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf)
+                           : find_uint32_t_avx512(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf);
+#endif
+        } else {
+            switch (width) {
+            case 1: k = find_uint8_t(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf); break;
+            case 2: k = find_uint16_t(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf); break;
+            case 4: k = find_uint32_t(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf); break;
+            default: k = find_uint64_t(a.buf, b.buf, n, pos.buf, bout.buf, nout.buf); break;
+            }
         }
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(k);

@@ -44,7 +44,7 @@ def test_planes_match_the_transposed_bytes(word, count, seed):
     assert back is out and np.array_equal(back.view(word), words)
 
 
-@pytest.mark.parametrize("find", ["native", "numpy"])
+@pytest.mark.parametrize("find", ["native", "native-scalar", "numpy"])
 @settings(deadline=None, max_examples=50)
 @given(
     word=st.sampled_from(WORDS),
@@ -55,7 +55,9 @@ def test_planes_match_the_transposed_bytes(word, count, seed):
     seed=st.integers(0, 2**32 - 1),
 )
 def test_find_changes_equals_flatnonzero(find, word, n, base_skew, new_skew, rate, seed):
-    """The C pass (dcr_log._changes) and the numpy reference, on every width and alignment."""
+    """The C pass (dcr_log._changes; its AVX-512 path where the CPU has it, which the
+    writer's buffers with FIND_SLACK entries to spare allow, and its scalar path, which
+    exact-size buffers force) and the numpy reference, on every width and alignment."""
     rng = np.random.default_rng(seed)
     # Slices at every byte skew from an 8-byte boundary: the lane path and its fallbacks.
     base_buf = rng.integers(0, np.iinfo(word).max, n + 8, dtype=word, endpoint=True)
@@ -72,11 +74,33 @@ def test_find_changes_equals_flatnonzero(find, word, n, base_skew, new_skew, rat
             mp.setattr(differ, "FIND_PIECE_WORDS", piece)
             if find == "native":
                 mp.setattr(differ, "find_changes_numpy", None)  # the C pass or nothing
-            positions, base_vals, new_vals = (find_changes if find == "native" else
-                                              differ.find_changes_numpy)(base, new)
+            if find == "native-scalar":
+                positions, base_vals, new_vals = (np.empty(n, np.int64), np.empty(n, word), np.empty(n, word))
+                k = native.changes.find(base, new, word.itemsize, positions, base_vals, new_vals)
+                positions, base_vals, new_vals = positions[:k], base_vals[:k], new_vals[:k]
+            else:
+                positions, base_vals, new_vals = (find_changes if find == "native" else
+                                                  differ.find_changes_numpy)(base, new)
         assert positions.dtype == np.int64 and np.array_equal(positions, expected)
         assert base_vals.dtype == word and np.array_equal(base_vals, base[expected])
         assert new_vals.dtype == word and np.array_equal(new_vals, new[expected])
+
+
+@pytest.mark.parametrize("word", [np.dtype("<u2"), np.dtype("<u4")])
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 64, 1000, 4096])
+def test_the_vector_change_pass_writes_only_inside_its_slack(word, n):
+    """Every word changed (the most the vector path stores): nothing is written past n +
+    FIND_SLACK entries of any output."""
+    rng = np.random.default_rng(n)
+    base = rng.integers(0, np.iinfo(word).max, n, dtype=word, endpoint=True)
+    new = base ^ word.type(1)
+    room = n + differ.FIND_SLACK
+    outs = [np.full(room + 16, 0x5A, np.int64), np.full(room + 16, 0x5A, word), np.full(room + 16, 0x5A, word)]
+    k = native.changes.find(base, new, word.itemsize, *(o[:room] for o in outs))
+    assert k == n
+    assert np.array_equal(outs[0][:n], np.arange(n)) and np.array_equal(outs[1][:n], base)
+    assert np.array_equal(outs[2][:n], new)
+    assert all((o[room:] == 0x5A).all() for o in outs)
 
 
 def test_the_change_pass_is_built():

@@ -105,6 +105,10 @@ def _flatnonzero_sparse(mask: np.ndarray, scratch: _Scratch) -> np.ndarray:
     return hits
 
 
+# dcr_log._changes.find's vector path stores whole registers: its outputs hold this many
+# entries past the box (with fewer it takes the scalar path).
+FIND_SLACK = 64
+
 # find_changes works through a box in pieces of this many words, so that the gathers that
 # follow the compare pass find the piece still in the L2 cache (measured ~25% faster at 1%).
 FIND_PIECE_WORDS = 1 << 19
@@ -156,9 +160,10 @@ def _find_changes_in(base: np.ndarray, new: np.ndarray, scratch: _Scratch
             and base.dtype == new.dtype and base.size == new.size):
         n = base.size
         word = np.dtype(f"<u{base.dtype.itemsize}")
-        pos = scratch.get("found_positions", np.int64, n)
-        bv = scratch.get("found_base", word, n)
-        nv = scratch.get("found_new", word, n)
+        # FIND_SLACK entries past n: the vector path stores whole registers
+        pos = scratch.get("found_positions", np.int64, n + FIND_SLACK)
+        bv = scratch.get("found_base", word, n + FIND_SLACK)
+        nv = scratch.get("found_new", word, n + FIND_SLACK)
         k = native.changes.find(base.view(word), new.view(word), word.itemsize, pos, bv, nv)
         return pos[:k], bv[:k].view(base.dtype), nv[:k].view(base.dtype), True
     return (*find_changes_numpy(base, new, scratch), False)

@@ -195,23 +195,27 @@ static Py_ssize_t read_table(const unsigned char *in, size_t len, DecodeTable *t
 
 /* An encoder's symbol: x -> ((x / freq) << 12) + x % freq + cum, the division by a
  * multiply (Lemire, Kaser and Kurz, "Faster remainder by direct computation", 2019: exact for
- * every 32-bit x): q = (x * m) >> 64 with m = floor((2^64 - 1) / freq) + 1; freq 1 (m would be
- * 2^64) takes q = x. Then x' = x + cum + q * (SCALE - freq). */
+ * every 32-bit x): q = (x * m) >> 64 with m = floor((2^64 - 1) / freq) + 1, and then
+ * x' = x + cum + q * (SCALE - freq). For freq 1, m would be 2^64: m = 2^64 - 1 gives
+ * q = x - 1 instead (x >= 1), which a bias of cum + SCALE - 1 makes up for (as in ryg_rans),
+ * so that every symbol takes the same steps. 16 bytes, so that a symbol's entry is one shift
+ * away from its index. */
 typedef struct {
     uint64_t m;
-    uint64_t x_max;  /* renormalize first while x >= x_max */
-    uint32_t cum;
-    uint32_t cmpl;   /* SCALE - freq */
+    uint32_t x_max; /* renormalize first while x >= x_max (freq << 20; for freq 4096, never) */
+    uint16_t bias;  /* cum, or cum + SCALE - 1 for freq 1 */
+    uint16_t cmpl;  /* SCALE - freq */
 } EncSymbol;
 
 static void enc_symbols(const uint32_t *freq, EncSymbol *sym) {
     uint32_t cum = 0;
     for (int s = 0; s < 256; s++) {
         uint32_t f = freq[s];
-        sym[s].m = f > 1 ? UINT64_MAX / f + 1 : 0;
-        sym[s].x_max = (uint64_t)((RANS_L >> SCALE_BITS) << 16) * f;
-        sym[s].cum = cum;
-        sym[s].cmpl = SCALE - f;
+        sym[s].m = f > 1 ? UINT64_MAX / f + 1 : UINT64_MAX;
+        uint64_t x_max = (uint64_t)((RANS_L >> SCALE_BITS) << 16) * f;
+        sym[s].x_max = x_max > UINT32_MAX ? UINT32_MAX : (uint32_t)x_max; /* a state never reaches 2^32 - 1 */
+        sym[s].bias = (uint16_t)(f == 1 ? cum + SCALE - 1 : cum);
+        sym[s].cmpl = (uint16_t)(SCALE - f);
         cum += f;
     }
 }
@@ -219,12 +223,12 @@ static void enc_symbols(const uint32_t *freq, EncSymbol *sym) {
 static inline void rans_put(uint32_t *x, uint16_t **ptr, const EncSymbol *s) {
     uint32_t v = *x;
     /* renormalize without a branch: the word is stored either way, kept only if needed */
-    int out = (uint64_t)v >= s->x_max;
+    int out = v >= s->x_max;
     (*ptr)[-1] = (uint16_t)v;
     *ptr -= out;
     v = out ? v >> 16 : v;
-    uint32_t q = s->m ? (uint32_t)(((unsigned __int128)s->m * v) >> 64) : v;
-    *x = v + s->cum + q * s->cmpl;
+    uint32_t q = (uint32_t)(((unsigned __int128)s->m * v) >> 64);
+    *x = v + s->bias + q * s->cmpl;
 }
 
 /* The whole rounds, changes i, i - 1, ..., 0 (i + 1 a multiple of LANES), with the states and

@@ -339,6 +339,27 @@ def test_writer_refuses_what_is_not_a_change_set():
         c_encode(positions, base, same)
 
 
+def test_a_bin_of_frequency_one():
+    """One change in 20000 with its own gap bin and distance bin: frequency 1 (the
+    encoder's reciprocal is 2^64 - 1 there, made up by its bias), byte for byte the spec's."""
+    k = 20000
+    positions = np.arange(k, dtype=np.int64) * 3
+    positions[-1] = positions[-2] + 100_000  # the one long gap
+    base = np.full(k, 0x3F80, np.uint16)
+    d = np.ones(k, np.uint16)
+    d[k // 2] = 5000  # the one far distance
+    new = step_from(base, d)
+    payload = c_encode(positions, base, new)
+    tables = _parts(payload)["tables"]
+    for at in tables:
+        count = sum(bin(b).count("1") for b in payload[at:at + 32])
+        freqs = np.frombuffer(payload[at + 32:at + 32 + 2 * count], "<u2")
+        assert 1 in freqs and freqs.sum() == 4096
+    assert payload == rans_spec.encode(positions.tolist(), base.tolist(), new.tolist(), 2)
+    code, pos, dist = c_decode(payload, int(positions[-1]) + 1, k, 2)
+    assert code == 0 and np.array_equal(pos, positions) and np.array_equal(dist, d)
+
+
 def test_encoding_takes_distances_without_the_words():
     """A relative change set (distances, as a squash composes them) encodes to the payload of
     the words it stands for."""

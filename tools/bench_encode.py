@@ -18,8 +18,10 @@ Usage:
 (cumulative and own time) instead of timing. ``--breakdown RATE`` runs the stages of one
 append's encoding one after another on the calling thread, chunk by chunk as the writer cuts
 them, and prints each stage's CPU nanoseconds per change and per byte of the model: where the
-CPU goes per change. ``--gil`` runs each heavy call of the write path (change finding, the
-ulp pass, pcodec, digests, byte planes, zstd, pwrite, sha256) on the main thread while a
+CPU goes per change (the ulp-rans payload of new logs, and for comparison the ulp encoding's
+keys, gaps and pcodec files). ``--gil`` runs each heavy call of the write path (change
+finding, the ulp-rans coder, the ulp pass, pcodec, digests, byte planes, zstd, pwrite,
+sha256) on the main thread while a
 probe thread counts Python loop iterations, and prints how much of its idle-time rate the
 probe kept: near 0 means the call holds the GIL (a pure Python loop is shown for reference).
 """
@@ -77,10 +79,14 @@ def gil_probe(n: int = 1 << 24) -> list[tuple[str, float, float]]:
     k = native.changes.find(a, b, 2, pos, bv, nv)
     gaps, dist, planes = np.empty(k, np.uint32), np.empty(k, np.int16), np.empty(2 * n, np.uint8)
     native.changes.ulp_prepare(pos[:k], bv[:k], nv[:k], 2, gaps, dist)
+    from dcr_log import _rans
+
+    rans_out, rans_scratch = np.empty(_rans.bound(k), np.uint8), np.empty(6 * k + 64, np.uint8)
     with tempfile.TemporaryFile() as tmp:
         fd = tmp.fileno()
         calls = {
             "find": lambda: native.changes.find(a, b, 2, pos, bv, nv),
+            "ulp-rans encode": lambda: _rans.encode(pos[:k], bv[:k], nv[:k], 2, rans_out, rans_scratch),
             "ulp_prepare": lambda: native.changes.ulp_prepare(pos[:k], bv[:k], nv[:k], 2, gaps, dist),
             "pcodec compress": lambda: _compress(gaps, 8),
             "sum_pair": lambda: native.digest.sum_pair(pos[:k], 0, bv[:k], nv[:k], 2),
@@ -119,8 +125,9 @@ def gil_probe(n: int = 1 << 24) -> list[tuple[str, float, float]]:
 
 
 def breakdown(base: np.ndarray, new: np.ndarray, chunk: int) -> dict:
-    """CPU seconds of each encoding stage of one append (sum digests, ulp), summed over the
-    chunks; each stage is the writer's own call."""
+    """CPU seconds of each encoding stage of one append (sum digests, ulp-rans; the ulp
+    encoding's stages beside them), summed over the chunks; each stage is the writer's own
+    call."""
     import time
 
     from dcr_log import native
@@ -129,10 +136,15 @@ def breakdown(base: np.ndarray, new: np.ndarray, chunk: int) -> dict:
 
     if native.changes is None or native.digest is None:
         raise SystemExit("the breakdown needs the C kernels")
-    stages = dict.fromkeys(("find", "copy", "xor values", "ulp_prepare", "pcodec gaps",
+    from dcr_log import _rans
+
+    stages = dict.fromkeys(("find", "copy", "xor values", "ulp-rans", "ulp_prepare", "pcodec gaps",
                             "pcodec distances", "digests"), 0.0)
-    pos = np.empty(chunk, np.int64)
-    bv, nv = np.empty(chunk, np.uint16), np.empty(chunk, np.uint16)
+    rans_out, rans_scratch = np.empty(_rans.bound(chunk), np.uint8), np.empty(6 * chunk + 64, np.uint8)
+    from dcr_log.write.differ import FIND_SLACK  # the writer's buffers: room for the vector path
+
+    pos = np.empty(chunk + FIND_SLACK, np.int64)
+    bv, nv = np.empty(chunk + FIND_SLACK, np.uint16), np.empty(chunk + FIND_SLACK, np.uint16)
     gaps, dist = np.empty(chunk, np.uint32), np.empty(chunk, distance_dtype(np.dtype(np.uint16)))
     total = 0
     clock = time.process_time
@@ -145,6 +157,9 @@ def breakdown(base: np.ndarray, new: np.ndarray, chunk: int) -> dict:
         t2 = clock()
         np.bitwise_xor(bv[:k], nv[:k])
         t3 = clock()
+        if k:
+            _rans.encode(pos[:k], bv[:k], nv[:k], 2, rans_out, rans_scratch)
+        t3r = clock()
         native.changes.ulp_prepare(pos[:k], bv[:k], nv[:k], 2, gaps, dist)
         t4 = clock()
         _compress(gaps[:k], 8)
@@ -153,7 +168,7 @@ def breakdown(base: np.ndarray, new: np.ndarray, chunk: int) -> dict:
         t6 = clock()
         sum_pair(pos[:k], start, bv[:k], nv[:k])
         t7 = clock()
-        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6)):
+        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t3r - t3, t4 - t3r, t5 - t4, t6 - t5, t7 - t6)):
             stages[name] += dt
         total += k
         del kept

@@ -85,7 +85,8 @@ FIND(uint64_t, 64, 0x7FFFFFFFFFFFFFFFULL)
  * their number. Picked at run time (__builtin_cpu_supports), 2- and 4-byte words only. */
 #define FIND_SLACK 64
 
-#if defined(__x86_64__) && defined(__GNUC__) && (!defined(__clang__) || __clang_major__ >= 14)
+#if defined(__x86_64__) && defined(__GNUC__) \
+    && ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 11))
 #include <immintrin.h>
 #define HAVE_FIND_AVX512 1
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))

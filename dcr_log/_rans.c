@@ -33,8 +33,12 @@
 
 /* The loops are also compiled for x86-64-v3 (BMI2's shifts and bit extracts) and picked at
  * load time, as in _digest.c: 5-10% less time per change here. */
-#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) \
-    && (!defined(__clang__) || __clang_major__ >= 14)
+/* GCC 11 and clang 14 know the x86-64-v3 level; older compilers build the portable loops. */
+#if defined(__x86_64__) && defined(__GNUC__) \
+    && ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 11))
+#define NEW_X86_COMPILER 1
+#endif
+#if defined(NEW_X86_COMPILER) && defined(__GLIBC__)
 #define ARCH_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define ARCH_CLONES
@@ -385,8 +389,7 @@ static void histogram(const unsigned char *bins, Py_ssize_t k, uint64_t *count) 
         count[s] += (uint64_t)c4[0][s] + c4[1][s] + c4[2][s] + c4[3][s];
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && (!defined(__clang__) || __clang_major__ >= 14) \
-    && defined(__GLIBC__)
+#ifdef NEW_X86_COMPILER
 #include <immintrin.h>
 #define HAVE_PASS1_AVX512 1
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd,bmi2")))

@@ -571,6 +571,8 @@ ARCH_CLONES static int encode_record(const int64_t *pos, const unsigned char *b,
         *--ptrs[j] = (uint16_t)(x[j] >> 16);
         *--ptrs[j] = (uint16_t)x[j];
         len[j] = (size_t)(ends[j] - ptrs[j]) * 2;
+        if (len[j] > UINT32_MAX) /* a length field is 32 bits (a record of 2^31 changes or more) */
+            return E_SPACE;
     }
     for (int j = 0; j < STREAMS - 1; j++) {
         uint32_t l = (uint32_t)len[j];
@@ -980,7 +982,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
         else if (rc == E_UNCHANGED)
             PyErr_SetString(PyExc_ValueError, "a position whose base and new words are equal");
         else if (rc != OK)
-            PyErr_SetString(PyExc_ValueError, "out is too small");
+            PyErr_SetString(PyExc_ValueError, "out is too small, or a stream longer than 2^32 - 1 bytes");
         else
             result = PyLong_FromSize_t(written);
     }

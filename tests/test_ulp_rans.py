@@ -360,6 +360,25 @@ def test_a_bin_of_frequency_one():
     assert code == 0 and np.array_equal(pos, positions) and np.array_equal(dist, d)
 
 
+def test_a_record_too_large_for_its_length_fields_takes_another_encoding(monkeypatch):
+    """Stream lengths are 32-bit: the writer does not offer ulp-rans for a record of 2^31
+    changes or more (MAX_CHANGES, made small here), and the coder refuses such streams."""
+    from dcr_log.codec import ulp_rans
+    from dcr_log.state import TensorBits
+    from dcr_log.write.differ import Differ, EncodePolicy
+
+    rng = np.random.default_rng(5)
+    base = rng.integers(0x3C00, 0x3E00, 4096).astype(np.uint16)
+    new = base.copy()
+    new[::20] += np.uint16(1)
+    differ = Differ(EncodePolicy(workers=1), features=("rans-encoding",))
+    (rec,) = differ.diff("w", TensorBits("BF16", (4096,), base), TensorBits("BF16", (4096,), new))
+    assert rec.encoding == "ulp-rans"
+    monkeypatch.setattr(ulp_rans, "MAX_CHANGES", rec.n_changed - 1)
+    (rec,) = differ.diff("w", TensorBits("BF16", (4096,), base), TensorBits("BF16", (4096,), new))
+    assert rec.encoding != "ulp-rans"
+
+
 def test_encoding_takes_distances_without_the_words():
     """A relative change set (distances, as a squash composes them) encodes to the payload of
     the words it stands for."""

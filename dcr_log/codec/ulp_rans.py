@@ -41,6 +41,10 @@ def _rans():
     return _coder
 
 
+# A stream's length is a 32-bit field (FORMAT.md section 11): records of more changes than
+# this could need longer streams, and take another encoding.
+MAX_CHANGES = (1 << 31) - (1 << 16)
+
 # What dcr_log._rans.decode's error codes mean.
 _DECODE_ERRORS = {
     1: "the bit stream's length runs past the payload",
@@ -65,7 +69,7 @@ class UlpRansEncoding(Encoding):
         dense only from ``policy.ulp_dense_min_rate``, sparse only when this payload is above
         ``policy.ulp_sparse_ratio`` of raw's (words that do not behave like floats)."""
         policy = attempt.policy
-        if attempt.rate > policy.sparse_max_rate:
+        if attempt.rate > policy.sparse_max_rate or attempt.changes.k > MAX_CHANGES:
             return None
         params, payload = cls().encode(attempt.kind, attempt.changes, base=attempt.base_values,
                                        new=attempt.new_values, buffer=attempt.buffer)

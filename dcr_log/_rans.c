@@ -4,15 +4,16 @@
  * renormalized 16 bits at a time, four streams so that four chains run side by side), the
  * bits below are stored as they are. Encoding is one pass over the changes (bins, bits,
  * histograms) and one backward pass (rANS); decoding is the rANS pass, then the values, a
- * block of changes at a time. Against pcodec (the `ulp` encoding's coder, which searches its
- * bins per file) on bf16 Adam steps: 1% smaller, 2.5-3x less CPU to encode, 1.5x more to
+ * block of changes at a time. With AVX-512 (picked at run time) the per-change passes run 8
+ * changes at a time. Against pcodec (the `ulp` encoding's coder, which searches its bins per
+ * file) on bf16 Adam steps: 1% smaller, a quarter of the CPU to encode, about as much to
  * decode (tools/bench_codec.py).
  *
  * Decoding checks everything it reads: a payload that is not what the spec allows is
  * refused with an error code (IntegrityError in dcr_log.codec.ulp_rans), and every write
  * stays inside the outputs whatever the payload holds. The GIL is released while coding.
- * tests/helpers/rans_reference.py is the same coder in plain Python, written from the spec,
- * that this one is checked against byte for byte. */
+ * tools/rans_spec.py is the same coder in plain Python, written from the spec, that this one
+ * is checked against byte for byte (tests/test_ulp_rans.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

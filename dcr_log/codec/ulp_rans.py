@@ -5,11 +5,12 @@ a frequency table per record, the bits below stored as they are (spec/FORMAT.md 
 
 Why not pcodec, which the ``ulp`` encoding uses: pcodec searches its bins per file and
 costs about 15 ns per change to encode on bf16 Adam steps; fixed bins and a static coder
-cost 5.5-6, for a payload about 1% smaller (the bins fit the gaps' geometric and the
-distances' peaked distributions within 0.1-0.3% of their entropy). Decoding costs 5 ns per
-change against pcodec's 3-4 (tools/bench_codec.py). The coder is the C module
+cost 3.6-4 (5.8-6 without AVX-512), for a payload about 1% smaller (the bins fit the gaps'
+geometric and the distances' peaked distributions within 0.3% of their entropy). Decoding
+costs 3.9-4 ns per change (5.3 without AVX-512) against pcodec's 3.1-3.8 (one thread; the
+scratch loop of tools/bench_codec.py's ulp rows). The coder is the C module
 ``dcr_log._rans``; there is no numpy form of it (rANS is a chain per stream), and
-tests/helpers/rans_reference.py is its plain-Python twin, written from the spec.
+tools/rans_spec.py is its plain-Python twin, written from the spec.
 
 Params: none (``{}``).
 """

@@ -104,6 +104,18 @@ AVX512_TARGET static inline void put_positions16(int64_t *pos, __m512i idx, int 
     }
 }
 
+/* The words i..n-1 after the vector steps: the scalar pass, its positions moved up by i. */
+static inline Py_ssize_t find_tail(Py_ssize_t (*scalar)(const unsigned char *, const unsigned char *, Py_ssize_t,
+                                                        int64_t *, unsigned char *, unsigned char *),
+                                   const unsigned char *a, const unsigned char *b, Py_ssize_t i, Py_ssize_t n,
+                                   int width, int64_t *pos, unsigned char *bout, unsigned char *nout,
+                                   Py_ssize_t k) {
+    Py_ssize_t t = scalar(a + width * i, b + width * i, n - i, pos + k, bout + width * k, nout + width * k);
+    for (Py_ssize_t j = k; j < k + t; j++)
+        pos[j] += i;
+    return t;
+}
+
 AVX512_TARGET static Py_ssize_t find_uint16_t_avx512(const unsigned char *a, const unsigned char *b,
                                                      Py_ssize_t n, int64_t *pos, unsigned char *bout,
                                                      unsigned char *nout) {
@@ -123,18 +135,7 @@ AVX512_TARGET static Py_ssize_t find_uint16_t_avx512(const unsigned char *a, con
         put_positions16(pos + k, _mm512_maskz_compress_epi16(m, lanes), c, (int64_t)i);
         k += c;
     }
-    for (; i < n; i++) {
-        uint16_t va, vb;
-        memcpy(&va, a + 2 * i, 2);
-        memcpy(&vb, b + 2 * i, 2);
-        if (va != vb) {
-            pos[k] = i;
-            bw[k] = va;
-            nw[k] = vb;
-            k++;
-        }
-    }
-    return k;
+    return k + find_tail(find_uint16_t, a, b, i, n, 2, pos, bout, nout, k);
 }
 
 AVX512_TARGET static Py_ssize_t find_uint32_t_avx512(const unsigned char *a, const unsigned char *b,
@@ -161,18 +162,7 @@ AVX512_TARGET static Py_ssize_t find_uint32_t_avx512(const unsigned char *a, con
                                 _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(idx, 1)), first));
         k += c;
     }
-    for (; i < n; i++) {
-        uint32_t va, vb;
-        memcpy(&va, a + 4 * i, 4);
-        memcpy(&vb, b + 4 * i, 4);
-        if (va != vb) {
-            pos[k] = i;
-            bw[k] = va;
-            nw[k] = vb;
-            k++;
-        }
-    }
-    return k;
+    return k + find_tail(find_uint32_t, a, b, i, n, 4, pos, bout, nout, k);
 }
 
 static int have_avx512(void) {

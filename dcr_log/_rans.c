@@ -278,7 +278,9 @@ static inline void put_pieces(unsigned char *out, size_t *len, uint64_t *acc, un
         put_bits(out, len, acc, fill, v >> 32, n - 32);
 }
 
-/* One change of pass 1 (the AVX-512 pass's last changes). */
+/* One change of pass 1: its bins into *gbin, *dbin, its extra bits to the bit writer.
+ * Returns an error for a position not after the last one, or a position whose words are
+ * equal. */
 #define PASS1_ONE(T, S, BITS)                                                        \
     static inline int pass1_one_##T(int64_t p, int64_t *prev, const unsigned char *b, \
                                     const unsigned char *w, unsigned char *gbin,     \
@@ -303,74 +305,57 @@ static inline void put_pieces(unsigned char *out, size_t *len, uint64_t *acc, un
         unsigned gnb = extra_bits_of(gap), dnb = extra_bits_of(u);                   \
         *gbin = (unsigned char)bin_of(gap, gnb);                                     \
         *dbin = (unsigned char)bin_of(u, dnb);                                       \
-        put_pieces(out, len, acc, fill, gap & ((1ULL << gnb) - 1), gnb);             \
-        put_pieces(out, len, acc, fill, u & ((1ULL << dnb) - 1), dnb);               \
+        uint64_t ge = gap & ((1ULL << gnb) - 1), de = u & ((1ULL << dnb) - 1);       \
+        if (__builtin_expect(gnb + dnb <= 56, 1)) {                                  \
+            put_bits(out, len, acc, fill, ge | de << gnb, gnb + dnb);                \
+        } else {                                                                     \
+            put_pieces(out, len, acc, fill, ge, gnb);                                \
+            put_pieces(out, len, acc, fill, de, dnb);                                \
+        }                                                                            \
         return OK;                                                                   \
     }
 
+PASS1_ONE(uint8_t, int8_t, 8)
 PASS1_ONE(uint16_t, int16_t, 16)
 PASS1_ONE(uint32_t, int32_t, 32)
+PASS1_ONE(uint64_t, int64_t, 64)
 
-/* Pass 1 for one word type: the bins into gbin, dbin, the extra bits into out (its length
- * comes back), the histograms. Stops at the first error: positions not increasing, or a
- * position whose words are equal. */
-#define PASS1(T, S, BITS)                                                            \
+/* The bit writer's last bits, whole bytes (the unused high bits 0). */
+static void flush_pending(unsigned char *out, size_t *len, uint64_t acc, unsigned fill) {
+    for (; fill > 0; fill = fill > 8 ? fill - 8 : 0) {
+        out[(*len)++] = (unsigned char)acc;
+        acc >>= 8;
+    }
+}
+
+/* Pass 1 for one word type, change by change: the bins into gbin, dbin, the extra bits into
+ * out (its length comes back), the histograms. Stops at the first error. */
+#define PASS1(T)                                                                     \
     ARCH_CLONES static int pass1_##T(const int64_t *pos, const unsigned char *b,     \
                          const unsigned char *w, Py_ssize_t k, unsigned char *gbin,  \
                          unsigned char *dbin, uint64_t *gcount, uint64_t *dcount,    \
                          unsigned char *out, size_t *out_len) {                      \
-        const T top = (T)1 << ((BITS) - 1);                                          \
         int64_t prev = -1;                                                           \
         size_t len = 0;                                                              \
         uint64_t acc = 0;                                                            \
         unsigned fill = 0;                                                           \
         for (Py_ssize_t i = 0; i < k; i++) {                                         \
-            int64_t p = pos[i];                                                      \
-            if (p <= prev)                                                           \
-                return E_ORDER;                                                      \
-            uint64_t gap = (uint64_t)p - (uint64_t)prev - 1;                         \
-            prev = p;                                                                \
-            T x, y;                                                                  \
-            memcpy(&x, b + sizeof(T) * i, sizeof(T));                               \
-            memcpy(&y, w + sizeof(T) * i, sizeof(T));                               \
-            T kx = (x & top) ? (T)~x : (T)(x ^ top);                                 \
-            T ky = (y & top) ? (T)~y : (T)(y ^ top);                                 \
-            T dd = (T)(ky - kx);                                                     \
-            if (dd == 0)                                                             \
-                return E_UNCHANGED;                                                  \
-            S s = (S)dd;                                                             \
-            T zz = (T)((T)((T)s << 1) ^ (T)(s >> ((BITS) - 1)));                     \
-            uint64_t u = (uint64_t)zz - 1;                                           \
-            unsigned gnb = extra_bits_of(gap), dnb = extra_bits_of(u);               \
-            unsigned gb = bin_of(gap, gnb), db = bin_of(u, dnb);                     \
-            gbin[i] = (unsigned char)gb;                                             \
-            dbin[i] = (unsigned char)db;                                             \
-            gcount[gb]++;                                                            \
-            dcount[db]++;                                                            \
-            uint64_t ge = gap & ((1ULL << gnb) - 1), de = u & ((1ULL << dnb) - 1);   \
-            if (__builtin_expect(gnb + dnb <= 56, 1)) {                              \
-                put_bits(out, &len, &acc, &fill, ge | de << gnb, gnb + dnb);         \
-            } else { /* in pieces of 32 bits at most */                              \
-                put_bits(out, &len, &acc, &fill, ge & 0xFFFFFFFFu, gnb < 32 ? gnb : 32); \
-                if (gnb > 32)                                                        \
-                    put_bits(out, &len, &acc, &fill, ge >> 32, gnb - 32);            \
-                put_bits(out, &len, &acc, &fill, de & 0xFFFFFFFFu, dnb < 32 ? dnb : 32); \
-                if (dnb > 32)                                                        \
-                    put_bits(out, &len, &acc, &fill, de >> 32, dnb - 32);            \
-            }                                                                        \
+            int rc = pass1_one_##T(pos[i], &prev, b + sizeof(T) * i, w + sizeof(T) * i, \
+                                   gbin + i, dbin + i, out, &len, &acc, &fill);      \
+            if (rc != OK)                                                            \
+                return rc;                                                           \
+            gcount[gbin[i]]++;                                                       \
+            dcount[dbin[i]]++;                                                       \
         }                                                                            \
-        for (; fill > 0; fill = fill > 8 ? fill - 8 : 0) {                           \
-            out[len++] = (unsigned char)acc;                                         \
-            acc >>= 8;                                                               \
-        }                                                                            \
+        flush_pending(out, &len, acc, fill);                                         \
         *out_len = len;                                                              \
         return OK;                                                                   \
     }
 
-PASS1(uint8_t, int8_t, 8)
-PASS1(uint16_t, int16_t, 16)
-PASS1(uint32_t, int32_t, 32)
-PASS1(uint64_t, int64_t, 64)
+PASS1(uint8_t)
+PASS1(uint16_t)
+PASS1(uint32_t)
+PASS1(uint64_t)
 
 /* Byte histograms of the bins, four at a time so that a run of one bin does not wait on its
  * own count (the AVX-512 pass counts after its loop). */
@@ -469,10 +454,7 @@ static void histogram(const unsigned char *bins, Py_ssize_t k, uint64_t *count) 
             if (rc != OK)                                                            \
                 return rc;                                                           \
         }                                                                            \
-        for (; fill > 0; fill = fill > 8 ? fill - 8 : 0) {                           \
-            out[len++] = (unsigned char)acc;                                         \
-            acc >>= 8;                                                               \
-        }                                                                            \
+        flush_pending(out, &len, acc, fill);                                         \
         *out_len = len;                                                              \
         return OK;                                                                   \
     }

@@ -146,6 +146,17 @@ def _decompress(data: memoryview, k: int, dtype: np.dtype, what: str) -> np.ndar
     return out
 
 
+def steer(attempt: Attempt, size: int) -> None:
+    """What a payload of ulp distances (``ulp`` or ``ulp-rans``) of ``size`` bytes tells the
+    encodings tried after it: below ``policy.ulp_dense_min_rate`` it is smaller than dense on
+    every weight pair measured, and sparse is worth trying only when it is above
+    ``policy.ulp_sparse_ratio`` of raw's (words that are not floats)."""
+    policy = attempt.policy
+    if size <= policy.ulp_sparse_ratio * payload_size(attempt.kind, attempt.changes.k, attempt.word_size):
+        attempt.skip.add(SparseEncoding.name)
+    attempt.whole_box_min_rate = max(attempt.whole_box_min_rate, policy.ulp_dense_min_rate)
+
+
 class UlpEncoding(Encoding):
     name = "ulp"
     kinds = ("xor",)
@@ -156,20 +167,14 @@ class UlpEncoding(Encoding):
 
     @classmethod
     def try_encode(cls, attempt: Attempt) -> Candidate | None:
-        """Not above ``policy.sparse_max_rate``. Once tried it steers the rest: below
-        ``policy.ulp_dense_min_rate`` it is smaller than dense on every weight pair measured,
-        and sparse is worth trying only when ulp's payload is above ``policy.ulp_sparse_ratio``
-        of raw's (words that are not floats)."""
+        """Not above ``policy.sparse_max_rate``; once tried it steers the rest (steer)."""
         policy = attempt.policy
         if attempt.rate > policy.sparse_max_rate:
             return None
         params, payload = cls(policy.ulp_level).encode(attempt.kind, attempt.changes,
                                                        base=attempt.base_values, new=attempt.new_values,
                                                        buffer=attempt.buffer)
-        if len(payload) <= policy.ulp_sparse_ratio * payload_size(attempt.kind, attempt.changes.k,
-                                                                    attempt.word_size):
-            attempt.skip.add(SparseEncoding.name)
-        attempt.whole_box_min_rate = max(attempt.whole_box_min_rate, policy.ulp_dense_min_rate)
+        steer(attempt, len(payload))
         return Candidate.encoded(cls.name, params, payload)
 
     def encode(self, kind: str, changes: ChangeSet, base: np.ndarray | None = None,

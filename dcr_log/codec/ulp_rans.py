@@ -23,9 +23,7 @@ import numpy as np
 
 from dcr_log.codec.attempt import Attempt, Candidate
 from dcr_log.codec.base import ChangeSet, Encoding, check_params, delta_positions
-from dcr_log.codec.raw import payload_size
-from dcr_log.codec.sparse import SparseEncoding
-from dcr_log.codec.ulp import from_key
+from dcr_log.codec.ulp import from_key, steer
 from dcr_log.errors import IntegrityError
 from dcr_log.format.commit import RANS_ENCODING
 
@@ -66,18 +64,13 @@ class UlpRansEncoding(Encoding):
 
     @classmethod
     def try_encode(cls, attempt: Attempt) -> Candidate | None:
-        """Not above ``policy.sparse_max_rate``. Like ``ulp``, once tried it steers the rest:
-        dense only from ``policy.ulp_dense_min_rate``, sparse only when this payload is above
-        ``policy.ulp_sparse_ratio`` of raw's (words that do not behave like floats)."""
-        policy = attempt.policy
-        if attempt.rate > policy.sparse_max_rate or attempt.changes.k > MAX_CHANGES:
+        """Not above ``policy.sparse_max_rate`` (nor past MAX_CHANGES). Like ``ulp``, once
+        tried it steers the rest (dcr_log.codec.ulp.steer)."""
+        if attempt.rate > attempt.policy.sparse_max_rate or attempt.changes.k > MAX_CHANGES:
             return None
         params, payload = cls().encode(attempt.kind, attempt.changes, base=attempt.base_values,
                                        new=attempt.new_values, buffer=attempt.buffer)
-        if len(payload) <= policy.ulp_sparse_ratio * payload_size(attempt.kind, attempt.changes.k,
-                                                                    attempt.word_size):
-            attempt.skip.add(SparseEncoding.name)
-        attempt.whole_box_min_rate = max(attempt.whole_box_min_rate, policy.ulp_dense_min_rate)
+        steer(attempt, len(payload))
         return Candidate.encoded(cls.name, params, payload)
 
     def encode(self, kind: str, changes: ChangeSet, base: np.ndarray | None = None,

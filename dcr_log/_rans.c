@@ -33,8 +33,8 @@
 #define TABLE_BITMAP 32            /* bytes: one bit per symbol 0..255 */
 
 /* The loops are also compiled for x86-64-v3 (BMI2's shifts and bit extracts) and picked at
- * load time, as in _digest.c: 5-10% less time per change here. */
-/* GCC 11 and clang 14 know the x86-64-v3 level; older compilers build the portable loops. */
+ * load time, as in _digest.c. GCC 11 and clang 14 know that level (and AVX-512's intrinsics,
+ * below); older compilers build the portable loops. */
 #if defined(__x86_64__) && defined(__GNUC__) \
     && ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 11))
 #define NEW_X86_COMPILER 1
@@ -329,12 +329,11 @@ static void flush_pending(unsigned char *out, size_t *len, uint64_t acc, unsigne
 }
 
 /* Pass 1 for one word type, change by change: the bins into gbin, dbin, the extra bits into
- * out (its length comes back), the histograms. Stops at the first error. */
+ * out (its length comes back). Stops at the first error. */
 #define PASS1(T)                                                                     \
     ARCH_CLONES static int pass1_##T(const int64_t *pos, const unsigned char *b,     \
                          const unsigned char *w, Py_ssize_t k, unsigned char *gbin,  \
-                         unsigned char *dbin, uint64_t *gcount, uint64_t *dcount,    \
-                         unsigned char *out, size_t *out_len) {                      \
+                         unsigned char *dbin, unsigned char *out, size_t *out_len) { \
         int64_t prev = -1;                                                           \
         size_t len = 0;                                                              \
         uint64_t acc = 0;                                                            \
@@ -344,8 +343,6 @@ static void flush_pending(unsigned char *out, size_t *len, uint64_t acc, unsigne
                                    gbin + i, dbin + i, out, &len, &acc, &fill);      \
             if (rc != OK)                                                            \
                 return rc;                                                           \
-            gcount[gbin[i]]++;                                                       \
-            dcount[dbin[i]]++;                                                       \
         }                                                                            \
         flush_pending(out, &len, acc, fill);                                         \
         *out_len = len;                                                              \
@@ -357,8 +354,8 @@ PASS1(uint16_t)
 PASS1(uint32_t)
 PASS1(uint64_t)
 
-/* Byte histograms of the bins, four at a time so that a run of one bin does not wait on its
- * own count (the AVX-512 pass counts after its loop). */
+/* Byte histograms of the bins (counted after pass 1, whichever ran), four at a time so that a
+ * run of one bin does not wait on its own count. */
 static void histogram(const unsigned char *bins, Py_ssize_t k, uint64_t *count) {
     uint32_t c4[4][256];
     memset(c4, 0, sizeof c4);
@@ -382,9 +379,8 @@ static void histogram(const unsigned char *bins, Py_ssize_t k, uint64_t *count) 
 
 /* Pass 1 with AVX-512, 8 changes at a time in 64-bit lanes: gaps, keys, zigzagged distances,
  * bins and extra bits computed side by side (vplzcntq for the bit lengths); only the bit
- * writer, which appends each change's bits to the last, runs change by change. 2.5x less
- * time per change than the scalar pass on bf16 (tools/bench_codec.py). A block with a
- * change of more than 56 extra bits takes the scalar writer's pieces. */
+ * writer, which appends each change's bits to the last, runs change by change. A block with
+ * a change of more than 56 extra bits takes the scalar writer's pieces. */
 #define PASS1_AVX512(T, BITS, LOAD8)                                                 \
     AVX512_TARGET static int pass1_##T##_avx512(const int64_t *pos, const unsigned char *b, \
                                                 const unsigned char *w, Py_ssize_t k, \
@@ -478,45 +474,46 @@ static int have_avx512(void) {
 #endif
 
 /* The payload bound for k changes (what `out` must hold): the bit stream's length, at most
- * 122 extra bits per change and 8 bytes the writer stores past them, the two tables, the
- * stream lengths and states, and at most one 16-bit word per symbol. */
+ * 122 extra bits per change (16 bytes) and its last partial word, the two tables, the stream
+ * lengths and states, and at most one 16-bit word per symbol. */
 static size_t encoded_bound(Py_ssize_t k) {
     return 8 + 16 * (size_t)k + 8 + 2 * (TABLE_BITMAP + 2 * NBINS) + 4 * (STREAMS - 1) + 4 * STREAMS
            + 4 * (size_t)k;
 }
 
+/* What encode's scratch must hold: 2k bytes of bins, then the streams built backwards, each
+ * in a region of 2 (k / LANES + 4) bytes (its words, its state and a word of slack). */
+static size_t scratch_bound(Py_ssize_t k) {
+    return 2 * (size_t)k + STREAMS * 2 * ((size_t)k / LANES + 4);
+}
+
 /* payload = u64 B | bit stream (B bytes) | gap table | distance table | the byte lengths of
- * streams 0 .. STREAMS - 2 (u32 each) | the streams. scratch holds 2k bytes (the bins) and
- * the streams, built backwards (6k + 16 STREAMS bytes in all). */
+ * streams 0 .. STREAMS - 2 (u32 each) | the streams. scratch holds scratch_bound(k) bytes. */
 ARCH_CLONES static int encode_record(const int64_t *pos, const unsigned char *b, const unsigned char *w,
                                      Py_ssize_t k, int width, unsigned char *out, size_t out_len,
                                      unsigned char *scratch, size_t *written) {
     if (out_len < encoded_bound(k))
         return E_SPACE;
-    uint64_t gcount[256] = {0}, dcount[256] = {0};
     unsigned char *gbin = scratch, *dbin = scratch + k;
     size_t blen = 0;
     int rc;
-    int counted = 1;
 #ifdef HAVE_PASS1_AVX512
     if ((width == 2 || width == 4) && have_avx512()) {
         rc = width == 2 ? pass1_uint16_t_avx512(pos, b, w, k, gbin, dbin, out + 8, &blen)
                         : pass1_uint32_t_avx512(pos, b, w, k, gbin, dbin, out + 8, &blen);
-        counted = 0;
     } else
 #endif
     switch (width) {
-    case 1: rc = pass1_uint8_t(pos, b, w, k, gbin, dbin, gcount, dcount, out + 8, &blen); break;
-    case 2: rc = pass1_uint16_t(pos, b, w, k, gbin, dbin, gcount, dcount, out + 8, &blen); break;
-    case 4: rc = pass1_uint32_t(pos, b, w, k, gbin, dbin, gcount, dcount, out + 8, &blen); break;
-    default: rc = pass1_uint64_t(pos, b, w, k, gbin, dbin, gcount, dcount, out + 8, &blen); break;
+    case 1: rc = pass1_uint8_t(pos, b, w, k, gbin, dbin, out + 8, &blen); break;
+    case 2: rc = pass1_uint16_t(pos, b, w, k, gbin, dbin, out + 8, &blen); break;
+    case 4: rc = pass1_uint32_t(pos, b, w, k, gbin, dbin, out + 8, &blen); break;
+    default: rc = pass1_uint64_t(pos, b, w, k, gbin, dbin, out + 8, &blen); break;
     }
     if (rc != OK)
         return rc;
-    if (!counted) {
-        histogram(gbin, k, gcount);
-        histogram(dbin, k, dcount);
-    }
+    uint64_t gcount[256] = {0}, dcount[256] = {0};
+    histogram(gbin, k, gcount);
+    histogram(dbin, k, dcount);
     uint64_t blen64 = blen;
     memcpy(out, &blen64, 8);
     size_t at = 8 + blen;
@@ -936,9 +933,21 @@ static PyObject *py_bound(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(encoded_bound(k));
 }
 
+/* scratch(k) -> the bytes `scratch` of encode must hold for k changes */
+static PyObject *py_scratch(PyObject *self, PyObject *args) {
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "n", &k))
+        return NULL;
+    if (k < 0) {
+        PyErr_SetString(PyExc_ValueError, "k must be >= 0");
+        return NULL;
+    }
+    return PyLong_FromSize_t(scratch_bound(k));
+}
+
 /* encode(positions, base, new, width, out, scratch) -> payload length, written into out.
  * positions int64 strictly increasing and >= 0; base and new the words there (each position
- * changed); out holds bound(k) bytes, scratch 6k + 16 STREAMS bytes (aligned to 2). */
+ * changed); out holds bound(k) bytes, scratch scratch(k) bytes (aligned to 2). */
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     Py_buffer pos, b, w, out, scratch;
     int width;
@@ -950,8 +959,8 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     } else if (pos.len % 8 || k < 1 || b.len != k * width || w.len != k * width
                || (uintptr_t)pos.buf % 8) {
         PyErr_SetString(PyExc_ValueError, "positions and words do not match (k >= 1)");
-    } else if ((size_t)scratch.len < 6 * (size_t)k + 16 * STREAMS || (uintptr_t)scratch.buf % 2) {
-        PyErr_SetString(PyExc_ValueError, "scratch must hold 6k + 16 STREAMS bytes");
+    } else if ((size_t)scratch.len < scratch_bound(k) || (uintptr_t)scratch.buf % 2) {
+        PyErr_SetString(PyExc_ValueError, "scratch must hold scratch(k) bytes");
     } else if ((size_t)out.len < encoded_bound(k)) {
         PyErr_SetString(PyExc_ValueError, "out must hold bound(k) bytes");
     } else {
@@ -1009,6 +1018,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"bound", py_bound, METH_VARARGS, "the payload bound for k changes"},
+    {"scratch", py_scratch, METH_VARARGS, "the scratch bytes encode needs for k changes"},
     {"encode", py_encode, METH_VARARGS, "a record's changes as an ulp-rans payload"},
     {"decode", py_decode, METH_VARARGS, "an ulp-rans payload's positions and distances"},
     {NULL, NULL, 0, NULL},

@@ -40,7 +40,7 @@ def word(width: int) -> np.dtype:
 def c_encode(positions: np.ndarray, base: np.ndarray, new: np.ndarray) -> bytes:
     k = positions.size
     out = np.empty(_rans.bound(k), np.uint8)
-    scratch = np.empty(6 * k + 64, np.uint8)
+    scratch = np.empty(_rans.scratch(k), np.uint8)
     size = _rans.encode(positions.astype(np.int64), base, new, base.itemsize, out, scratch)
     return out[:size].tobytes()
 
@@ -391,11 +391,11 @@ def test_encoding_takes_distances_without_the_words():
 
 
 def test_the_payload_is_no_larger_than_its_bound_in_the_worst_case():
-    """Every change with the widest gap and distance: the bound the writer allocates holds."""
+    """Every change with a gap of 2^40 and the widest distance (2^63 - 1 units: 61 extra
+    bits): the bound the writer allocates holds."""
     k = 64
     positions = np.array([(1 << 40) * (i + 1) - 1 for i in range(k)], dtype=np.int64)
     base = np.zeros(k, np.uint64)
-    new = np.full(k, 1 << 63, np.uint64)  # key distance 2^63 - 1... from +0 to -0 is 1; take the far side
     new = step_from(base, np.full(k, (1 << 63) - 1, np.uint64))
     payload = c_encode(positions, base, new)
     assert len(payload) <= _rans.bound(k)

@@ -81,7 +81,7 @@ def gil_probe(n: int = 1 << 24) -> list[tuple[str, float, float]]:
     native.changes.ulp_prepare(pos[:k], bv[:k], nv[:k], 2, gaps, dist)
     from dcr_log import _rans
 
-    rans_out, rans_scratch = np.empty(_rans.bound(k), np.uint8), np.empty(6 * k + 64, np.uint8)
+    rans_out, rans_scratch = np.empty(_rans.bound(k), np.uint8), np.empty(_rans.scratch(k), np.uint8)
     with tempfile.TemporaryFile() as tmp:
         fd = tmp.fileno()
         calls = {
@@ -140,7 +140,7 @@ def breakdown(base: np.ndarray, new: np.ndarray, chunk: int) -> dict:
 
     stages = dict.fromkeys(("find", "copy", "xor values", "ulp-rans", "ulp_prepare", "pcodec gaps",
                             "pcodec distances", "digests"), 0.0)
-    rans_out, rans_scratch = np.empty(_rans.bound(chunk), np.uint8), np.empty(6 * chunk + 64, np.uint8)
+    rans_out, rans_scratch = np.empty(_rans.bound(chunk), np.uint8), np.empty(_rans.scratch(chunk), np.uint8)
     from dcr_log.write.differ import FIND_SLACK  # the writer's buffers: room for the vector path
 
     pos = np.empty(chunk + FIND_SLACK, np.int64)

@@ -1643,12 +1643,15 @@ def _rans_edit(fn: Callable[[bytearray, dict], bytes | None]):
     return edit
 
 
-def _w_words():
-    """w's base words, positions and target words of invalid_base's version 1 (box-local)."""
-    base = det_tensor("w0", "BF16", (4, 8))
-    new = flipped(base, "w1", 3)
-    positions = np.flatnonzero(base.words != new.words)
-    return positions, base.words[positions], new.words[positions]
+def _w_rans_payload(payload_of):
+    """A v1_records hook: _w_as_rans with the w record's payload ``payload_of(positions, base,
+    new)``, from w's changed words in version 1 (box-local positions)."""
+    def records(s: Step, recs):
+        b, t = s.base["w"].words, s.new["w"].words
+        positions = np.flatnonzero(b != t)
+        payload = payload_of(positions, b[positions], t[positions])
+        return [dataclasses.replace(r, payload=payload) if r.tensor == "w" else r for r in _w_as_rans(s, recs)]
+    return records
 
 
 def _rans_table_sum(data, parts):
@@ -1682,33 +1685,29 @@ def _rans_padding(data, parts):
     data[last] |= 0x80
 
 
-def _rans_gap_beyond_box(row):
-    positions, base, new = _w_words()
+def _rans_gap_beyond_box(positions, base, new):
     positions = positions.copy()
     positions[-1] = 32  # the box holds 32 elements
-    row["payload"] = rans_payload(positions, base, new)
+    return rans_payload(positions, base, new)
 
 
-def _rans_distance_beyond_word(row):
-    positions, base, _ = _w_words()
+def _rans_distance_beyond_word(positions, base, _):
     # as 32-bit words: a step of 40000 units, whose zigzag image does not fit 16 bits
     wide = base.astype("<u4") << 16
     far = spec_unkey((spec_key(wide) + np.uint64(40000)) & np.uint64(0xFFFFFFFF), 32).astype("<u4")
-    row["payload"] = rans_payload(positions, wide, far)
+    return rans_payload(positions, wide, far)
 
 
-def _rans_wrong_distance(row):
-    positions, base, new = _w_words()
+def _rans_wrong_distance(positions, base, new):
     new = new.copy()
     new[0] = spec_unkey(spec_key(new[:1]) + np.uint64(1) & np.uint64(0xFFFF), 16)[0]
     if new[0] == base[0]:
         new[0] = spec_unkey(spec_key(new[:1]) + np.uint64(1) & np.uint64(0xFFFF), 16)[0]
-    row["payload"] = rans_payload(positions, base, new)
+    return rans_payload(positions, base, new)
 
 
-def _rans_two_changes(row):
-    positions, base, new = _w_words()
-    row["payload"] = rans_payload(positions[:2], base[:2], new[:2])  # the record says 3
+def _rans_two_changes(positions, base, new):
+    return rans_payload(positions[:2], base[:2], new[:2])  # the record says 3
 
 
 def _new_tensor_as_xor(s: Step, recs):
@@ -1964,18 +1963,17 @@ INVALID = [
      None),
     ("apply-ulp-rans-gap-beyond-box", "IntegrityError", "apply", 1,
      "a ulp-rans record's last position is 32 in a box of 32 elements",
-     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_gap_beyond_box)}, None),
+     {"features": RANS_FEATURES, "v1_records": _w_rans_payload(_rans_gap_beyond_box)}, None),
     ("apply-ulp-rans-distance-beyond-word", "IntegrityError", "apply", 1,
      "a ulp-rans record of BF16 words holds distances of 40000 units as 32-bit words: zigzagged, they "
      "do not fit 16 bits",
-     {"features": RANS_FEATURES, "v1_records": _w_as_rans,
-      "rows_hook": row_hook("w", _rans_distance_beyond_word)}, None),
+     {"features": RANS_FEATURES, "v1_records": _w_rans_payload(_rans_distance_beyond_word)}, None),
     ("apply-ulp-rans-change-count", "IntegrityError", "apply", 1,
      "a ulp-rans record's payload holds 2 changes for its 3",
-     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_two_changes)}, None),
+     {"features": RANS_FEATURES, "v1_records": _w_rans_payload(_rans_two_changes)}, None),
     ("apply-ulp-rans-wrong-distance", "IntegrityError", "apply", 1,
      "a ulp-rans record's first distance is one unit more: a valid payload whose target digest fails",
-     {"features": RANS_FEATURES, "v1_records": _w_as_rans, "rows_hook": row_hook("w", _rans_wrong_distance)},
+     {"features": RANS_FEATURES, "v1_records": _w_rans_payload(_rans_wrong_distance)},
      None),
     ("apply-ulp-rans-overwrite", "IntegrityError", "apply", 1,
      "an overwrite record uses the ulp-rans encoding, which carries only xor records",

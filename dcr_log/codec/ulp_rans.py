@@ -3,12 +3,12 @@ gaps and signed distances, each split into a bin (252 symbols: small values exac
 ones by their top three bits) and the bits below it; the bins coded by static rANS with
 a frequency table per record, the bits below stored as they are (spec/FORMAT.md section 11).
 
-Why not pcodec, which the ``ulp`` encoding uses: pcodec searches its bins per file and
-costs about 15 ns per change to encode on bf16 Adam steps; fixed bins and a static coder
-cost 3.6-4 (5.8-6 without AVX-512), for a payload about 1% smaller (the bins fit the gaps'
-geometric and the distances' peaked distributions within 0.3% of their entropy). Decoding
-costs 3.9-4 ns per change (5.3 without AVX-512) against pcodec's 3.1-3.8 (one thread; the
-scratch loop of tools/bench_codec.py's ulp rows). The coder is the C module
+Why not pcodec, which the ``ulp`` encoding uses: pcodec searches its bins per file. On bf16
+Adam steps at 1, 3 and 10% changed (``tools/bench_codec.py --levels 8``, one thread) fixed
+bins and a static coder take 9.94, 8.45 and 6.90 bits per change against pcodec's 10.02,
+8.52 and 6.96, and encode 248-266 M changes/s against pcodec's 59-67, decoding about as fast
+(247-253 against 240-290); the bins fit the gaps' geometric and the distances' peaked
+distributions within 0.3% of their entropy. The coder is the C module
 ``dcr_log._rans``; there is no numpy form of it (rANS is a chain per stream), and
 tools/rans_spec.py is its plain-Python twin, written from the spec.
 
@@ -96,7 +96,7 @@ class UlpRansEncoding(Encoding):
         coder = _rans()
         get = buffer or (lambda tag, dtype, n: np.empty(n, dtype=dtype))
         out = get("rans_out", np.dtype(np.uint8), coder.bound(k))
-        scratch = get("rans_scratch", np.dtype(np.uint8), 6 * k + 64)
+        scratch = get("rans_scratch", np.dtype(np.uint8), coder.scratch(k))
         size = coder.encode(positions, np.ascontiguousarray(base).view(word), np.ascontiguousarray(new).view(word),
                             w, out, scratch)
         return {}, out[:size].tobytes()

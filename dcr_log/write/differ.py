@@ -107,7 +107,7 @@ def _flatnonzero_sparse(mask: np.ndarray, scratch: _Scratch) -> np.ndarray:
 
 # dcr_log._changes.find's vector path stores whole registers: its outputs hold this many
 # entries past the box (with fewer it takes the scalar path).
-FIND_SLACK = 64
+FIND_SLACK = getattr(native.changes, "FIND_SLACK", 0)
 
 # find_changes works through a box in pieces of this many words, so that the gathers that
 # follow the compare pass find the piece still in the L2 cache (measured ~25% faster at 1%).

@@ -14,6 +14,7 @@ import pytest
 
 from helpers import counting_store, assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
 from dcr_log.errors import CommitConflict, ExpiredError, IntegrityError, LineageError, UsageError
+from dcr_log.format.keys import version_key
 from dcr_log.format.lifecycle import Marker, log_start_key
 from dcr_log.lifecycle import gc, parse_duration, write_snapshot, write_squash
 from dcr_log.log import DeltaLog
@@ -423,6 +424,33 @@ def test_gc_is_safe_with_concurrent_writers_and_receivers(tmp_path):
     for v in versions:  # every kept version replays to what its writer committed
         assert_same_bits(log.materialize(v), committed[v])
     log.verify(deep=True)
+
+
+def test_a_receiver_takes_the_next_version_after_retention_removed_its_own_meanwhile(tmp_path):
+    """A receiver at version 1 planned the step to 2 from a listing where the log started at 0;
+    before the step ran, gc moved the start to 2 and deleted version 1's objects (a receiver
+    stalled past the grace period). Version 2's own objects are kept, so the step is applied:
+    it reads version 2, not version 1's record. So is a squash from 1 whose manifest is read
+    after the gc."""
+    root = tmp_path / "log"
+    states = _trace(root, 4, seed=12)
+    log = DeltaLog.open(root)
+    write_squash(log, 1, 3)
+    rx, arrays = _memory_receiver(tmp_path, log, states[1], 1)
+    rx2, arrays2 = _memory_receiver(tmp_path, log, states[1], 1)
+    log = DeltaLog.open(root)  # a later loop's: it has not read version 1's record yet
+    step = log.version_step(2)  # the log start as of this listing: 0
+    log2 = DeltaLog.open(root)  # another receiver's, listed before the gc too
+    assert log2.versions()[0] == 0
+    gc(DeltaLog.open(root), keep_last=2, grace=0)
+    gc(DeltaLog.open(root), keep_last=2, grace=0)  # the marker has stood for 0 s: deleted
+    assert DeltaLog.open(root).versions()[0] == 2 and not (root / version_key(1)).exists()
+    assert rx.apply_step(log, step).version == 2
+    _holds(arrays, states[2])
+    assert rx.apply(DeltaLog.open(root)) == [3]
+    _holds(arrays, states[3])
+    assert rx2.apply_step(log2, log2.catchup_step(log2.squash(1, 3))).version == 3
+    _holds(arrays2, states[3])
 
 
 def test_parse_duration():

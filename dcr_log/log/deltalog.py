@@ -176,6 +176,17 @@ class DeltaLog:
                                 "run dcr init again with the same options to finish it)")
         return versions[-1]
 
+    def kept_commit(self, version: int) -> CommitRecord | None:
+        """The commit record of ``version``, or None where retention expired it: below the log
+        start as of the last listing, or deleted since (by a gc whose grace period ended while
+        this reader waited). For checks a reader makes only while the record is kept."""
+        if version < self.known_start():
+            return None
+        try:
+            return self.commit(version)
+        except ExpiredError:
+            return None
+
     def commit(self, version: int) -> CommitRecord:
         """The verified commit record of ``version`` (cached: commit records are immutable)."""
         cached = self._commits.get(version)

@@ -99,8 +99,9 @@ def catchup(log: DeltaLog, key: str) -> tuple[CatchUp, str]:
         raise IntegrityError(f"{what}: does not match the commit record of version {cu.version}")
     if cu.stats.total_elements != target.stats.total_elements:
         raise IntegrityError(f"{what}: stats.total_elements differs from version {cu.version}'s")
-    if cu.start is not None and cu.start >= log.known_start():
-        if cu.start_state_digest != log.commit(cu.start).state_digest:
+    start_record = None if cu.start is None else log.kept_commit(cu.start)
+    if start_record is not None:
+        if cu.start_state_digest != start_record.state_digest:
             raise IntegrityError(f"{what}: does not start from version {cu.start}'s state")
     if cu.start is None and cu.stats.changed_elements != cu.stats.total_elements:
         raise IntegrityError(f"{what}: a snapshot changes every element")

@@ -448,10 +448,11 @@ class Receiver:
         commit, version = step, step.version
         if self.trust is not None:
             log.check_signed(version, self.trust)
-        if step.kind != "snapshot" and commit.parent is not None and commit.parent >= log.known_start():
+        parent_record = None if step.kind == "snapshot" or commit.parent is None else log.kept_commit(commit.parent)
+        if parent_record is not None:
             # The log's own chain first: a commit whose parent digest is not its parent's state
             # digest is damage in the log (IntegrityError), whatever the receiver holds.
-            if log.commit(commit.parent).state_digest != commit.parent_state_digest:
+            if parent_record.state_digest != commit.parent_state_digest:
                 raise IntegrityError(f"{step.describe()}: parent digest does not match version "
                                      f"{commit.parent}'s state digest")
         if step.kind != "snapshot" and (commit.parent != st.version or commit.parent_state_digest != st.state_digest):
@@ -474,21 +475,21 @@ class Receiver:
         # What the records may assume of the storage: the journal's version's tensors; a
         # snapshot nothing (its records are all tensor records); a squash from a version
         # retention expired, the storage's own tensors (its records' preconditions check them).
-        readable = held >= log.known_start()
+        held_record = log.kept_commit(held)  # None: expired, by the last listing or since
         parent_layout: TableLayout
         if step.kind == "snapshot":
             parent_layout = {}
-        elif readable:
-            parent_layout = commit_layout(log.commit(held))
+        elif held_record is not None:
+            parent_layout = commit_layout(held_record)
         else:
             parent_layout = storage.layout()
-        if not recovering and step.kind != "snapshot" and readable:
+        if not recovering and step.kind != "snapshot" and held_record is not None:
             # Cheap, so at every level: the layout the journal's version implies.
             if storage.layout() != parent_layout:
                 raise LineageError(f"storage tensors differ from version {held}'s: "
                                    "changed behind the journal's back")
             if verify == "full":
-                if verified_digest != st.state_digest and not self._holds_state(log.commit(held)):
+                if verified_digest != st.state_digest and not self._holds_state(held_record):
                     raise LineageError(f"storage does not hold version {held} (state digest "
                                        "differs): changed behind the journal's back")
         if not self.placed and not storage.owns_layout and storage.layout() != commit_layout(commit):
@@ -515,7 +516,7 @@ class Receiver:
             if step.kind == "snapshot":
                 before = {}
             else:
-                before = log.commit(step.parent).tensor_map() if readable and step.parent is not None else None
+                before = None if held_record is None else held_record.tensor_map()  # held: the step's parent
             pass_one = PassOne(storage, self._digest_parts, commit, table, parent_layout, recovering,
                                keep_gathered=writes_follow)
             found = pass_one.run(cache, progress, before, classify=verify != "none")

@@ -19,13 +19,13 @@ Rank 0 saves every version's reference (``full_tensor()`` of each tensor, as bf1
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+from helpers.ranks import finish_rank
 
 STEPS = 3           # versions 0..STEPS (AdamW steps between them)
 VOCAB, HIDDEN = 37, 16
@@ -268,17 +268,7 @@ def main() -> None:
     except BaseException as exc:
         result.update(ok=False, unexpected=True, **_error(exc), traceback=traceback.format_exc())
         traceback.print_exc()
-    out = Path(cfg["out"], f"result-{rank}.json")
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown either way, as tests/sharded_job.py does: a process group whose
-    # peer died can block in its destructor, and once (a clean-clone run, not reproduced since)
-    # a rank whose result was written aborted in C++ teardown after destroy_process_group
-    # ("terminate called without an active exception"). The result file says how it went.
-    os._exit(0 if result["ok"] else 1)
+    finish_rank(cfg["out"], rank, result, 0 if result["ok"] else 1)
 
 
 if __name__ == "__main__":

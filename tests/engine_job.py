@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers.engines import EngineConfig, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
+from helpers.ranks import finish_rank  # noqa: E402
 
 VERSIONS = 8
 LAYOUT_CHANGES = (2, 3, 4, 5)  # the versions of canonical_at whose tensor table changes
@@ -126,7 +127,7 @@ def main() -> None:
     except BaseException as exc:  # reported to the test, which fails on it
         result = {"ok": False, "error_type": type(exc).__name__, "message": str(exc),
                   "trace": traceback.format_exc()}
-    (out / f"result-{rank}.json").write_text(json.dumps(result))
+    finish_rank(out, rank, result)
 
 
 if __name__ == "__main__":

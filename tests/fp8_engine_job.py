@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers.engines import TestEngine, engine_params, fp8_config, fp8_param_words, fresh_engine, random_canonical  # noqa: E402
+from helpers.ranks import finish_rank  # noqa: E402
 
 CFG = fp8_config()
 DENSE = dataclasses.replace(CFG, fp8_block=None)  # the trainer's bf16 state: same names, same shapes
@@ -99,7 +100,7 @@ def main() -> None:
     except BaseException as exc:  # reported to the test, which fails on it
         result = {"ok": False, "error_type": type(exc).__name__, "message": str(exc),
                   "trace": traceback.format_exc()}
-    (out / f"result-{rank}.json").write_text(json.dumps(result))
+    finish_rank(out, rank, result)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fp8_engine_job import bf16_states  # noqa: E402
+from helpers.ranks import finish_rank  # noqa: E402
 
 
 def split_axis(shape: tuple[int, ...], world: int, block: int = 128) -> int:
@@ -81,7 +82,7 @@ def main() -> None:
     except BaseException as exc:  # reported to the test, which fails on it
         result = {"ok": False, "error_type": type(exc).__name__, "message": str(exc),
                   "trace": traceback.format_exc()}
-    (out / f"result-{rank}.json").write_text(json.dumps(result))
+    finish_rank(out, rank, result)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+from helpers.ranks import finish_rank
 
 from dcr_log.coords import numel, word_dtype
 from dcr_log.state import TensorBits
@@ -534,14 +535,7 @@ def main() -> None:
     except BaseException as exc:
         result.update(ok=False, unexpected=True, **_error(exc))
         traceback.print_exc()
-    out = Path(cfg["out"], f"result-{rank}.json")
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: a process group whose peer died can block in its destructor.
-    os._exit(0)
+    finish_rank(cfg["out"], rank, result)
 
 
 if __name__ == "__main__":

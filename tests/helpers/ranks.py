@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def free_port() -> int:
@@ -48,3 +51,18 @@ def run_ranks(argvs: list[list[str]], out: Path, timeout: float, env: dict | Non
             outputs.append(f.read())
             f.close()
     return [(None if r in killed else p.returncode, o) for r, (p, o) in enumerate(zip(procs, outputs))]
+
+
+def finish_rank(out: str | Path, rank: int, result: dict, status: int = 0) -> NoReturn:
+    """End a rank script: write ``out/result-<rank>.json`` (whole or not at all), flush, and
+    exit with ``status`` without interpreter teardown. A gloo group's destructor can block when
+    a peer died, and in clean-clone runs it aborted ranks whose result was written ('terminate
+    called without an active exception', exit -6), in three of the rank scripts: the result
+    file, not teardown, says how the rank went."""
+    path = Path(out, f"result-{rank}.json")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -26,25 +26,32 @@ class Stop(Exception):
     pass
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory):
+@pytest.fixture(scope="module", params=["redo", "wal"])
+def template(tmp_path_factory, request):
     """A log of 5 versions and a checkpoint receiver at version 2 interrupted inside version 3
-    after a batch with redo images was staged (redo images, segment progress, files, in flight)."""
+    after a batch with redo images was staged (redo images, segment progress, files, in
+    flight); or, under deferred sync, one that applied version 2 and was interrupted likewise
+    (deferred-sync images and their boot entry instead of redo images)."""
     root = tmp_path_factory.mktemp("journal-sum")
     log, states = build_log(root / "log", versions=5)
     rx = root / "rx"
-    with open_directory(log, rx, to=2):
-        pass
+    deferred = request.param == "wal"
+    with open_directory(log, rx, to=1 if deferred else 2) as receiver:
+        if deferred:
+            receiver.apply(log, to=2)
 
     def crash(name, **info):
         if name == "redo" and info["segment"] >= 1 and receiver.journal.redo_images(info["segment"]):
             raise Stop()
 
-    with Receiver.open(rx, fault=crash) as receiver, pytest.raises(Stop):
+    with Receiver.open(rx, fault=crash, deferred_sync=deferred) as receiver, pytest.raises(Stop):
         receiver.apply(log, to=3)
     entries = read_entries(rx / ".dcr")
     assert entries[b"inflight"] and any(k.startswith(b"seg/") for k in entries)
-    assert any(k.startswith(b"redo/") for k in entries) and je.K_CHECKSUM in entries
+    images = [k for k in entries if k.startswith(b"wal/" if deferred else b"redo/")]
+    assert images and je.K_CHECKSUM in entries
+    if deferred:
+        assert je.K_WAL_BOOT in entries  # version 3 changes the table: only its own images
     return root, log, states
 
 
@@ -143,7 +150,7 @@ def test_the_sum_and_the_transaction_id_are_each_checked(copy, tmp_path):
     log, states, rx = copy
     jdir = rx / ".dcr"
     entries = read_entries(jdir)
-    redo = next(k for k in entries if k.startswith(je.REDO_PREFIX))
+    redo = next(k for k in entries if k.startswith((je.REDO_PREFIX, je.WAL_PREFIX)))
     pristine = tmp_path / "pristine"
     shutil.copytree(rx, pristine)
     for key in (je.K_CURRENT, je.K_INFLIGHT, redo):

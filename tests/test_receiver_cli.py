@@ -57,7 +57,7 @@ def test_apply_materializes_a_missing_directory_then_catches_up(tmp_path, logged
     row = status(capsys, rx)
     assert row == {"receiver": str(rx), "log_id": log.log_id, "version": 2,
                    "state_digest": f"{log.commit(2).state_digest:016x}", "inflight": None,
-                   "inflight_kind": None, "inflight_from": None, "materializing": None}
+                   "inflight_kind": None, "inflight_from": None, "materializing": None, "unsynced": None}
 
     rc, out, err = dcr(capsys, "apply", log_dir(log), "--receiver", rx, "--to", 4, "--verify", "full")
     assert rc == 0, err
@@ -71,6 +71,9 @@ def test_apply_materializes_a_missing_directory_then_catches_up(tmp_path, logged
     assert rc == 0 and out == "receiver at version 5\n"
     rc, out, _ = dcr(capsys, "status", "--receiver", rx)
     assert rc == 0 and "version        5" in out and "inflight       -" in out
+    # Versions 3-5 are in the journal until the files are synced; this boot wrote them.
+    assert "unsynced       in the page cache" in out
+    assert status(capsys, rx)["unsynced"] == "in the page cache"
 
 
 def test_apply_binds_an_existing_checkpoint(tmp_path, logged, capsys):

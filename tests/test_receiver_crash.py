@@ -40,7 +40,7 @@ def test_sigkill_at_random_instants_ends_bit_exact(tmp_path):
     runner = tool.CrashRunner(fx, tmp_path, seed=1, kills_per_round=(2, 5))
     runner.calibrate()
     counts = runner.run(kills=50)
-    assert counts.failures == []
+    assert counts.failures == [], counts.failures
     assert counts.kills >= 50
     # Kills landed inside applies (a version or a materialization in flight afterwards) and
     # were recovered from; the single-file, sharded and empty-directory rounds all ran.
@@ -57,5 +57,5 @@ def test_sigkill_inside_catch_up_steps_ends_bit_exact(tmp_path):
     runner = tool.CrashRunner(fx, tmp_path, seed=3, kills_per_round=(2, 5))
     runner.calibrate()
     counts = runner.run(kills=30)
-    assert counts.failures == []
+    assert counts.failures == [], counts.failures
     assert counts.kills >= 30 and counts.mid_apply >= 5 and counts.rounds >= 4

@@ -1,7 +1,7 @@
 """A Hypothesis state machine over receivers: appends (0-100% changes, tensors added, removed,
 reshaped, retyped), applies to the latest or an earlier version, applies interrupted by an
-exception, simulated crashes of a checkpoint-directory receiver, re-applies and wrong
-lineages. Invariant: once nothing is in flight, each receiver's storage equals, bit for bit,
+exception, simulated crashes of a checkpoint-directory receiver (some followed by a power
+loss, helpers.powerloss), re-applies and wrong lineages. Invariant: once nothing is in flight, each receiver's storage equals, bit for bit,
 the dense state of its journal's current version (the model keeps every version's state)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from helpers import change_words, copy_state, make_bits
+from helpers.powerloss import PowerLossModel
 from dcr_log import DeltaLog, LineageError, TensorBits
 from dcr_log.checkpoint import load_checkpoint
 from dcr_log.coords import DTYPE_WIDTH
@@ -59,6 +60,8 @@ class ReceiverMachine(RuleBasedStateMachine):
                 spec=st.lists(st.tuples(st.sampled_from(DTYPES), st.sampled_from(SHAPES)), min_size=1, max_size=4))
     def setup(self, seed, sharded, spec):
         self.tmp = Path(tempfile.mkdtemp(prefix="dcr-sm-"))
+        self.patches = pytest.MonkeyPatch()
+        self.power = PowerLossModel(self.patches, seed=seed)
         self.rng = np.random.default_rng(seed)
         self.next_name = len(spec)
         state = {f"t{i}": make_bits(self.rng, dtype, shape) for i, (dtype, shape) in enumerate(spec)}
@@ -85,6 +88,8 @@ class ReceiverMachine(RuleBasedStateMachine):
     def teardown(self):
         for rx in getattr(self, "rx", {}).values():
             rx.close()
+        if hasattr(self, "patches"):
+            self.patches.undo()
         if hasattr(self, "tmp"):
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -174,8 +179,8 @@ class ReceiverMachine(RuleBasedStateMachine):
 
     @rule(point=st.sampled_from(DURABLE_POINTS + ("torn", "torn", "redo", "record")), nth=st.integers(1, 2),
           verify=st.sampled_from(["none", "sample", "full"]), rerun=st.sampled_from([True, True, False]),
-          rerun_verify=st.sampled_from(["none", "sample", "full"]))
-    def crash_ckpt(self, point, nth, verify, rerun, rerun_verify):
+          rerun_verify=st.sampled_from(["none", "sample", "full"]), power_loss=st.sampled_from([False, True]))
+    def crash_ckpt(self, point, nth, verify, rerun, rerun_verify, power_loss):
         rx = self.rx["ckpt"]
         rx.fault = _fault((point,), nth, SimulatedCrash)
         try:
@@ -186,7 +191,10 @@ class ReceiverMachine(RuleBasedStateMachine):
             pass
         # The process dies: nothing more runs in it. Reopen everything from disk.
         rx.close()
+        if power_loss:  # and the machine with it: pages not synced since may revert
+            self.power.lose_power(self.ckpt_dir)
         rx = self.rx["ckpt"] = Receiver.open(self.ckpt_dir)
+        rx.route(self.log)  # what a receiver does first: restores what a power loss took
         if rerun:  # run it again at once (otherwise a later rule finds the version in flight)
             assert rx.apply(self.log, verify=rerun_verify)[-1:] in ([], [self.latest])
             assert rx.version == self.latest and rx.inflight is None

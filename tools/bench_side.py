@@ -50,7 +50,9 @@ xor in the same minute, per rate):
   other's writeback;
 - receivers: numpy, torch (CPU) and checkpoint-directory ``Receiver`` apply of the rate's
   first version from its parent, default verification, reset untimed between repetitions and
-  checked bit-exact after every apply;
+  checked bit-exact after every apply; the checkpoint directory by default (deferred sync:
+  the written words kept in the journal, spec/RECEIVER.md 5.6) as ``rx_ckpt`` and with
+  ``deferred_sync=False`` (every file synced before each journal marker) as ``rx_ckpt_sync``;
 - NeMo-like encode, for context;
 - where the changed positions lie (``spread``): per tensor, the share of its changes in each
   tenth of it, the first and last changed position, the rows with a change. On every
@@ -354,9 +356,9 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
 
     parent = version - 1
     out = {}
-    for kind in ("numpy", "torch", "ckpt"):
+    for kind in ("numpy", "torch", "ckpt", "ckpt_sync"):
         pairings = []
-        if kind != "ckpt":
+        if not kind.startswith("ckpt"):
             words = {k: v.words.copy() for k, v in base_state.items()}
             if kind == "numpy":
                 tensors = {k: TensorBits(v.dtype, v.shape, words[k]) for k, v in base_state.items()}
@@ -364,11 +366,11 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
                 tensors = {k: to_torch(TensorBits(v.dtype, v.shape, words[k])) for k, v in base_state.items()}
         for r in range(repeats):
             applied: list[int] = []
-            if kind == "ckpt":
+            if kind.startswith("ckpt"):
                 directory = work / f"ckpt-{version}-{r}"
                 directory.mkdir()
                 write_checkpoint(base_state, directory)
-                with Receiver.open(directory) as rx:
+                with Receiver.open(directory, deferred_sync=kind == "ckpt") as rx:
                     rx.bind(log, parent, verify="none")
                     pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version)), xor, 1))
                     check_words({k: rx.storage.words(k) for k in new_state}, new_state,
@@ -386,7 +388,7 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
             if applied != [version]:
                 raise SystemExit(f"{kind} receiver applied {applied}, expected [{version}]")
         out[kind] = Pairing.join(pairings)
-        if kind != "ckpt":
+        if not kind.startswith("ckpt"):
             del tensors, words
     return out
 
@@ -740,7 +742,8 @@ def run(args, work: Path, say) -> dict:
                 reader.apply_version(replay_state, writer.version)
         fresh = paired(lambda: np.bitwise_xor(base, new), xor, repeats)
         versus_xor = {"append": Pairing.join(appends), "replay": Pairing.join(replays), "rx_numpy": rx["numpy"],
-                      "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"], "nemo_encode": nemo}
+                      "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"], "rx_ckpt_sync": rx["ckpt_sync"],
+                      "nemo_encode": nemo}
 
         row = dcr_row(pair, sizes, delta_sizes[0])
         row["spread"] = position_spread(pair)
@@ -812,8 +815,8 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    ops = ("append", "replay", "rx_numpy", "rx_torch", "rx_ckpt", "nemo_encode")
-    op_heads = ("append", "replay", "rx np", "rx torch", "rx ckpt", "NeMo enc")
+    ops = ("append", "replay", "rx_numpy", "rx_torch", "rx_ckpt", "rx_ckpt_sync", "nemo_encode")
+    op_heads = ("append", "replay", "rx np", "rx torch", "rx ckpt", "rx ckpt sync", "NeMo enc")
     table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
                   "NeMo/dcr", "xor GB/s", *op_heads,
                   title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "

@@ -256,7 +256,7 @@ class CrashRunner:
             proc = subprocess.run(_dcr("status", "--receiver", str(receiver), "--json"),
                                   capture_output=True, check=True)
             if json.loads(proc.stdout) != row:
-                self.counts.failures.append(f"{receiver.name}: status differs between processes")
+                self.counts.failures.append(f"{receiver.name}: status differs between processes: {json.loads(proc.stdout)} vs {row}")
         return row
 
     def _check_bits(self, receiver: Path, version: int, what: str) -> bool:

@@ -29,6 +29,11 @@ def apply_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory 
               interval: float = typer.Option(
                   1.0, "--interval", metavar="SECONDS",
                   help="with --follow: seconds between polls for the next version"),
+              deferred_sync: bool = typer.Option(
+                  True, "--deferred-sync/--sync-each-batch",
+                  help="keep written words in the journal and sync the files later (the default), or "
+                       "sync them before each journal marker, for programs that read DIR without dcr "
+                       "after a power loss"),
               as_json: bool = json_option()) -> None:
     """Bring a checkpoint directory to a version, in place and crash-safely.
 
@@ -54,7 +59,7 @@ def apply_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory 
             row = {"receiver": str(receiver), "said": text} if row is None else row
         say_result(as_json, row or {}, text)
 
-    with open_directory(dlog, receiver, to=to, say=say) as rx:
+    with open_directory(dlog, receiver, to=to, say=say, deferred_sync=deferred_sync) as rx:
         def line(r) -> None:
             files = (f", {r.files_written} files written, {r.files_removed} removed"
                      if r.files_written or r.files_removed else "")
@@ -100,13 +105,22 @@ def status_cmd(receiver: Path = typer.Option(..., "--receiver", metavar="DIR", h
                as_json: bool = json_option()) -> None:
     """A receiver's log, current version and digest, and the version in flight if any."""
     from dcr_log.receiver import JOURNAL_DIR, Journal
+    from dcr_log.receiver.fs import boot_id
 
     st = Journal.peek(receiver / JOURNAL_DIR)
     row = {"receiver": str(receiver), **st.to_json()}
+    # Deferred sync: words the journal holds that the files may not (RECEIVER.md 5.6).
+    if st.wal_boot is None:
+        row["unsynced"] = None
+    elif st.wal_boot and st.wal_boot == boot_id():
+        row["unsynced"] = "in the page cache"
+    else:
+        row["unsynced"] = "restore needed: run dcr apply (with --to at the current version to apply nothing)"
     if as_json:
         out.print(json.dumps(row), markup=False)
         return
-    for key in ("receiver", "log_id", "version", "state_digest", "inflight", "inflight_kind", "materializing"):
+    for key in ("receiver", "log_id", "version", "state_digest", "inflight", "inflight_kind", "materializing",
+                "unsynced"):
         value = row[key]
         out.print(f"{key:<14} {'-' if value is None else value}", markup=False)
 

@@ -25,12 +25,34 @@ from dcr_log.parallel import map_ordered
 from dcr_log.receiver.checks import sampled
 from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, ApplyContext, GroupDigests
 from dcr_log.receiver.journal import Journal, SegmentProgress
+from dcr_log.receiver.journal_entries import encode_wal_image
 from dcr_log.receiver.segments import SegmentCache
 from dcr_log.receiver.storage import FaultHook, Storage, Where
 from dcr_log.receiver.storage.placed import PlacedStorage
 
 # A batch holds records up to about this many decoded bytes (positions, values, targets).
 BATCH_BYTES = 256 << 20
+
+
+# Deferred sync (RECEIVER.md, "Deferred sync"): the journal keeps the images of written
+# records up to a quarter of the storage's bytes, within these bounds, before the storage is
+# synced and they are dropped. A batch whose images alone exceed it is synced as it is written.
+WAL_MIN_BYTES = 64 << 20
+WAL_MAX_BYTES = 4 << 30
+
+
+def wal_budget(storage_bytes: int) -> int:
+    return min(WAL_MAX_BYTES, max(WAL_MIN_BYTES, storage_bytes // 4))
+
+
+@dataclass(slots=True)
+class Deferred:
+    """A receiver under deferred sync: its image budget, the bytes its journal holds in
+    images, and this boot's id (stored with them)."""
+
+    budget: int
+    used: int
+    boot: bytes
 
 
 def redo_journal_bytes(redo_bytes: int) -> int:
@@ -126,11 +148,12 @@ class BatchWriter:
     """Writes one version's records into a storage, batch by batch, with its journal."""
 
     def __init__(self, storage: Storage, journal: Journal, digests: GroupDigests,
-                 fault: FaultHook | None = None):
+                 fault: FaultHook | None = None, deferred: Deferred | None = None):
         self.storage = storage
         self.journal = journal
         self.digests = digests
         self.fault = fault
+        self.deferred = deferred
 
     def _hook(self, point: str, **info: Any) -> None:
         if self.fault is not None:
@@ -246,10 +269,28 @@ class BatchWriter:
         # A torn range left by an interrupted apply stays declared until passed, whatever
         # the batch boundaries of this run.
         started_end = max(end, torn.stop)
+        images: dict[int, bytes] | None = None  # deferred sync: the batch's images
         if durable and work:
+            deferred, clear = self.deferred, False
+            if deferred is not None:
+                images = {w.index: encode_wal_image(w.record.tensor, w.where, w.target) for w in work}
+                size = sum(map(len, images.values()))
+                if size > deferred.budget:
+                    images = None  # too large to keep: this batch is synced as it is written
+                clear = deferred.used > 0 and (images is None or deferred.used + size > deferred.budget)
+                if clear:
+                    # The images held so far are dropped in the stage transaction: their
+                    # words must be on disk first.
+                    storage.sync()
+                    deferred.used = 0
+                if images is not None:
+                    deferred.used += size
             self.journal.stage(seg, start, started_end,
+                               {} if images is not None else
                                {w.index: np.ascontiguousarray(w.target).data.cast("B")
-                                for w in work if w.redo})
+                                for w in work if w.redo},
+                               wal=images, version=version, clear_wal=clear,
+                               boot=b"" if deferred is None else deferred.boot)
             self._hook("redo", version=version, segment=seg, start=start, end=end)
         if self.fault is None and parallel and disjoint(work):
             # Records that do not overlap are written in parallel. (Those of a version must
@@ -267,7 +308,8 @@ class BatchWriter:
                 self._hook("record", version=version, segment=seg, record=w.index, written=n + 1)
         if durable:
             if work:
-                storage.flush()
+                if images is None:  # else the journal holds the batch's images
+                    storage.sync() if storage.deferred_sync else storage.flush()
                 self._hook("flushed", version=version, segment=seg, end=end)
             self.journal.mark_applied(seg, end, max(end, torn.stop), range(start, end))
             self._hook("applied", version=version, segment=seg, end=end)

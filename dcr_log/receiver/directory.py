@@ -125,14 +125,16 @@ def _bound_version(log: DeltaLog, digest: int, to: int | None) -> int:
 
 
 def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
-                   say: Say = lambda line: None, fault: FaultHook | None = None) -> Receiver:
+                   say: Say = lambda line: None, fault: FaultHook | None = None,
+                   deferred_sync: bool = True) -> Receiver:
     """A Receiver for a checkpoint directory, bound to a version of ``log``.
 
     With a journal (DIR/.dcr) it is opened as is. Without one, a checkpoint in DIR is bound
     to the newest version (at most ``to``) with its state digest (LineageError if none
     has it); an empty or missing DIR gets version ``to`` (default latest) written out whole.
     Binding and writing out also write the version's files (feature files). Nothing is
-    written before these checks pass, the files' SHA-256s included.
+    written before these checks pass, the files' SHA-256s included. ``deferred_sync``: as
+    for ``Receiver.open``.
     """
     directory = Path(directory)
     jpath = directory / JOURNAL_DIR
@@ -151,10 +153,10 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
         if st.log_id is not None and st.log_id != log.log_id:
             raise LineageError(f"receiver {directory} belongs to log {st.log_id}, not {log.log_id}")
         if journal is not None and st.bound:
-            return Receiver(CheckpointStorage(directory), journal, fault)
+            return Receiver(CheckpointStorage(directory), journal, fault, deferred_sync=deferred_sync)
         if journal is not None and st.materializing is not None:
             _materialize(log, directory, st.materializing, journal, say, fault=fault)
-            return Receiver(CheckpointStorage(directory), journal, fault)
+            return Receiver(CheckpointStorage(directory), journal, fault, deferred_sync=deferred_sync)
         if has_checkpoint(directory):
             storage = CheckpointStorage(directory)
             digest = storage_state_digest(storage, log.digests)
@@ -171,7 +173,7 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
             write_files(plan, log, directory, fault)
             journal.bind(log.log_id, version, digest, files=plan.names)
             say(f"bound {directory} to version {version} of log {log.log_id}{_files_said(plan)}")
-            return Receiver(storage, journal, fault)
+            return Receiver(storage, journal, fault, deferred_sync=deferred_sync)
         latest = log.latest_version()
         version = latest if to is None else to
         if not 0 <= version <= latest:
@@ -193,7 +195,7 @@ def open_directory(log: DeltaLog, directory: str | Path, to: int | None = None,
             raise UsageError(f"receiver {directory} was bound by another process meanwhile")
         journal.begin_materialize(log.log_id, version)
         _materialize(log, directory, version, journal, say, state, plan, fault)
-        return Receiver(CheckpointStorage(directory), journal, fault)
+        return Receiver(CheckpointStorage(directory), journal, fault, deferred_sync=deferred_sync)
     except BaseException:
         if journal is not None:
             journal.close()

@@ -58,6 +58,16 @@ def plain_file_name(name, where: Path) -> str:
     return name
 
 
+def boot_id() -> bytes:
+    """This boot's id (Linux: it changes at every boot, so a power loss changes it); empty
+    where the system does not say, which makes every open restore deferred-sync images."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read().strip()
+    except OSError:
+        return b""
+
+
 def free_bytes(directory: Path) -> int:
     """Bytes this process may still allocate on ``directory``'s file system."""
     probe = directory

@@ -40,11 +40,15 @@ from dcr_log.receiver.journal_entries import (
     K_LOG_ID,
     K_MATERIALIZING,
     K_PLACEMENT,
+    K_WAL_BOOT,
     REDO_PREFIX,
     SEG_PREFIX,
+    WAL_PREFIX,
     JournalState,
     SegmentProgress,
     SumTxn,
+    WalImage,
+    decode_wal_image,
     json_bytes,
     read_files,
     read_progress,
@@ -53,6 +57,7 @@ from dcr_log.receiver.journal_entries import (
     scan,
     seg_key,
     verify_entries,
+    wal_key,
 )
 from dcr_log.receiver.journal_pages import DATA_NAME, check_pages
 
@@ -216,22 +221,65 @@ class Journal:
                 raise IntegrityError(f"journal {self.path}: {exc}") from None
 
     def redo_images(self, segment: int) -> dict[int, bytes]:
-        """Redo images (target words) of a segment's batch in flight, by record index."""
+        """Redo images (target words) of a segment's batch in flight, by record index: the
+        ``redo`` entries, or the deferred-sync images of the version in flight."""
         env = self._reader()
         out: dict[int, bytes] = {}
         if env is None:
             return out
-        prefix = REDO_PREFIX + b"%08d/" % segment
+        inflight = self.state().inflight
         with env.begin() as txn:
-            for suffix, value in scan(txn, prefix):
+            for suffix, value in scan(txn, REDO_PREFIX + b"%08d/" % segment):
                 out[int(suffix)] = value
+            if inflight is not None:
+                prefix = b"%08d/%08d/" % (inflight, segment)
+                for suffix, value in scan(txn, WAL_PREFIX + prefix):
+                    out[int(suffix)] = decode_wal_image(prefix + suffix, value).words.tobytes()
         return out
+
+    def wal_boot(self) -> bytes | None:
+        """The boot during which the deferred-sync images were written (None: there are none)."""
+        env = self._reader()
+        if env is None:
+            return None
+        with env.begin() as txn:
+            value = txn.get(K_WAL_BOOT)
+        return None if value is None else bytes(value)
+
+    def wal_bytes(self) -> int:
+        """The bytes of the deferred-sync images."""
+        env = self._reader()
+        if env is None:
+            return 0
+        with env.begin(buffers=True) as txn:
+            return sum(len(value) for _, value in scan(txn, WAL_PREFIX, copy=False))
+
+    def wal_images(self) -> list[WalImage]:
+        """The deferred-sync images in the order they were written (version, segment, record)."""
+        env = self._reader()
+        if env is None:
+            return []
+        with env.begin() as txn:
+            return [decode_wal_image(suffix, value) for suffix, value in scan(txn, WAL_PREFIX)]
 
     # -- writes: each is one synced transaction ---------------------------------------------
 
-    def _write(self, fn: Callable[[SumTxn], None]) -> None:
+    def _write(self, fn: Callable[[SumTxn], None], adds: int = 0) -> None:
+        """One synced write transaction; ``adds``: about the bytes it puts, for which the map
+        is grown beforehand (a transaction that finds it full is run again)."""
         env = self._writer()
         t0 = time.perf_counter()
+        if adds:
+            info = env.info()
+            used = (info["last_pgno"] + 1) * env.stat()["psize"]
+            size = info["map_size"]
+            while size < MAX_MAP_SIZE and size < used + 2 * adds:
+                size *= 2
+            if size != info["map_size"]:
+                try:
+                    env.set_mapsize(min(MAX_MAP_SIZE, size))
+                except lmdb.Error as exc:
+                    raise _lmdb_error(exc, self.path, "grow") from None
         while True:
             try:
                 with env.begin(write=True, buffers=True) as raw:
@@ -263,6 +311,11 @@ class Journal:
         txn.delete_prefix(REDO_PREFIX)
 
     @staticmethod
+    def _clear_wal(txn: SumTxn) -> None:
+        txn.delete_prefix(WAL_PREFIX)
+        txn.delete(K_WAL_BOOT)
+
+    @staticmethod
     def _put_files(txn: SumTxn, files: Sequence[str] | None) -> None:
         if files is None:
             return  # storage without files: nothing to record
@@ -289,6 +342,7 @@ class Journal:
             txn.delete(K_MATERIALIZING)
             self._put_files(txn, files)
             self._clear_inflight(txn)
+            self._clear_wal(txn)  # the storage was synced: it holds the version on disk
         self._write(fn)
 
     def begin_materialize(self, log_id: str, version: int) -> None:
@@ -298,23 +352,45 @@ class Journal:
             txn.put(K_MATERIALIZING, json_bytes({"version": version}))
         self._write(fn)
 
-    def begin(self, version: int, kind: str = "version", start: int | None = None) -> None:
+    def begin(self, version: int, kind: str = "version", start: int | None = None,
+              clear_wal: bool = False, wal_boot: bytes | None = None) -> None:
         """``version`` in flight, by a version of the chain or a catch-up step (a squash from
-        ``start``, or a snapshot): recovery finishes the same step."""
+        ``start``, or a snapshot): recovery finishes the same step. ``clear_wal``: the storage
+        was just synced, its deferred-sync images are dropped; ``wal_boot``: they were
+        restored in this boot (they stay, the entry says the page cache holds them)."""
         entry: dict[str, int | str] = {"version": version}
         if kind != "version":
             entry["kind"] = kind
         if start is not None:
             entry["from"] = start
-        self._write(lambda txn: txn.put(K_INFLIGHT, json_bytes(entry)))
 
-    def stage(self, segment: int, done: int, end: int, redo: Mapping[int, memoryview | bytes]) -> None:
-        """Before a batch is written: its redo images and its extent, in one transaction."""
         def fn(txn: SumTxn) -> None:
+            txn.put(K_INFLIGHT, json_bytes(entry))
+            if clear_wal:
+                self._clear_wal(txn)
+            elif wal_boot is not None and txn.get(K_WAL_BOOT) is not None:
+                txn.put(K_WAL_BOOT, wal_boot)
+        self._write(fn)
+
+    def stage(self, segment: int, done: int, end: int, redo: Mapping[int, memoryview | bytes],
+              wal: Mapping[int, bytes] | None = None, version: int | None = None,
+              clear_wal: bool = False, boot: bytes = b"") -> None:
+        """Before a batch is written: its redo images and its extent, in one transaction.
+        Deferred sync: ``wal`` holds the batch's images (by record of ``version``), written
+        in ``boot``; ``clear_wal`` drops the earlier ones first (the storage was just synced)."""
+        def fn(txn: SumTxn) -> None:
+            if clear_wal:
+                self._clear_wal(txn)
             for record, image in redo.items():
                 txn.put(redo_key(segment, record), image)
+            if wal:
+                assert version is not None
+                for record, image in wal.items():
+                    txn.put(wal_key(version, segment, record), image)
+                if txn.get(K_WAL_BOOT) is None:
+                    txn.put(K_WAL_BOOT, boot)
             txn.put(seg_key(segment), json_bytes({"done": done, "started_end": end}))
-        self._write(fn)
+        self._write(fn, sum(map(len, redo.values())) + sum(map(len, (wal or {}).values())))
 
     def mark_applied(self, segment: int, done: int, started_end: int, redo_records: Iterable[int]) -> None:
         """After a batch is written and flushed: advance the segment, drop its redo images."""

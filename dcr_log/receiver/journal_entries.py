@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from dcr_log.errors import IntegrityError
@@ -33,10 +35,19 @@ K_MATERIALIZING = b"materializing"
 K_PLACEMENT = b"placement"
 K_FILES = b"files"
 K_CHECKSUM = b"checksum"
+K_WAL_BOOT = b"wal_boot"
 SEG_PREFIX = b"seg/"
 REDO_PREFIX = b"redo/"
-_KEYS = frozenset((K_FORMAT, K_LOG_ID, K_CURRENT, K_INFLIGHT, K_MATERIALIZING, K_PLACEMENT, K_FILES))
-_KEY_PATTERN = re.compile(rb"seg/[0-9]{8}|redo/[0-9]{8}/[0-9]{8}")
+WAL_PREFIX = b"wal/"
+_KEYS = frozenset((K_FORMAT, K_LOG_ID, K_CURRENT, K_INFLIGHT, K_MATERIALIZING, K_PLACEMENT, K_FILES,
+                   K_WAL_BOOT))
+_KEY_PATTERN = re.compile(rb"seg/[0-9]{8}|redo/[0-9]{8}/[0-9]{8}|wal/[0-9]{8}/[0-9]{8}/[0-9]{8}")
+# A deferred-sync image (RECEIVER.md, "Deferred sync"): u16 name length, the tensor name
+# (UTF-8), u8 word width, u8 position kind (0: a span from a u64 start; 4 or 8: that many
+# bytes per position), u64 count, the start or the positions, then the words; little-endian.
+_WAL_HEAD = struct.Struct("<H")
+_WAL_FIELDS = struct.Struct("<BBQ")
+_WIDTHS = (1, 2, 4, 8)
 _MASK = (1 << 64) - 1
 
 
@@ -46,6 +57,66 @@ def seg_key(segment: int) -> bytes:
 
 def redo_key(segment: int, record: int) -> bytes:
     return REDO_PREFIX + b"%08d/%08d" % (segment, record)
+
+
+def wal_key(version: int, segment: int, record: int) -> bytes:
+    return WAL_PREFIX + b"%08d/%08d/%08d" % (version, segment, record)
+
+
+@dataclass(frozen=True)
+class WalImage:
+    """One written record's positions and target words, kept until the files are synced."""
+
+    version: int
+    segment: int
+    record: int
+    tensor: str
+    where: slice | np.ndarray  # flat positions
+    words: np.ndarray          # unsigned words of the image's width
+
+
+def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray) -> bytes:
+    name = tensor.encode()
+    count = int(words.size)
+    words = np.ascontiguousarray(words)
+    parts: list[bytes | memoryview]
+    if isinstance(where, slice):
+        parts = [_WAL_HEAD.pack(len(name)), name, _WAL_FIELDS.pack(words.itemsize, 0, count),
+                 struct.pack("<Q", where.start or 0)]
+    else:
+        kind = 4 if count == 0 or int(where.max()) < (1 << 32) else 8  # flat positions are >= 0
+        positions = where.astype("<u4" if kind == 4 else "<u8", copy=False)
+        parts = [_WAL_HEAD.pack(len(name)), name, _WAL_FIELDS.pack(words.itemsize, kind, count),
+                 positions.data.cast("B")]
+    return b"".join([*parts, words.data.cast("B")])
+
+
+def decode_wal_image(key_suffix: bytes, value) -> WalImage:
+    """An image of ``wal/<suffix>``; IntegrityError when it does not parse."""
+    try:
+        version, segment, record = (int(p) for p in bytes(key_suffix).split(b"/"))
+        buf = memoryview(value)
+        (n,) = _WAL_HEAD.unpack_from(buf, 0)
+        tensor = bytes(buf[2:2 + n]).decode()
+        at = 2 + n
+        width, kind, count = _WAL_FIELDS.unpack_from(buf, at)
+        at += _WAL_FIELDS.size
+        if width not in _WIDTHS or kind not in (0, 4, 8):
+            raise ValueError
+        where: slice | np.ndarray
+        if kind == 0:
+            (start,) = struct.unpack_from("<Q", buf, at)
+            at += 8
+            where = slice(start, start + count)
+        else:
+            where = np.frombuffer(buf, dtype="<u4" if kind == 4 else "<u8", count=count, offset=at)
+            at += kind * count
+        if len(buf) - at != width * count:
+            raise ValueError
+        words = np.frombuffer(buf, dtype=f"<u{width}", count=count, offset=at)
+        return WalImage(version, segment, record, tensor, where, words)
+    except (ValueError, struct.error, UnicodeDecodeError):
+        raise IntegrityError(f"deferred-sync image {bytes(key_suffix)[:40]!r} is not readable") from None
 
 
 def json_bytes(obj) -> bytes:
@@ -150,6 +221,8 @@ class JournalState:
     # (from ``inflight_from``) or "snapshot".
     inflight_kind: str = "version"
     inflight_from: int | None = None
+    # Deferred sync: the boot in which the journal's images were written (None: no image).
+    wal_boot: bytes | None = None
 
     @property
     def bound(self) -> bool:
@@ -184,6 +257,7 @@ def read_state(txn) -> JournalState:
     current = txn.get(K_CURRENT)
     inflight = txn.get(K_INFLIGHT)
     materializing = txn.get(K_MATERIALIZING)
+    wal_boot = txn.get(K_WAL_BOOT)
     try:
         cur = json.loads(bytes(current)) if current is not None else None
         step = json.loads(bytes(inflight)) if inflight is not None else {}
@@ -202,6 +276,7 @@ def read_state(txn) -> JournalState:
             else int(json.loads(bytes(materializing))["version"]),
             inflight_kind=kind,
             inflight_from=None if start is None else int(start),
+            wal_boot=None if wal_boot is None else bytes(wal_boot),
         )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise IntegrityError("journal entries are not readable") from None
@@ -268,11 +343,18 @@ def verify_entries(txn) -> bool:
     placement = txn.get(K_PLACEMENT)
     if placement is not None and re.fullmatch(rb"[0-9a-f]{64}", bytes(placement)) is None:
         raise IntegrityError("the placement digest is not readable")
+    images = 0
+    for suffix, value in scan(txn, WAL_PREFIX, copy=False):
+        decode_wal_image(suffix, value)
+        images += 1
+    if (txn.get(K_WAL_BOOT) is None) != (images == 0):
+        raise IntegrityError("deferred-sync images and their boot entry do not go together")
     return stored is not None
 
 
-def scan(txn, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """(key without prefix, value) of every key starting with ``prefix``, in key order."""
+def scan(txn, prefix: bytes, copy: bool = True) -> Iterator[tuple[bytes, bytes]]:
+    """(key without prefix, value) of every key starting with ``prefix``, in key order;
+    ``copy=False`` yields the values as LMDB holds them (valid within the transaction)."""
     cur = txn.cursor()
     if not cur.set_range(prefix):
         return
@@ -280,4 +362,4 @@ def scan(txn, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         key = bytes(key)
         if not key.startswith(prefix):
             return
-        yield key[len(prefix):], bytes(value)
+        yield key[len(prefix):], bytes(value) if copy else value

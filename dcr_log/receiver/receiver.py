@@ -29,16 +29,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from dcr_log.coords import DTYPE_WIDTH, numel
 from dcr_log.digest import XXH3, DigestScheme
 from dcr_log.errors import IntegrityError, LayoutError, LineageError, NotFoundError, UsageError
 from dcr_log.format import CommitRecord
 from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
 from dcr_log.log.deltalog import DeltaLog, Step
 from dcr_log.parallel import map_ordered
-from dcr_log.receiver.batch import BatchWriter, Undo, redo_journal_bytes
+from dcr_log.receiver.batch import BatchWriter, Deferred, Undo, redo_journal_bytes, wal_budget
 from dcr_log.receiver.checks import PassOne, sample_tensors
 from dcr_log.receiver.context import APPLY_WORKERS, ApplyContext, GroupDigests
 from dcr_log.receiver.files import FilePlan, plan_files, write_files
+from dcr_log.receiver.fs import boot_id
 from dcr_log.receiver.journal import Journal, JournalState, SegmentProgress
 from dcr_log.receiver.opening import (
     JOURNAL_DIR,
@@ -102,11 +106,16 @@ class Receiver:
     """One receiver: a storage and its journal. Not thread-safe; one apply at a time."""
 
     def __init__(self, storage: Storage, journal: Journal, fault: FaultHook | None = None,
-                 trust: Any = None):
+                 trust: Any = None, deferred_sync: bool = True):
         from dcr_log.collective import LocalGroup
 
         self.storage = storage
         self.journal = journal
+        # Deferred sync (RECEIVER.md): a checkpoint directory's written words stay in the
+        # journal until the files are synced, instead of an msync of every file per batch.
+        storage.deferred_sync = deferred_sync and storage.can_defer_sync
+        # This boot's id once the journal's images were restored (or found not needed).
+        self._restored: bytes | None = None
         # Under a trust policy, a version is bound or applied only with a valid signature by
         # a trusted key (dcr_log.signing), checked before any write.
         self.trust = as_trust(trust)
@@ -132,7 +141,8 @@ class Receiver:
              fault: FaultHook | None = None, device: Any = None, trust: Any = None,
              placement: Any = None, loader: Callable | None = None, group: Any = None,
              rediscover: Callable | None = None, loader_params: Any = None,
-             shadow: Any = None, dtypes: Any = None, layout_changes: str = "refuse") -> Receiver:
+             shadow: Any = None, dtypes: Any = None, layout_changes: str = "refuse",
+             deferred_sync: bool = True) -> Receiver:
         """Open a receiver: ``storage`` is a Storage, a dict of numpy arrays or torch tensors,
         or a checkpoint directory (whose journal defaults to DIR/.dcr).
 
@@ -152,7 +162,14 @@ class Receiver:
         tensor's dtype and shape stay as they are) or ``"own"`` (the mapping is the
         receiver's: keys are added and removed, and a reshaped or retyped torch tensor gets
         new data in place). Checkpoint directories always follow table changes; engine
-        receivers follow them through ``rediscover``."""
+        receivers follow them through ``rediscover``.
+
+        ``deferred_sync`` (checkpoint directories): keep each version's written words in the
+        journal and sync the files only when those images outgrow their budget, instead of
+        syncing every written file before each journal marker. After a power loss the
+        files are right only once a receiver has used the directory (its first apply, bind,
+        stage or route restores them; ``dcr status`` says when one is needed); False for a
+        directory that other programs read without a receiver."""
         check_layout_changes(layout_changes)
         journal = open_journal(storage, journal_path)
         try:
@@ -160,7 +177,7 @@ class Receiver:
                                          loader=loader, group=group, rediscover=rediscover,
                                          loader_params=loader_params, shadow=shadow, dtypes=dtypes,
                                          layout_changes=layout_changes)
-            return Receiver(base, journal, fault, trust)
+            return Receiver(base, journal, fault, trust, deferred_sync)
         except BaseException:
             journal.close()
             raise
@@ -235,6 +252,8 @@ class Receiver:
         if st.log_id is not None and st.log_id != log.log_id:
             raise LineageError(f"receiver belongs to log {st.log_id}, not {log.log_id}")
         self.digests = log.digests
+        if st.log_id is not None:
+            self._restore_unsynced()
         commit = log.commit(version)
         if self.trust is not None:
             log.check_signed(version, self.trust)
@@ -254,6 +273,7 @@ class Receiver:
         plan = self.plan_files(log, commit)
         if plan is not None:
             self._write_files(plan, log)
+        self.storage.sync()  # the bind drops deferred-sync images: the words are on disk
         self.journal.bind(log.log_id, version, commit.state_digest, placement=placement,
                           files=None if plan is None else plan.names)
 
@@ -423,7 +443,50 @@ class Receiver:
             if storage.durable and bound is not None and bound != storage.placement.digest:
                 raise UsageError("the receiver was bound with another placement: open it with the "
                                  "placement it was bound with, or bind it again")
+        self._restore_unsynced()
         return st
+
+    def _restore_unsynced(self) -> None:
+        """Deferred sync: before the storage is read, put back the words of the journal's
+        images if a restart since they were written may have lost them from the page cache
+        (another boot, or one the system does not name), then sync (RECEIVER.md, "Deferred
+        sync"). Only words that differ are written; the journal is not (the next begin
+        records this boot)."""
+        if self._restored is not None:
+            return
+        boot = boot_id()
+        stored = self.journal.wal_boot()
+        if stored is not None and (not stored or stored != boot):
+            storage, layout = self.storage, self.storage.layout()
+            images = self.journal.wal_images()
+            for image in images:  # all checked before the first write
+                if image.tensor not in layout:
+                    raise IntegrityError(f"journal image of version {image.version} is for tensor "
+                                         f"{image.tensor!r}, which the storage lacks")
+                words = storage.tensor_words(image.tensor)
+                where = image.where
+                end = where.stop if isinstance(where, slice) else int(where.max()) + 1 if where.size else 0
+                if words.itemsize != image.words.itemsize or end > words.size:
+                    raise IntegrityError(f"journal image of version {image.version} does not fit "
+                                         f"tensor {image.tensor!r}")
+            for image in images:  # in the order written: the last image of a word is its value
+                where = image.where
+                place = storage.locate(image.tensor, where if isinstance(where, slice)
+                                       else where.astype(np.int64))
+                if not np.array_equal(storage.gather(place), image.words):
+                    storage.write(place, image.words.copy())  # aligned, as the C scatter needs
+            storage.sync()
+        self._restored = boot
+
+    def _image_bytes(self, commit: CommitRecord | Step) -> tuple[int, int]:
+        """Deferred sync: the storage's image budget, and about the bytes of ``commit``'s
+        images (4-byte positions and its widest word per change). A version whose images
+        would outgrow the budget alone is synced batch by batch instead: at 10% of a bf16
+        model they are a third of the file, which a sync writes anyway."""
+        layout = self.storage.layout()
+        budget = wal_budget(sum(numel(shape) * DTYPE_WIDTH[dtype] for dtype, shape in layout.values()))
+        width = max((DTYPE_WIDTH[t.dtype] for t in commit.tensors), default=1)
+        return budget, commit.stats.changed_elements * (4 + width)
 
     def _apply_step(self, log: DeltaLog, step: Step, verify: str,
                     verified_digest: int | None) -> tuple[ApplyReport, int | None]:
@@ -522,6 +585,9 @@ class Receiver:
             found = pass_one.run(cache, progress, before, classify=verify != "none")
             composition, neither = found.composition, found.neither
             journal_bytes = redo_journal_bytes(found.redo_bytes)
+            if storage.deferred_sync:  # the version's images, when it keeps them
+                budget, images = self._image_bytes(commit)
+                journal_bytes += images if images <= budget else 0
             if neither is not None and composition is None:
                 raise neither
             # The version's files (a checkpoint directory): fetched and checked before any write.
@@ -562,11 +628,37 @@ class Receiver:
         # -- writes start here --
         # The first write is always a journal transaction, also when recovering (where it
         # rewrites the same in-flight entry): a damaged journal (LMDB has no page checksums)
-        # then fails here, before any byte of the storage is written.
-        self.journal.begin(version, commit.kind, commit.parent if commit.kind == "squash" else None)
+        # then fails here, before any byte of the storage is written. (Under deferred sync a
+        # restore after a restart, and syncs, may come first: they put back and flush the
+        # journal's own version, RECEIVER.md 5.6.)
+        deferred = None
+        clear_wal = False
+        if storage.deferred_sync:
+            self._restore_unsynced()
+            layout = storage.layout()
+            budget, images = self._image_bytes(commit)
+            used = self.journal.wal_bytes()
+            if images <= budget:
+                deferred = Deferred(budget, used, self._restored or b"")
+            if used and (deferred is None or layout != commit_layout(commit)):
+                # A layout change rewrites files from their maps and renames them: the images
+                # are dropped first (their words synced), so none is ever put back into a
+                # tensor of another shape. A version without images drops them likewise.
+                storage.sync()
+                clear_wal = True
+                if deferred is not None:
+                    deferred.used = 0
+        elif storage.durable and self.journal.wal_boot() is not None:
+            # Opened without deferred sync over images kept with it: restoring them after a
+            # later power loss would put back words this apply overwrites. Synced, dropped.
+            self._restore_unsynced()
+            storage.sync()
+            clear_wal = True
+        self.journal.begin(version, commit.kind, commit.parent if commit.kind == "squash" else None,
+                           clear_wal=clear_wal, wal_boot=None if deferred is None else deferred.boot)
         undo = None if storage.durable else Undo()
         ctx = ApplyContext(commit, table, cache, verify, report, undo)
-        writer = BatchWriter(storage, self.journal, self._digest_parts, self._fault_hook)
+        writer = BatchWriter(storage, self.journal, self._digest_parts, self._fault_hook, deferred)
         try:
             self._hook("inflight", version=version)
             if storage.layout() != commit_layout(commit):

@@ -50,6 +50,11 @@ class Storage(ABC):
     # Whether locate, gather, select and digest_at may run on several threads at once while
     # nothing writes (pass one classifies records on the pool's threads): host memory does.
     parallel_reads = False
+    # Durable storage whose flush may be deferred (RECEIVER.md, "Deferred sync"): the
+    # Receiver sets ``deferred_sync`` when it keeps the written words in its journal until
+    # ``sync``; ``flush`` is then a no-op.
+    can_defer_sync = False
+    deferred_sync = False
 
     @abstractmethod
     def layout(self) -> TableLayout:
@@ -92,7 +97,11 @@ class Storage(ABC):
         return digests.tensor(self.tensor_words(name), self.layout()[name][1])
 
     def flush(self) -> None:
-        """Make every write so far durable (no-op in memory)."""
+        """Make every write so far durable (no-op in memory, and under deferred sync)."""
+
+    def sync(self) -> None:
+        """Make every write so far durable, deferred sync or not."""
+        self.flush()
 
     def weight_names(self) -> set[str]:
         """Names in ``files_dir`` that hold tensors (never written as a version's files)."""

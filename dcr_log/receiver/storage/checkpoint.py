@@ -72,6 +72,7 @@ class CheckpointStorage(Storage):
 
     durable = True
     parallel_reads = True  # reads of the memory maps
+    can_defer_sync = True
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
@@ -169,10 +170,23 @@ class CheckpointStorage(Storage):
         scatter_words(words, where, values)
 
     def flush(self) -> None:
-        # msync(MS_SYNC) of each written file: its data is on disk before any journal marker.
-        for path in sorted(self._dirty):
-            self._maps[path].flush()
-        self._dirty.clear()
+        # msync(MS_SYNC) of each file written since: its data is on disk before any journal
+        # marker (under deferred sync the journal holds the words instead).
+        if not self.deferred_sync:
+            self._msync(sorted(self._dirty))
+
+    def sync(self) -> None:
+        # Every file: an earlier process's writes under deferred sync may be in the page
+        # cache only (an msync writes a file's dirty pages, whoever dirtied them).
+        self._msync(sorted(self._maps))
+
+    def _msync(self, paths: list[Path]) -> None:
+        for path in paths:
+            try:
+                self._maps[path].flush()
+            except OSError as exc:
+                raise os_error(exc, f"cannot sync {path}") from None
+        self._dirty.difference_update(paths)
 
     def tensor_words(self, name: str) -> np.ndarray:
         return self._words[name]
@@ -225,7 +239,7 @@ class CheckpointStorage(Storage):
             wanted = {n: layout[n] for n in names}
             if current == wanted:
                 continue
-            self.flush()  # bytes carried into the new file are copied from the maps
+            self.sync()  # bytes carried into the new file are copied from the maps
             state = {}
             for n in names:
                 dtype, shape = layout[n]

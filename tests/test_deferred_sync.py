@@ -1,0 +1,235 @@
+"""Deferred sync of checkpoint-directory receivers (spec/RECEIVER.md, "Deferred sync"): the
+journal keeps each written record's positions and target words until the files are synced,
+so that a power loss at any point, which may leave any page of the files at its last synced
+bytes, loses nothing once a receiver opens the directory again. The power loss is modelled by
+helpers.powerloss (per page: durable bytes or current ones, at random; a new boot id)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_receiver import CRASH_POINTS, LAYOUT_VERSION, SimulatedCrash, build_log, ckpt_receiver, reopen
+
+from helpers import assert_same_bits, change_words, copy_state, make_state
+from helpers.powerloss import PowerLossModel
+from dcr_log import DeltaLog
+from dcr_log.checkpoint import load_checkpoint
+from dcr_log.receiver import Journal, Receiver, write_checkpoint
+from dcr_log.receiver import batch as batch_module
+from dcr_log.write import LogWriter
+from dcr_log.write.differ import EncodePolicy
+
+VERSIONS = 5
+
+
+@pytest.fixture
+def logged(tmp_path):
+    return build_log(tmp_path / "log", versions=VERSIONS)
+
+
+def crash_at(point: str, nth: int):
+    seen = {"n": 0}
+
+    def hook(name, **info):
+        if name == point:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                raise SimulatedCrash(name)
+    return hook
+
+
+@pytest.mark.parametrize("budget", ["large", "medium", "small"])
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_a_power_loss_anywhere_loses_nothing(tmp_path, monkeypatch, logged, point, budget):
+    """Crash at a point of some version, then lose power (each page not synced since may
+    revert): the next receiver restores the journal's images and ends bit for bit at the
+    log's latest version; between versions it holds exactly the journal's version. Budgets:
+    every version's images kept; one version's, dropped (after a sync) in the middle of the
+    next; none (each version too large for its images: synced batch by batch)."""
+    log, states = logged
+    # The model's tensors hold about 8 KB: a quarter is below both floors set here.
+    monkeypatch.setattr(batch_module, "WAL_MIN_BYTES", {"large": 1 << 26, "medium": 4096, "small": 600}[budget])
+    stages = []
+    real_stage = Journal.stage
+    monkeypatch.setattr(Journal, "stage", lambda self, *a, **k: stages.append(k) or real_stage(self, *a, **k))
+    model = PowerLossModel(monkeypatch, seed=CRASH_POINTS.index(point))
+    directory = ckpt_receiver(tmp_path, log, states[0], shard_bytes=2000)
+    nth = 2 if point == "layout_file" else 3
+    rx = reopen(directory, fault=crash_at(point, nth))
+    with pytest.raises(SimulatedCrash):
+        rx.apply(log)
+    rx.close()
+    unsynced = model.unsynced_pages(directory)
+    model.lose_power(directory)
+    st = Journal.peek(directory / ".dcr")
+    with reopen(directory) as rx:
+        if st.inflight is None:
+            assert rx.apply(log, to=st.version) == []  # restores, applies nothing
+            assert_same_bits(load_checkpoint(directory), states[st.version])
+        applied = rx.apply(log, verify="full")
+        assert applied == list(range(st.version + 1, VERSIONS + 1))
+    assert_same_bits(load_checkpoint(directory), states[VERSIONS])
+    if budget == "large" and point in ("applied", "before_commit", "committed"):
+        assert unsynced > 0  # the model did lose written pages
+    kept = [k for k in stages if k.get("wal")]
+    if budget == "small":
+        assert not kept
+    elif budget == "medium":
+        assert kept and any(k["clear_wal"] for k in kept) or point in ("inflight", "layout", "layout_file")
+    else:
+        assert kept and not any(k["clear_wal"] for k in stages)
+
+
+def test_power_loss_after_each_version_of_a_follow(tmp_path, monkeypatch, logged):
+    """A receiver that loses power after every joint commit (the images of several versions
+    restored in order, over a layout change) keeps every version's bits."""
+    log, states = logged
+    model = PowerLossModel(monkeypatch, seed=5)
+    directory = ckpt_receiver(tmp_path, log, states[0], shard_bytes=2000)
+    lost = 0
+    for v in range(1, VERSIONS + 1):
+        with reopen(directory) as rx:
+            assert rx.apply(log, to=v) == [v]
+        lost += model.lose_power(directory)
+        with reopen(directory) as rx:
+            assert rx.apply(log, to=v) == []
+        assert_same_bits(load_checkpoint(directory), states[v])
+    assert lost > 0
+
+
+def test_images_are_dropped_only_once_every_file_is_synced(tmp_path, monkeypatch):
+    """A process writes one file and dies (same boot: nothing is restored); the next writes
+    only the other file and drops every image when they outgrow the budget. The first
+    process's words must be synced too before their images go."""
+    rng = np.random.default_rng(3)
+    state = make_state(rng, {"a": ("F32", (64, 64)), "b": ("F32", (64, 64))})
+    states = [copy_state(state)]
+    writer = LogWriter.create(tmp_path / "log", state, policy=EncodePolicy(chunk_elements=256))
+    for changed in ("a", "b"):
+        state = dict(state)
+        state[changed] = change_words(rng, state[changed], 0.5)
+        writer.append(state)
+        states.append(copy_state(state))
+    log = DeltaLog.open(tmp_path / "log")
+    model = PowerLossModel(monkeypatch, seed=1)
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    write_checkpoint(states[0], directory, shard_bytes=20000)  # "a" and "b" in two files
+    with Receiver.open(directory) as rx:
+        rx.bind(log, 0)
+        assert rx.apply(log, to=1) == [1]
+    assert model.unsynced_pages(directory) > 0 and Journal.peek(directory / ".dcr").version == 1
+    monkeypatch.setattr(batch_module, "WAL_MIN_BYTES", 1)  # version 2 drops version 1's images
+    with Receiver.open(directory) as rx:
+        assert rx.apply(log) == [2]
+        assert rx.journal.wal_boot() is None  # version 2's own batch was too large to keep
+    model.lose_power(directory)
+    with Receiver.open(directory) as rx:
+        assert rx.apply(log) == []
+    assert_same_bits(load_checkpoint(directory), states[2])
+
+
+def test_images_restore_only_after_a_restart(tmp_path, monkeypatch, logged):
+    """In the boot that wrote them the page cache holds the words: opening reads no image.
+    After a restart every image is checked and the differing words written back."""
+    log, states = logged
+    model = PowerLossModel(monkeypatch, seed=2)
+    directory = ckpt_receiver(tmp_path, log, states[0])
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=2) == [1, 2]
+        assert rx.journal.wal_boot() == model.boot and rx.journal.wal_bytes() > 0
+    reads = []
+    real = Journal.wal_images
+    monkeypatch.setattr(Journal, "wal_images", lambda self: reads.append(1) or real(self))
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=3) == [3]
+    assert reads == []
+    model.lose_power(directory)
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=3) == []  # restored; nothing applied, so the journal is not written
+    assert reads == [1]
+    assert_same_bits(load_checkpoint(directory), states[3])
+    with reopen(directory) as rx:  # the images are checked again, and this apply's begin records the boot
+        assert rx.apply(log, to=4) == [4]
+        assert rx.journal.wal_boot() == model.boot
+    assert reads == [1, 1]
+    with reopen(directory) as rx:
+        assert rx.apply(log) == [5]
+    assert reads == [1, 1]
+    assert_same_bits(load_checkpoint(directory), states[5])
+
+
+def test_without_deferred_sync_every_batch_is_synced(tmp_path, monkeypatch, logged):
+    """deferred_sync=False: no image is kept, nothing is left unsynced after a version, and
+    images kept by an earlier deferred-sync apply are dropped once synced."""
+    log, states = logged
+    model = PowerLossModel(monkeypatch)
+    directory = ckpt_receiver(tmp_path, log, states[0])
+    with Receiver.open(directory, deferred_sync=False) as rx:
+        assert rx.apply(log, to=2) == [1, 2]
+        assert rx.journal.wal_boot() is None
+    assert model.unsynced_pages(directory) == 0
+    with Receiver.open(directory) as rx:
+        assert rx.apply(log, to=3) == [3]
+        assert rx.journal.wal_bytes() > 0
+    assert model.unsynced_pages(directory) > 0
+    # Opened without deferred sync over kept images: they are synced and dropped first
+    # (restored after a power loss, they would put back version 3's words over version 4's).
+    with Receiver.open(directory, deferred_sync=False) as rx:
+        assert rx.apply(log, to=4) == [4]
+        assert rx.journal.wal_boot() is None
+    assert model.unsynced_pages(directory) == 0
+    model.lose_power(directory)
+    with Receiver.open(directory) as rx:
+        assert rx.apply(log) == [5]
+    assert_same_bits(load_checkpoint(directory), states[5])
+
+
+@pytest.mark.parametrize("damage", ["unreadable", "unknown tensor", "past the tensor"])
+def test_a_damaged_image_is_refused_before_any_write(tmp_path, monkeypatch, logged, damage):
+    """An image that does not parse (found when the journal is first read), or that names a
+    tensor the storage lacks or positions past it (found when restoring), is refused with
+    IntegrityError before a byte of the directory is written."""
+    import lmdb
+
+    from dcr_log.errors import IntegrityError
+    from dcr_log.receiver.journal_entries import WAL_PREFIX, SumTxn, encode_wal_image
+
+    log, states = logged
+    model = PowerLossModel(monkeypatch)
+    directory = ckpt_receiver(tmp_path, log, states[0])
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=2) == [1, 2]
+    model.lose_power(directory)  # some words to restore
+    bad = {"unreadable": b"\x00",
+           "unknown tensor": encode_wal_image("nope", np.arange(3), np.zeros(3, np.uint16)),
+           "past the tensor": encode_wal_image("w.a", np.arange(64 * 48 - 1, 64 * 48 + 1),
+                                               np.zeros(2, np.uint16))}[damage]
+    env = lmdb.open(str(directory / ".dcr"), subdir=True)
+    with env.begin(write=True, buffers=True) as raw:
+        txn = SumTxn(raw)
+        # The last image: those before it are checked and restorable, and must not be written.
+        key = [bytes(k) for k in raw.cursor().iternext(values=False) if bytes(k).startswith(WAL_PREFIX)][-1]
+        txn.put(key, bad)
+        txn.seal()
+    env.close()
+    model.boot = b"another boot"  # a restart: the images are restored
+    before = {p: p.read_bytes() for p in directory.glob("*.safetensors")}
+    with pytest.raises(IntegrityError):
+        with Receiver.open(directory) as rx:
+            rx.apply(log)
+    assert {p: p.read_bytes() for p in directory.glob("*.safetensors")} == before
+
+
+def test_layout_change_drops_earlier_images(tmp_path, monkeypatch, logged):
+    """A version that changes the tensor table syncs and drops the images before its files
+    are rewritten: none is ever put back into a tensor of another shape."""
+    log, states = logged
+    PowerLossModel(monkeypatch)
+    directory = ckpt_receiver(tmp_path, log, states[0])
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=LAYOUT_VERSION - 1) == list(range(1, LAYOUT_VERSION))
+        assert rx.journal.wal_images()
+        assert rx.apply(log, to=LAYOUT_VERSION) == [LAYOUT_VERSION]
+        assert {i.version for i in rx.journal.wal_images()} == {LAYOUT_VERSION}
+    assert_same_bits(load_checkpoint(directory), states[LAYOUT_VERSION])

@@ -233,3 +233,38 @@ def test_layout_change_drops_earlier_images(tmp_path, monkeypatch, logged):
         assert rx.apply(log, to=LAYOUT_VERSION) == [LAYOUT_VERSION]
         assert {i.version for i in rx.journal.wal_images()} == {LAYOUT_VERSION}
     assert_same_bits(load_checkpoint(directory), states[LAYOUT_VERSION])
+
+
+def test_a_failed_sync_makes_the_next_start_restore(tmp_path, monkeypatch, logged):
+    """A write-back error reported by msync (EIO: the kernel may have dropped written words
+    from its page cache) fails the apply with StoreError and leaves the images to be
+    restored at the next start, in the same boot too."""
+    import errno
+
+    from dcr_log.errors import StoreError
+
+    log, states = logged
+    model = PowerLossModel(monkeypatch, seed=4)
+    directory = ckpt_receiver(tmp_path, log, states[0])
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=1) == [1]
+    monkeypatch.setattr(batch_module, "WAL_MIN_BYTES", 1)  # version 2 syncs version 1's images first
+
+    def failing(mapped):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as m:
+        m.setattr(np.memmap, "flush", failing)
+        with reopen(directory) as rx, pytest.raises(StoreError, match="cannot sync"):
+            rx.apply(log, to=2)
+    st = Journal.peek(directory / ".dcr")
+    assert st.version == 1 and st.wal_boot == b""
+    reads = []
+    real = Journal.wal_images
+    monkeypatch.setattr(Journal, "wal_images", lambda self: reads.append(1) or real(self))
+    model.lose_power(directory)
+    model.boot = b"boot-0"  # the same boot as the failed sync
+    with reopen(directory) as rx:
+        assert rx.apply(log) == [2, 3, 4, 5]
+    assert reads == [1]
+    assert_same_bits(load_checkpoint(directory), states[VERSIONS])

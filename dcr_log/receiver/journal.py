@@ -352,6 +352,14 @@ class Journal:
             txn.put(K_MATERIALIZING, json_bytes({"version": version}))
         self._write(fn)
 
+    def forget_wal_boot(self) -> None:
+        """A sync failed (a write-back error: the page cache may have dropped written words):
+        the images are restored at the next start whatever its boot (an empty ``wal_boot``)."""
+        def fn(txn: SumTxn) -> None:
+            if txn.get(K_WAL_BOOT) is not None:
+                txn.put(K_WAL_BOOT, b"")
+        self._write(fn)
+
     def begin(self, version: int, kind: str = "version", start: int | None = None,
               clear_wal: bool = False, wal_boot: bytes | None = None) -> None:
         """``version`` in flight, by a version of the chain or a catch-up step (a squash from

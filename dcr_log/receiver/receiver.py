@@ -114,6 +114,8 @@ class Receiver:
         # Deferred sync (RECEIVER.md): a checkpoint directory's written words stay in the
         # journal until the files are synced, instead of an msync of every file per batch.
         storage.deferred_sync = deferred_sync and storage.can_defer_sync
+        if storage.can_defer_sync:
+            storage.on_sync_error = self._sync_failed  # type: ignore[attr-defined]  # CheckpointStorage
         # This boot's id once the journal's images were restored (or found not needed).
         self._restored: bytes | None = None
         # Under a trust policy, a version is bound or applied only with a valid signature by
@@ -445,6 +447,14 @@ class Receiver:
                                  "placement it was bound with, or bind it again")
         self._restore_unsynced()
         return st
+
+    def _sync_failed(self) -> None:
+        """An msync failed: the kernel may have dropped written words from its page cache, so
+        the journal's images are restored at the next start, in this boot too."""
+        try:
+            self.journal.forget_wal_boot()
+        except Exception:  # the sync's own error is the one to report
+            pass
 
     def _restore_unsynced(self) -> None:
         """Deferred sync: before the storage is read, put back the words of the journal's

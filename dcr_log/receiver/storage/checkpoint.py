@@ -8,6 +8,7 @@ import glob
 import json
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,8 @@ class CheckpointStorage(Storage):
     durable = True
     parallel_reads = True  # reads of the memory maps
     can_defer_sync = True
+    # Set by the Receiver under deferred sync: called when an msync fails, before the error.
+    on_sync_error: Callable[[], None] | None = None
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
@@ -185,6 +188,8 @@ class CheckpointStorage(Storage):
             try:
                 self._maps[path].flush()
             except OSError as exc:
+                if self.on_sync_error is not None:
+                    self.on_sync_error()
                 raise os_error(exc, f"cannot sync {path}") from None
         self._dirty.difference_update(paths)
 

@@ -147,15 +147,15 @@ def test_images_restore_only_after_a_restart(tmp_path, monkeypatch, logged):
     model.lose_power(directory)
     with reopen(directory) as rx:
         assert rx.apply(log, to=3) == []  # restored; nothing applied, so the journal is not written
-    assert reads == [1]
+    assert reads == [1, 1]  # checked, then written
     assert_same_bits(load_checkpoint(directory), states[3])
     with reopen(directory) as rx:  # the images are checked again, and this apply's begin records the boot
         assert rx.apply(log, to=4) == [4]
         assert rx.journal.wal_boot() == model.boot
-    assert reads == [1, 1]
+    assert reads == [1] * 4
     with reopen(directory) as rx:
         assert rx.apply(log) == [5]
-    assert reads == [1, 1]
+    assert reads == [1] * 4
     assert_same_bits(load_checkpoint(directory), states[5])
 
 
@@ -229,7 +229,7 @@ def test_layout_change_drops_earlier_images(tmp_path, monkeypatch, logged):
     directory = ckpt_receiver(tmp_path, log, states[0])
     with reopen(directory) as rx:
         assert rx.apply(log, to=LAYOUT_VERSION - 1) == list(range(1, LAYOUT_VERSION))
-        assert rx.journal.wal_images()
+        assert list(rx.journal.wal_images())
         assert rx.apply(log, to=LAYOUT_VERSION) == [LAYOUT_VERSION]
         assert {i.version for i in rx.journal.wal_images()} == {LAYOUT_VERSION}
     assert_same_bits(load_checkpoint(directory), states[LAYOUT_VERSION])
@@ -266,5 +266,5 @@ def test_a_failed_sync_makes_the_next_start_restore(tmp_path, monkeypatch, logge
     model.boot = b"boot-0"  # the same boot as the failed sync
     with reopen(directory) as rx:
         assert rx.apply(log) == [2, 3, 4, 5]
-    assert reads == [1]
+    assert reads == [1, 1]
     assert_same_bits(load_checkpoint(directory), states[VERSIONS])

@@ -23,7 +23,7 @@ import fcntl
 import os
 import struct
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -254,13 +254,15 @@ class Journal:
         with env.begin(buffers=True) as txn:
             return sum(len(value) for _, value in scan(txn, WAL_PREFIX, copy=False))
 
-    def wal_images(self) -> list[WalImage]:
-        """The deferred-sync images in the order they were written (version, segment, record)."""
+    def wal_images(self) -> Generator[WalImage, None, None]:
+        """The deferred-sync images in the order they were written (version, segment, record),
+        one at a time where LMDB holds them (each valid until the next is asked for)."""
         env = self._reader()
         if env is None:
-            return []
-        with env.begin() as txn:
-            return [decode_wal_image(suffix, value) for suffix, value in scan(txn, WAL_PREFIX)]
+            return
+        with env.begin(buffers=True) as txn:
+            for suffix, value in scan(txn, WAL_PREFIX, copy=False):
+                yield decode_wal_image(suffix, value)
 
     # -- writes: each is one synced transaction ---------------------------------------------
 

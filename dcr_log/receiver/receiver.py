@@ -19,11 +19,12 @@ It stays above 500 lines: the lineage rules of ``_prepare`` and the joint commit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from dcr_log.receiver.context import APPLY_WORKERS, ApplyContext, GroupDigests
 from dcr_log.receiver.files import FilePlan, plan_files, write_files
 from dcr_log.receiver.fs import boot_id
 from dcr_log.receiver.journal import Journal, JournalState, SegmentProgress
+from dcr_log.receiver.journal_entries import WalImage
 from dcr_log.receiver.opening import (
     JOURNAL_DIR,
     check_layout_changes,
@@ -468,25 +470,32 @@ class Receiver:
         stored = self.journal.wal_boot()
         if stored is not None and (not stored or stored != boot):
             storage, layout = self.storage, self.storage.layout()
-            images = self.journal.wal_images()
-            for image in images:  # all checked before the first write
-                if image.tensor not in layout:
-                    raise IntegrityError(f"journal image of version {image.version} is for tensor "
-                                         f"{image.tensor!r}, which the storage lacks")
-                words = storage.tensor_words(image.tensor)
-                where = image.where
-                end = where.stop if isinstance(where, slice) else int(where.max()) + 1 if where.size else 0
-                if words.itemsize != image.words.itemsize or end > words.size:
-                    raise IntegrityError(f"journal image of version {image.version} does not fit "
-                                         f"tensor {image.tensor!r}")
-            for image in images:  # in the order written: the last image of a word is its value
-                where = image.where
-                place = storage.locate(image.tensor, where if isinstance(where, slice)
-                                       else where.astype(np.int64))
-                if not np.array_equal(storage.gather(place), image.words):
-                    storage.write(place, image.words.copy())  # aligned, as the C scatter needs
+            # Two passes over the journal, an image at a time: all checked before the first
+            # write, then written.
+            with contextlib.closing(self.journal.wal_images()) as images:
+                self._check_images(images, layout)
+            with contextlib.closing(self.journal.wal_images()) as images:
+                for image in images:  # in order: a word's last image is its value
+                    where = image.where
+                    place = storage.locate(image.tensor, where if isinstance(where, slice)
+                                           else where.astype(np.int64))
+                    if not np.array_equal(storage.gather(place), image.words):
+                        storage.write(place, image.words.copy())  # aligned, as the C scatter needs
             storage.sync()
         self._restored = boot
+
+    def _check_images(self, images: Iterable[WalImage], layout: TableLayout) -> None:
+        """Each image's tensor is in the storage, with its word width, its positions inside."""
+        for image in images:
+            if image.tensor not in layout:
+                raise IntegrityError(f"journal image of version {image.version} is for tensor "
+                                     f"{image.tensor!r}, which the storage lacks")
+            words = self.storage.tensor_words(image.tensor)
+            where = image.where
+            end = where.stop if isinstance(where, slice) else int(where.max()) + 1 if where.size else 0
+            if words.itemsize != image.words.itemsize or end > words.size:
+                raise IntegrityError(f"journal image of version {image.version} does not fit "
+                                     f"tensor {image.tensor!r}")
 
     def _image_bytes(self, commit: CommitRecord | Step) -> tuple[int, int]:
         """Deferred sync: the storage's image budget, and about the bytes of ``commit``'s

@@ -25,7 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
-from helpers.ranks import finish_rank
+from helpers.ranks import finish_rank, rank_watchdog
 
 STEPS = 3           # versions 0..STEPS (AdamW steps between them)
 VOCAB, HIDDEN = 37, 16
@@ -256,6 +256,8 @@ CASES = {"fsdp2": case_fsdp2, "tp": case_tp, "mesh2d": case_mesh2d, "refusals": 
 def main() -> None:
     cfg, rank = json.loads(sys.argv[1]), int(sys.argv[2])
     result: dict = {"rank": rank, "ok": False}
+    if cfg.get("watchdog"):
+        rank_watchdog(cfg["watchdog"])
     import torch.distributed as dist
 
     try:

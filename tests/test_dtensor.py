@@ -24,13 +24,15 @@ from dcr_log import DeltaLog, ReplicaMismatch, UsageError
 JOB = Path(__file__).with_name("dtensor_job.py")
 PG_TIMEOUT = 20     # seconds: the process group's timeout
 RUN_TIMEOUT = 90    # seconds for one launch of all ranks
+WATCHDOG = 80       # seconds: a rank still running prints its stacks and exits (6 s is usual)
 
 
 def launch(tmp: Path, world: int, case: str) -> tuple[list[dict], Path, str]:
     """Run ``world`` ranks of the job's ``case``; every rank must exit 0 with a result."""
     out = tmp / f"{case}-{time.monotonic_ns()}"
     out.mkdir()
-    cfg = {"case": case, "world": world, "port": free_port(), "out": str(out), "timeout": PG_TIMEOUT}
+    cfg = {"case": case, "world": world, "port": free_port(), "out": str(out), "timeout": PG_TIMEOUT,
+           "watchdog": WATCHDOG}
     ranks = run_ranks([[sys.executable, str(JOB), json.dumps(cfg), str(r)] for r in range(world)], out, RUN_TIMEOUT)
     said = "\n".join(f"--- rank {r}: exit {rc}\n{o[-3000:]}" for r, (rc, o) in enumerate(ranks))
     results = []

@@ -53,6 +53,15 @@ def run_ranks(argvs: list[list[str]], out: Path, timeout: float, env: dict | Non
     return [(None if r in killed else p.returncode, o) for r, (p, o) in enumerate(zip(procs, outputs))]
 
 
+def rank_watchdog(seconds: float) -> None:
+    """Make a rank that is still running after ``seconds`` print every thread's stack and exit
+    (status 1): a rank stuck where no process-group timeout reaches then says where, before
+    run_ranks' own timeout kills it silently."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
 def finish_rank(out: str | Path, rank: int, result: dict, status: int = 0) -> NoReturn:
     """End a rank script: write ``out/result-<rank>.json`` (whole or not at all), flush, and
     exit with ``status`` without interpreter teardown. A gloo group's destructor can block when

@@ -921,28 +921,28 @@ static int check_width(int width) {
     return 1;
 }
 
-/* bound(k) -> the bytes `out` of encode must hold for k changes */
-static PyObject *py_bound(PyObject *self, PyObject *args) {
+/* The one argument of bound and scratch: a count of changes, k >= 0 (-1 on error). */
+static Py_ssize_t parse_count(PyObject *args) {
     Py_ssize_t k;
     if (!PyArg_ParseTuple(args, "n", &k))
-        return NULL;
+        return -1;
     if (k < 0) {
         PyErr_SetString(PyExc_ValueError, "k must be >= 0");
-        return NULL;
+        return -1;
     }
-    return PyLong_FromSize_t(encoded_bound(k));
+    return k;
+}
+
+/* bound(k) -> the bytes `out` of encode must hold for k changes */
+static PyObject *py_bound(PyObject *self, PyObject *args) {
+    Py_ssize_t k = parse_count(args);
+    return k < 0 ? NULL : PyLong_FromSize_t(encoded_bound(k));
 }
 
 /* scratch(k) -> the bytes `scratch` of encode must hold for k changes */
 static PyObject *py_scratch(PyObject *self, PyObject *args) {
-    Py_ssize_t k;
-    if (!PyArg_ParseTuple(args, "n", &k))
-        return NULL;
-    if (k < 0) {
-        PyErr_SetString(PyExc_ValueError, "k must be >= 0");
-        return NULL;
-    }
-    return PyLong_FromSize_t(scratch_bound(k));
+    Py_ssize_t k = parse_count(args);
+    return k < 0 ? NULL : PyLong_FromSize_t(scratch_bound(k));
 }
 
 /* encode(positions, base, new, width, out, scratch) -> payload length, written into out.

@@ -112,10 +112,10 @@ def status_cmd(receiver: Path = typer.Option(..., "--receiver", metavar="DIR", h
     # Deferred sync: words the journal holds that the files may not (RECEIVER.md 5.6).
     if st.wal_boot is None:
         row["unsynced"] = None
-    elif st.wal_boot and st.wal_boot == boot_id():
-        row["unsynced"] = "in the page cache"
-    else:
+    elif st.restore_needed(boot_id()):
         row["unsynced"] = "restore needed: run dcr apply (with --to at the current version to apply nothing)"
+    else:
+        row["unsynced"] = "in the page cache"
     if as_json:
         out.print(json.dumps(row), markup=False)
         return

@@ -239,12 +239,7 @@ class Journal:
 
     def wal_boot(self) -> bytes | None:
         """The boot during which the deferred-sync images were written (None: there are none)."""
-        env = self._reader()
-        if env is None:
-            return None
-        with env.begin() as txn:
-            value = txn.get(K_WAL_BOOT)
-        return None if value is None else bytes(value)
+        return self.state().wal_boot
 
     def wal_bytes(self) -> int:
         """The bytes of the deferred-sync images."""
@@ -278,10 +273,7 @@ class Journal:
             while size < MAX_MAP_SIZE and size < used + 2 * adds:
                 size *= 2
             if size != info["map_size"]:
-                try:
-                    env.set_mapsize(min(MAX_MAP_SIZE, size))
-                except lmdb.Error as exc:
-                    raise _lmdb_error(exc, self.path, "grow") from None
+                self._grow(env, size)
         while True:
             try:
                 with env.begin(write=True, buffers=True) as raw:
@@ -297,14 +289,17 @@ class Journal:
                 size = env.info()["map_size"]
                 if size >= MAX_MAP_SIZE:
                     raise StoreError(f"receiver journal {self.path}: map full at {size} bytes") from None
-                try:
-                    env.set_mapsize(min(MAX_MAP_SIZE, 2 * size))
-                except lmdb.Error as exc:
-                    raise _lmdb_error(exc, self.path, "grow") from None
+                self._grow(env, 2 * size)
             except lmdb.Error as exc:
                 raise _lmdb_error(exc, self.path, "write") from None
         self.txn_seconds += time.perf_counter() - t0
         self.txn_count += 1
+
+    def _grow(self, env: lmdb.Environment, size: int) -> None:
+        try:
+            env.set_mapsize(min(MAX_MAP_SIZE, size))
+        except lmdb.Error as exc:
+            raise _lmdb_error(exc, self.path, "grow") from None
 
     @staticmethod
     def _clear_inflight(txn: SumTxn) -> None:

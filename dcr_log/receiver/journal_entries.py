@@ -228,6 +228,12 @@ class JournalState:
     def bound(self) -> bool:
         return self.version is not None
 
+    def restore_needed(self, boot: bytes) -> bool:
+        """Whether the images must be put back before the storage is read, in boot ``boot``:
+        written in another boot (or an unnamed one, or before a failed sync), the page cache
+        may have lost their words (RECEIVER.md 5.6)."""
+        return self.wal_boot is not None and (not self.wal_boot or self.wal_boot != boot)
+
     def to_json(self) -> dict:
         return {
             "log_id": self.log_id,

@@ -117,7 +117,7 @@ class Receiver:
         # journal until the files are synced, instead of an msync of every file per batch.
         storage.deferred_sync = deferred_sync and storage.can_defer_sync
         if storage.can_defer_sync:
-            storage.on_sync_error = self._sync_failed  # type: ignore[attr-defined]  # CheckpointStorage
+            storage.on_sync_error = self._sync_failed
         # This boot's id once the journal's images were restored (or found not needed).
         self._restored: bytes | None = None
         # Under a trust policy, a version is bound or applied only with a valid signature by
@@ -467,8 +467,7 @@ class Receiver:
         if self._restored is not None:
             return
         boot = boot_id()
-        stored = self.journal.wal_boot()
-        if stored is not None and (not stored or stored != boot):
+        if self.journal.state().restore_needed(boot):
             storage, layout = self.storage, self.storage.layout()
             # Two passes over the journal, an image at a time: all checked before the first
             # write, then written.
@@ -652,8 +651,8 @@ class Receiver:
         # journal's own version, RECEIVER.md 5.6.)
         deferred = None
         clear_wal = False
+        # (_prepare restored the journal's images, where a restart required it.)
         if storage.deferred_sync:
-            self._restore_unsynced()
             layout = storage.layout()
             budget, images = self._image_bytes(commit)
             used = self.journal.wal_bytes()
@@ -670,7 +669,6 @@ class Receiver:
         elif storage.durable and self.journal.wal_boot() is not None:
             # Opened without deferred sync over images kept with it: restoring them after a
             # later power loss would put back words this apply overwrites. Synced, dropped.
-            self._restore_unsynced()
             storage.sync()
             clear_wal = True
         self.journal.begin(version, commit.kind, commit.parent if commit.kind == "squash" else None,

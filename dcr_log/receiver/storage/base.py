@@ -55,6 +55,8 @@ class Storage(ABC):
     # ``sync``; ``flush`` is then a no-op.
     can_defer_sync = False
     deferred_sync = False
+    # Set by the Receiver where it can defer: called when a sync fails, before the error.
+    on_sync_error: Callable[[], None] | None = None
 
     @abstractmethod
     def layout(self) -> TableLayout:

@@ -8,7 +8,6 @@ import glob
 import json
 import mmap
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +73,6 @@ class CheckpointStorage(Storage):
     durable = True
     parallel_reads = True  # reads of the memory maps
     can_defer_sync = True
-    # Set by the Receiver under deferred sync: called when an msync fails, before the error.
-    on_sync_error: Callable[[], None] | None = None
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)

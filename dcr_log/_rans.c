@@ -7,7 +7,7 @@
  * block of changes at a time. With AVX-512 (picked at run time) the per-change passes run 8
  * changes at a time. Against pcodec (the `ulp` encoding's coder, which searches its bins per
  * file) on bf16 Adam steps: 1% smaller, a quarter of the CPU to encode, about as much to
- * decode (tools/bench_codec.py).
+ * decode (tools/bench_codec.py --levels 8).
  *
  * Decoding checks everything it reads: a payload that is not what the spec allows is
  * refused with an error code (IntegrityError in dcr_log.codec.ulp_rans), and every write

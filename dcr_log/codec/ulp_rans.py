@@ -7,8 +7,8 @@ Why not pcodec, which the ``ulp`` encoding uses: pcodec searches its bins per fi
 Adam steps at 1, 3 and 10% changed (``tools/bench_codec.py --levels 8``, one thread) fixed
 bins and a static coder take 9.94, 8.45 and 6.90 bits per change against pcodec's 10.02,
 8.52 and 6.96, and encode 248-266 M changes/s against pcodec's 59-67, decoding about as fast
-(247-253 against 240-290); the bins fit the gaps' geometric and the distances' peaked
-distributions within 0.3% of their entropy. The coder is the C module
+(247-253 against 240-290): the fixed bins fit the gaps' geometric and the distances' peaked
+distributions as closely as pcodec's searched ones. The coder is the C module
 ``dcr_log._rans``; there is no numpy form of it (rANS is a chain per stream), and
 tools/rans_spec.py is its plain-Python twin, written from the spec.
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -372,7 +373,7 @@ def test_gc_is_safe_with_concurrent_writers_and_receivers(tmp_path):
                 expired[0] += 1
                 continue
             except Exception as exc:
-                failures.append(f"writer {seed}: {type(exc).__name__}: {exc}")
+                failures.append(f"writer {seed}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
                 return
 
     def receiver(index: int) -> None:
@@ -392,7 +393,7 @@ def test_gc_is_safe_with_concurrent_writers_and_receivers(tmp_path):
                         # start: the documented answer to a request below it, never wrong bits.
                         expired[0] += 1
             except Exception as exc:
-                failures.append(f"receiver {index}: {type(exc).__name__}: {exc}")
+                failures.append(f"receiver {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
                 return
         with lock:
             expected = committed.get(rx.version)
@@ -451,6 +452,77 @@ def test_a_receiver_takes_the_next_version_after_retention_removed_its_own_meanw
     _holds(arrays, states[3])
     assert rx2.apply_step(log2, log2.catchup_step(log2.squash(1, 3))).version == 3
     _holds(arrays2, states[3])
+
+
+def _gc_after_planning(log: DeltaLog, root: Path, times: int = 1) -> list[list[int]]:
+    """Make ``log.plan`` run gc (keep the last 2, no grace, twice: the objects below the new
+    start are deleted) after each of its first ``times`` plans: a receiver stalled past the
+    grace period between planning its route and reading it. Returns the routes planned."""
+    planned: list[list[int]] = []
+    plan = log.plan
+
+    def plan_then_gc(*args, **kwargs):
+        route = plan(*args, **kwargs)
+        planned.append([step.version for step in route])
+        if len(planned) <= times:
+            gc(DeltaLog.open(root), keep_last=2, grace=0)
+            gc(DeltaLog.open(root), keep_last=2, grace=0)
+        return route
+
+    log.plan = plan_then_gc  # type: ignore[method-assign]
+    return planned
+
+
+def test_a_receiver_plans_again_when_retention_removes_its_route_before_it_is_read(tmp_path):
+    """The route from version 1 was planned through versions 2..5; gc then moved the log start
+    to 4 and deleted versions 2 and 3 before the receiver read them. Nothing was written for
+    the step that found them gone: the receiver plans again (snapshot 4, then 5) and ends bit
+    for bit at 5. A requested target that expired meanwhile is the ExpiredError, and nothing
+    is written."""
+    root = tmp_path / "log"
+    states = _trace(root, 6, seed=13)
+    log = DeltaLog.open(root)
+    rx, arrays = _memory_receiver(tmp_path, log, states[1], 1)
+    planned = _gc_after_planning(log, root)
+    assert rx.apply(log) == [4, 5]
+    assert planned == [[2, 3, 4, 5], [4, 5]]
+    assert DeltaLog.open(root).versions()[0] == 4
+    _holds(arrays, states[5])
+    assert rx.version == 5
+
+    root2 = tmp_path / "log2"
+    states = _trace(root2, 6, seed=14)
+    log = DeltaLog.open(root2)
+    rx, arrays = _memory_receiver(tmp_path, log, states[1], 1)
+    _gc_after_planning(log, root2)
+    with pytest.raises(ExpiredError, match="version 3 has expired: the log now starts at version 4"):
+        rx.apply(log, to=3)
+    _holds(arrays, states[1])
+    assert rx.version == 1
+    assert rx.apply(DeltaLog.open(root2)) == [4, 5]
+    _holds(arrays, states[5])
+
+
+def test_a_receiver_gives_up_planning_again_after_three_expired_routes(tmp_path, monkeypatch):
+    """A receiver that keeps falling behind gc raises the ExpiredError after three new plans
+    instead of planning forever; it still holds its version, untouched."""
+    root = tmp_path / "log"
+    states = _trace(root, 4, seed=15)
+    log = DeltaLog.open(root)
+    rx, arrays = _memory_receiver(tmp_path, log, states[1], 1)
+    calls = []
+
+    def expired(*args, **kwargs):
+        calls.append(args[1].version)
+        raise log.expired(1, "version 1")
+
+    monkeypatch.setattr(rx, "_apply_step", expired)
+    with pytest.raises(ExpiredError, match="version 1 has expired"):
+        rx.apply(log)
+    assert calls == [2, 2, 2, 2]
+    monkeypatch.undo()
+    _holds(arrays, states[1])
+    assert rx.apply(log) == [2, 3]
 
 
 def test_parse_duration():

@@ -34,7 +34,7 @@ import numpy as np
 
 from dcr_log.coords import DTYPE_WIDTH, numel
 from dcr_log.digest import XXH3, DigestScheme
-from dcr_log.errors import IntegrityError, LayoutError, LineageError, NotFoundError, UsageError
+from dcr_log.errors import ExpiredError, IntegrityError, LayoutError, LineageError, NotFoundError, UsageError
 from dcr_log.format import CommitRecord
 from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
 from dcr_log.log.deltalog import DeltaLog, Step
@@ -62,6 +62,9 @@ from dcr_log.state import TableLayout, describe_layout_change
 __all__ = ["JOURNAL_DIR", "VERIFY_LEVELS", "ApplyReport", "Receiver", "StageReport", "commit_layout"]
 
 VERIFY_LEVELS = ("none", "sample", "full")
+# Routes planned again in a row when retention removes what a step reads before it is in
+# flight (a receiver slower than gc's grace period); past this the ExpiredError is raised.
+MAX_REPLANS = 3
 
 
 def _check_verify(verify: str) -> str:
@@ -335,12 +338,26 @@ class Receiver:
         applied: list[int] = []
         verified_digest: int | None = None
         route = self.route(log, target)
+        replans = 0
         while route:
             if stop is not None and stop() and self.journal.state().inflight is None:
                 break
             step = route.pop(0)
             try:
                 report, verified_digest = self._apply_step(log, step, verify, verified_digest)
+            except ExpiredError:
+                # Retention deleted what the step reads after the route was planned (this
+                # receiver fell behind by more than gc's grace period). Pass 1 reads every
+                # segment before the first write, so nothing was written: plan again from the
+                # version held, through the log start's snapshot if need be. Not in a group,
+                # whose ranks must take one route; not past a requested target that expired.
+                if (self.journal.state().inflight is not None or self.group.size > 1
+                        or replans >= MAX_REPLANS):
+                    raise
+                replans += 1
+                target = log.latest_version() if to is None else target
+                route = self.route(log, target)
+                continue
             except IntegrityError as exc:
                 # A damaged snapshot or squash found before the step was in flight (memory
                 # storage rolls back; durable storage refuses before its first write): take
@@ -350,6 +367,7 @@ class Receiver:
                 route = self.route(log, target)
                 continue
             applied.append(step.version)
+            replans = 0
             if on_version is not None:
                 on_version(report)
         return applied

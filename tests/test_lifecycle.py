@@ -503,6 +503,30 @@ def test_a_receiver_plans_again_when_retention_removes_its_route_before_it_is_re
     _holds(arrays, states[5])
 
 
+def test_a_route_planned_while_gc_moves_the_log_start_goes_through_the_new_start(tmp_path):
+    """The versions were listed with the log starting at 0; gc moved the start to 4 (and
+    deleted versions 2 and 3) before the snapshots were listed. The route from version 1
+    goes through the new start's snapshot, not through version 2, which the listing of
+    snapshots has since shown expired."""
+    root = tmp_path / "log"
+    states = _trace(root, 6, seed=16)
+    log = DeltaLog.open(root)
+    rx, arrays = _memory_receiver(tmp_path, log, states[1], 1)
+    log = DeltaLog.open(root)
+    snapshots = log.snapshots
+
+    def gc_then_list(*args, **kwargs):
+        gc(DeltaLog.open(root), keep_last=2, grace=0)
+        gc(DeltaLog.open(root), keep_last=2, grace=0)
+        return snapshots(*args, **kwargs)
+
+    log.snapshots = gc_then_list  # type: ignore[method-assign]
+    assert [step.version for step in log.plan(5, holding=1)] == [4, 5]
+    log.snapshots = snapshots  # type: ignore[method-assign]
+    assert rx.apply(log) == [4, 5]
+    _holds(arrays, states[5])
+
+
 def test_a_receiver_gives_up_planning_again_after_three_expired_routes(tmp_path, monkeypatch):
     """A receiver that keeps falling behind gc raises the ExpiredError after three new plans
     instead of planning forever; it still holds its version, untouched."""

@@ -268,6 +268,9 @@ def plan(log: DeltaLog, target: int | None = None, holding: int | None = None,
             if cu.start == holding and holding_digest is not None and cu.start_state_digest != holding_digest:
                 continue
             by_start.setdefault(cu.start, []).append(cu)
+    # The listings of snapshots and squashes read the log start again: a gc may have moved it
+    # since ``versions()``, and versions below it are no longer read (DeltaLog.commit).
+    start = max(start, log.known_start())
     done: set[int] = set()
     while heap:
         cost, v = heapq.heappop(heap)

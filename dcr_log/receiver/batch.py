@@ -315,8 +315,10 @@ class BatchWriter:
             self._hook("applied", version=version, segment=seg, end=end)
         if ctx.verify != "none":
             checks = [w for w in work if ctx.verify == "full" or sampled(version, seg, w.index)]
-            sums = self.digests.sums([self.digests.part(w.place, w.where, storage.gather(w.place))
-                                      for w in checks])
+            # Reads only, like the batch's gathers: on the pool's threads.
+            parts = map_ordered(lambda w: self.digests.part(w.place, w.where, storage.gather(w.place)),
+                                checks, APPLY_WORKERS, parallel)
+            sums = self.digests.sums(list(parts))
             for w, d in zip(checks, sums):
                 if d != w.record.target_digest:
                     raise IntegrityError(f"version {version}: tensor {w.record.tensor!r} differs from "

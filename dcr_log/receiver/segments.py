@@ -45,6 +45,7 @@ class SegmentCache:
         self._spooled: dict[int, Path] = {}
         self._files: dict[int, SegmentFile] = {}
         self._used = 0
+        self._parsed: dict[int, list[Record]] = {}
         self._decoded: dict[tuple[int, int], Any] = {}
         self._decoded_used = 0
         self._places: dict[tuple[int, int], Any] = {}
@@ -114,6 +115,7 @@ class SegmentCache:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._pending.clear()
+        self._parsed.clear()
         for path in self._spooled.values():
             path.unlink(missing_ok=True)
         self._spooled.clear()
@@ -127,8 +129,16 @@ class SegmentCache:
                 pass
 
     def records(self, index: int) -> list[Record]:
-        return list(self.log.segment_records(self.commit.version, self.commit.segments[index],
-                                             self.data(index)))
+        """The segment's records, parsed once while its bytes are held in memory (pass 1 and
+        the write pass both read them); parsed again from a spooled or mapped segment."""
+        parsed = self._parsed.get(index)
+        if parsed is not None:
+            return parsed
+        records = list(self.log.segment_records(self.commit.version, self.commit.segments[index],
+                                                self.data(index)))
+        if index in self._data:
+            self._parsed[index] = records
+        return records
 
     def keep_changes(self, segment: int, record: int, changes) -> bool:
         """Keep a record decoded in pass 1 for the write pass, within the byte budget."""

@@ -38,9 +38,23 @@ def shared_pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
+_SIDE: list[ThreadPoolExecutor] = []
+
+
+def side_thread() -> ThreadPoolExecutor:
+    """One process-wide thread for work that runs beside its caller's own (a segment's hash
+    beside its write), so that it never queues behind the shared pools' tasks. Its tasks
+    never wait on other tasks."""
+    with _POOLS_LOCK:
+        if not _SIDE:
+            _SIDE.append(ThreadPoolExecutor(1, thread_name_prefix="dcr-side"))
+        return _SIDE[0]
+
+
 def _forget_pools() -> None:
     global _POOLS_LOCK
     _POOLS.clear()  # a forked child has none of the parent's threads
+    _SIDE.clear()
     _POOLS_LOCK = threading.Lock()  # nor a lock another thread held at the fork
 
 

@@ -26,6 +26,7 @@ from obstore.exceptions import NotFoundError as ObNotFound
 from obstore.store import LocalStore, MemoryStore, from_url
 
 from dcr_log.errors import AlreadyExists, DcrError, NotFoundError, StoreError, UsageError, WrongSize, os_error
+from dcr_log.parallel import side_thread
 
 # Keys this module hands to a store: printable ASCII without ``\``, no empty, ``.`` or ``..``
 # segment, at most MAX_KEY_BYTES (spec/FORMAT.md, section 15). Anything else is refused
@@ -291,6 +292,10 @@ def _check_size(key: str, actual: int, size: int | None, max_size: int | None) -
         raise WrongSize(f"{key}: {actual} bytes, more than the limit of {max_size}")
 
 
+# Writes at least this large are hashed beside the write (smaller ones: the hop costs more).
+HASH_BESIDE_BYTES = 1 << 20
+
+
 class _HashingWriter:
     """A binary file object that hashes and counts what goes through it."""
 
@@ -303,8 +308,17 @@ class _HashingWriter:
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.sha.update(view)
-        self.raw.write(view)
+        if view.nbytes >= HASH_BESIDE_BYTES:
+            # Both release the GIL: the hash on the side thread while this one writes. The
+            # caller may reuse ``data`` once this returns, so both end here.
+            hashed = side_thread().submit(self.sha.update, view)
+            try:
+                self.raw.write(view)
+            finally:
+                hashed.result()
+        else:
+            self.sha.update(view)
+            self.raw.write(view)
         self.size += view.nbytes
         return view.nbytes
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import threading
 import uuid
 
+import numpy as np
 import pytest
 
 from dcr_log.errors import NotFoundError, UsageError
-from dcr_log.store import AlreadyExists, Store
+from dcr_log.store import HASH_BESIDE_BYTES, AlreadyExists, Store, _HashingWriter
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -132,3 +136,38 @@ def test_open_locations(tmp_path):
     assert bytes(Store.open(tmp_path / "made").get("k")) == b"v"
     with pytest.raises(UsageError):
         Store.open("ftp://host/path")
+
+
+def test_create_file_hashes_large_and_small_writes_in_order(tmp_path):
+    """Writes of HASH_BESIDE_BYTES or more are hashed on the side thread while they are
+    written: the size and sha256 are still those of the bytes in order, mixed with small
+    writes, and each write's buffer may be reused by the caller as soon as it returns."""
+    store = Store.open(tmp_path / "root", create=True)
+    rng = np.random.default_rng(3)
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in
+              (10, HASH_BESIDE_BYTES, 7, 3 * HASH_BESIDE_BYTES + 5, HASH_BESIDE_BYTES - 1, 0)]
+    scratch = np.empty(max(p.size for p in pieces), dtype=np.uint8)
+
+    def write(f):
+        for p in pieces:
+            scratch[:p.size] = p
+            f.write(scratch[:p.size])
+            scratch[:p.size] = 0  # the caller reuses its buffer: the hash has ended
+
+    size, sha = store.create_file("k", write)
+    whole = b"".join(p.tobytes() for p in pieces)
+    assert size == len(whole) and sha == hashlib.sha256(whole).hexdigest()
+    assert (tmp_path / "root" / "k").read_bytes() == whole
+
+
+def test_a_failed_large_write_raises_after_its_hash_ends():
+    class Full(io.RawIOBase):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    sink = _HashingWriter(Full())
+    with pytest.raises(OSError, match="No space"):
+        sink.write(bytes(HASH_BESIDE_BYTES))
+    # The side thread's update of the failed write ended (it is hashed; nothing counted).
+    assert sink.sha.hexdigest() == hashlib.sha256(bytes(HASH_BESIDE_BYTES)).hexdigest()
+    assert sink.size == 0

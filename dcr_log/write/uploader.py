@@ -8,6 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from dcr_log.format import SegmentBuilder, SegmentRef
 from dcr_log.format.segment import load_pyarrow
+from dcr_log.parallel import side_thread
 from dcr_log.store import Store
 
 # Segment uploads in flight at once on a remote store (each holds one segment in memory).
@@ -47,8 +48,13 @@ class SegmentUploader:
             self._turn = (self._turn + 1) % len(self._buffers)
 
             def job():
-                self._store.put_new(key, data)
-                return SegmentRef(key, data.size, hashlib.sha256(data).hexdigest(), records)
+                # The hash on the side thread while the bytes go out (both release the GIL).
+                hashed = side_thread().submit(lambda: hashlib.sha256(data).hexdigest())
+                try:
+                    self._store.put_new(key, data)
+                finally:
+                    sha = hashed.result()
+                return SegmentRef(key, data.size, sha, records)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="dcr-upload")
         self._pending.append(self._pool.submit(job))

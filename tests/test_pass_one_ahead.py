@@ -117,3 +117,34 @@ def test_large_segments_are_classified_on_pool_threads(tmp_path, ahead, receiver
             assert np.array_equal(got, v.words), k
     assert sorted(ahead["tensors"]) == _xor_records(log, 1, new)
     assert ahead["threads"] and threading.current_thread().name not in ahead["threads"]
+
+
+def test_the_write_pass_decodes_nothing_pass_one_gathered(tmp_path, monkeypatch):
+    """A record whose words, target and flat positions pass 1 kept is written from them: the
+    write pass decodes no record again, and pass 1 lets go of the record's decoded changes
+    once those are kept (they are not needed twice). The bits are the log's."""
+    from dcr_log.receiver import batch, segments
+
+    log, states = build_log(tmp_path / "log")
+    rx, tensors = numpy_receiver(tmp_path, states[0])
+    decoded_again: list[str] = []
+    real_decode = batch.decode_record
+
+    def counted(rec, info, *args):
+        decoded_again.append(rec.tensor)
+        return real_decode(rec, info, *args)
+
+    held: list[int] = []
+    real_take = segments.SegmentCache.take_gathered
+
+    def take_gathered(self, segment, record):
+        held.append(len(self._decoded))  # decoded change sets still held at the write pass
+        return real_take(self, segment, record)
+
+    monkeypatch.setattr(batch, "decode_record", counted)
+    monkeypatch.setattr(segments.SegmentCache, "take_gathered", take_gathered)
+    with rx:
+        rx.bind(log, 0)
+        rx.apply(log, to=1, verify="sample")
+    assert_same_bits(tensors, states[1])
+    assert held and decoded_again == [] and max(held) == 0

@@ -319,6 +319,7 @@ class PassOne:
             if kept_changes:
                 cache.keep_place(seg, i, made.place)
             if self.keep_gathered and kept_changes and alone:
-                cache.keep_gathered(seg, i, made.current, made.target, made.where)
+                if cache.keep_gathered(seg, i, made.current, made.target, made.where):
+                    cache.take_changes(seg, i)
             pending.append(_Precondition(i, rec, made.current_part, made.target_part))
 

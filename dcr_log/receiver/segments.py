@@ -150,18 +150,20 @@ class SegmentCache:
         return False
 
     def keep_gathered(self, segment: int, record: int, current: np.ndarray, target: np.ndarray,
-                      where) -> None:
+                      where) -> bool:
         """Keep the words pass 1 gathered at a record's positions, the target it computed from
         them and the positions (flat in the tensor), within the byte budget, for a write pass
         that runs right after it (see take_gathered). Not words on an accelerator: its memory
         is the engine's."""
         device = getattr(current, "device", None)
         if device is not None and getattr(device, "type", "cpu") != "cpu":
-            return
+            return False
         nbytes = current.nbytes + target.nbytes + getattr(where, "nbytes", 0)
         if self._decoded_used + nbytes <= self.budget:
             self._gathered[(segment, record)] = (current, target, where)
             self._decoded_used += nbytes
+            return True
+        return False
 
     def drop_gathered(self, segment: int, record: int) -> None:
         """Pass 1 did not find the record at its base: the write pass classifies it again."""

@@ -160,7 +160,9 @@ def test_create_file_hashes_large_and_small_writes_in_order(tmp_path):
     assert (tmp_path / "root" / "k").read_bytes() == whole
 
 
-def test_a_failed_large_write_raises_after_its_hash_ends():
+def test_a_failed_large_write_raises_and_counts_nothing():
+    """The write's error reaches the caller (not the side thread's result), the bytes are
+    not counted, and the hash was updated with them (as a small write's would be)."""
     class Full(io.RawIOBase):
         def write(self, data):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -168,6 +170,5 @@ def test_a_failed_large_write_raises_after_its_hash_ends():
     sink = _HashingWriter(Full())
     with pytest.raises(OSError, match="No space"):
         sink.write(bytes(HASH_BESIDE_BYTES))
-    # The side thread's update of the failed write ended (it is hashed; nothing counted).
     assert sink.sha.hexdigest() == hashlib.sha256(bytes(HASH_BESIDE_BYTES)).hexdigest()
     assert sink.size == 0

@@ -140,3 +140,28 @@ def test_load_scaled_walls_take_out_what_the_baseline_felt():
     pairing = timing.paired(op, baseline, 3, clock=fake.clock())
     assert pairing.baseline_wall == 1.5
     assert pairing.load_scaled_op_walls == (3.0, 3.0, 3.0)
+
+
+def test_phases_records_each_call_by_thread_and_puts_the_functions_back(capsys):
+    """tools/phases.py: calls of the wrapped functions on the calling thread and on a pool are
+    counted apart, the report names both, and leaving the context restores the originals."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    import phases
+
+    owner = SimpleNamespace(work=lambda x: x + 1)
+    real = owner.work
+    with phases.Phases([(owner, "work")]) as timeline:
+        t0 = time.perf_counter()
+        assert owner.work(1) == 2
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(owner.work, range(3))) == [1, 2, 3]
+        t1 = time.perf_counter()
+    assert owner.work is real
+    where = sorted(thread == "MainThread" for thread, _, _, _ in timeline.events)
+    assert where == [False, False, False, True]
+    timeline.report(t0, t1, "probe")
+    out = capsys.readouterr().out
+    assert "caller work" in out and "calls    1" in out and "pool   work" in out and "calls    3" in out

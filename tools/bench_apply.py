@@ -5,6 +5,7 @@ model in the same process, and the journal's share of the apply time (LMDB trans
 synced, over the whole apply).
 
     python tools/bench_apply.py [--gib 0.25] [--reps 3] [--verify none,sample,full] [--dir DIR]
+                                [--receivers numpy,torch,ckpt] [--phases]
 
 The steps come from dcr_log.synthetic (Adam on an fp32 master, stored as bf16): one log per
 rate holding version 0 (the base) and version 1 (one step). Each timed apply takes a receiver
@@ -12,7 +13,9 @@ holding version 0 to version 1 (reading and checking the segments, decoding, gat
 writing, flushing and journaling); the receiver is reset between repetitions, untimed.
 Each apply is paired with one ``np.copyto`` of the whole model right after it
 (tools/timing.py): seconds (wall, and "CPU s": the process's CPU time, every thread) are the
-medians of ``--reps``, "x copyto" the median pair's speed ratio.
+medians of ``--reps``, "x copyto" the median pair's speed ratio. ``--phases``: after the
+timed applies of a numpy or torch receiver, one more, untimed, whose timeline is printed
+(tools/phases.py): pass 1's reads, decoding and classification, the writes and the commit.
 """
 
 from __future__ import annotations
@@ -22,19 +25,29 @@ import math
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from phases import Phases  # noqa: E402
 from timing import Pairing, fastest, paired  # noqa: E402
 
 from dcr_log import DeltaLog, TensorBits  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
+from dcr_log.receiver.batch import BatchWriter  # noqa: E402
+from dcr_log.receiver.checks import PassOne  # noqa: E402
+from dcr_log.receiver.journal import Journal  # noqa: E402
+from dcr_log.receiver.segments import SegmentCache  # noqa: E402
 from dcr_log.state import to_torch  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, rate_of, specs_for_params  # noqa: E402
 from dcr_log.write import LogWriter  # noqa: E402
+
+# The functions whose calls make an apply's timeline (--phases).
+APPLY_PHASES = [(SegmentCache, "records"), (PassOne, "_decode_ahead"), (PassOne, "_classify_ahead"),
+                (BatchWriter, "apply_batch"), (BatchWriter, "_write"), (Journal, "begin"), (Journal, "commit")]
 
 
 def copy_state(state: dict[str, TensorBits]) -> dict[str, TensorBits]:
@@ -60,7 +73,8 @@ def paired_apply(rx: Receiver, log: DeltaLog, verify: str, copyto, journal: list
     return pairing
 
 
-def bench_memory(kind: str, log: DeltaLog, base, expected, verify: str, reps: int, work: Path, copyto):
+def bench_memory(kind: str, log: DeltaLog, base, expected, verify: str, reps: int, work: Path, copyto,
+                 phases: bool = False):
     if kind == "numpy":
         tensors = copy_state(base)
         words = {k: v.words for k, v in tensors.items()}
@@ -79,6 +93,16 @@ def bench_memory(kind: str, log: DeltaLog, base, expected, verify: str, reps: in
             pairings.append(paired_apply(rx, log, verify, copyto, journal))
     for k, v in expected.items():  # the benchmark measured a correct apply
         assert np.array_equal(words[k], v.words), k
+    if phases:
+        for k, v in base.items():
+            np.copyto(words[k], v.words)
+        with Receiver.open(tensors, work / f"journal-{log.log_id}-{kind}-{verify}-phases") as rx:
+            rx.bind(log, 0, verify="none")
+            with Phases(APPLY_PHASES) as timeline:
+                t0 = time.perf_counter()
+                rx.apply(log, to=1, verify=verify)
+                t1 = time.perf_counter()
+        timeline.report(t0, t1, f"{kind} receiver, verify {verify}: one more apply")
     return Pairing.join(pairings), float(np.median(journal))
 
 
@@ -106,6 +130,7 @@ def main() -> int:
     ap.add_argument("--verify", default="none,sample", help="comma-separated verify levels")
     ap.add_argument("--receivers", default="numpy,torch,ckpt")
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--phases", action="store_true", help="one more apply's timeline (numpy and torch)")
     args = ap.parse_args()
     work = args.dir or Path(tempfile.mkdtemp(prefix="dcr-bench-apply-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -148,7 +173,8 @@ def run(args, work: Path) -> int:
                 if kind == "ckpt":
                     pairing, journal = bench_checkpoint(log, base, expected, verify, args.reps, work, copyto)
                 else:
-                    pairing, journal = bench_memory(kind, log, base, expected, verify, args.reps, work, copyto)
+                    pairing, journal = bench_memory(kind, log, base, expected, verify, args.reps, work, copyto,
+                                                    args.phases)
                 seconds = pairing.op_wall
                 gbs = model_bytes / seconds / 1e9
                 rows.append((kind, label, verify, seconds, pairing.op_cpu, gbs, 1 / pairing.ratio,

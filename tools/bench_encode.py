@@ -12,18 +12,21 @@ element and the changed count.
 Usage:
 
     python tools/bench_encode.py [--mib 256] [--rates 0.01 0.10] [--repeats 1] [--workers N]
-                                 [--json] [--profile RATE]
+                                 [--json] [--profile RATE] [--phases RATE] [--breakdown RATE] [--gil]
 
 ``--profile RATE`` runs one append at that rate under cProfile and prints the top entries
-(cumulative and own time) instead of timing. ``--breakdown RATE`` runs the stages of one
-append's encoding one after another on the calling thread, chunk by chunk as the writer cuts
-them, and prints each stage's CPU nanoseconds per change and per byte of the model: where the
-CPU goes per change (the ulp-rans payload of new logs, and for comparison the ulp encoding's
-keys, gaps and pcodec files). ``--gil`` runs each heavy call of the write path (change
-finding, the ulp-rans coder, the ulp pass, pcodec, digests, byte planes, zstd, pwrite,
-sha256) on the main thread while a
-probe thread counts Python loop iterations, and prints how much of its idle-time rate the
-probe kept: near 0 means the call holds the GIL (a pure Python loop is shown for reference).
+(cumulative and own time) instead of timing. ``--phases RATE`` runs ``--repeats`` appends at
+that rate (to new and back) and prints the last one's timeline (tools/phases.py): the
+encoding on the pool's threads, the segment's finish, the commit and the baseline's advance.
+``--breakdown RATE`` runs the stages of one append's encoding one after another on the
+calling thread, chunk by chunk as the writer cuts them, and prints each stage's CPU
+nanoseconds per change and per byte of the model: where the CPU goes per change (the
+ulp-rans payload of new logs, and for comparison the ulp encoding's keys, gaps and pcodec
+files). ``--gil`` runs each heavy call of the write path (change finding, the ulp-rans
+coder, the ulp pass, pcodec, digests, byte planes, zstd, pwrite, sha256) on the main thread
+while a probe thread counts Python loop iterations, and prints how much of its idle-time
+rate the probe kept: near 0 means the call holds the GIL (a pure Python loop is shown for
+reference).
 """
 
 from __future__ import annotations
@@ -48,6 +51,25 @@ from timing import Pairing, paired  # noqa: E402
 from dcr_log import LogWriter  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
 from dcr_log.write.differ import EncodePolicy  # noqa: E402
+
+
+def append_phases(writer, base_state, new_state, repeats: int) -> None:
+    """Appends alternating new and base; the last one's timeline."""
+    import time
+
+    from phases import Phases
+
+    from dcr_log.write import baseline, differ, sharded, uploader
+
+    targets = [(differ.Differ, "diff_box"), (uploader.SegmentUploader, "put"),
+               (uploader.SegmentUploader, "finish"), (sharded.ShardedWriter, "_decide"),
+               (baseline.Baseline, "advance"), (baseline, "_scatter")]
+    for i in range(repeats):
+        with Phases(targets) as phases:
+            t0 = time.perf_counter()
+            writer.append(new_state if i % 2 == 0 else base_state)
+            t1 = time.perf_counter()
+    phases.report(t0, t1, f"append {i + 1} of {repeats}")
 
 
 def build(mib: int, rates: list[float], seed: int):
@@ -205,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", type=float, default=None, metavar="RATE")
+    ap.add_argument("--phases", type=float, default=None, metavar="RATE", help="one append's timeline")
     ap.add_argument("--breakdown", type=float, default=None, metavar="RATE")
     ap.add_argument("--gil", action="store_true", help="which calls release the GIL")
     ap.add_argument("--no-create", action="store_true", help="skip timing dense create")
@@ -213,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, ms, share in gil_probe():
             print(f"{name:>22}: {ms:7.1f} ms, the probe thread ran {share:4.0%} of its idle rate")
         return 0
-    single = args.profile if args.profile is not None else args.breakdown
+    single = next((r for r in (args.profile, args.breakdown, args.phases) if r is not None), None)
     rates = [single] if single is not None else args.rates
     say = (lambda m: print(m, file=sys.stderr)) if args.json else print
     base, news, layout = build(args.mib, rates, args.seed)
@@ -240,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             stats.sort_stats("cumulative").print_stats(30)
             stats.sort_stats("tottime").print_stats(25)
             stats.print_callers("acquire")
+            return 0
+        if args.phases is not None:
+            append_phases(writer, base_state, as_state(news[0], layout), max(1, args.repeats))
             return 0
         for rate, new in zip(rates, news):
             k = int(np.count_nonzero(base != new))

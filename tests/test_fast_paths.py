@@ -4,6 +4,7 @@ planes by shifts, plane-aligned zstd blocks, threaded encoding and threaded repl
 from __future__ import annotations
 
 import hashlib
+import sys
 import uuid
 
 import numpy as np
@@ -352,3 +353,54 @@ def test_tensor_records_compose_to_the_digest_only_when_they_cover_exactly():
     assert not _covers_exactly([(0, 4, 0), (5, 5, 0)], 10)    # a gap
     assert not _covers_exactly([(0, 6, 0), (5, 5, 0)], 10)    # an overlap
     assert not _covers_exactly([(0, 5, 0)], 10)               # short
+
+
+def _mapping_kib(address: int, field: str) -> int:
+    """One field of /proc/self/smaps (kB) for the mapping that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == f"{field}:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_populate_write_dirties_the_range_and_changes_no_byte(tmp_path):
+    """The checkpoint storage's prefault (dcr_log._changes.populate_write, the GIL released):
+    the range's pages are mapped for writing (dirty, after an fsync left them clean; the kernel
+    may take whole folios around them), no byte changes, and a range outside the buffer is
+    refused."""
+    import os
+    import platform
+
+    assert native.changes is not None
+    page = os.sysconf("SC_PAGE_SIZE")
+    data = np.random.default_rng(3).integers(0, 256, 64 * page, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: only a write fault dirties them again
+    mm = np.memmap(path, dtype=np.uint8, mode="r+")
+    address = mm.ctypes.data
+    assert _mapping_kib(address, "Rss") == 0
+    done = native.changes.populate_write(mm, 5 * page + 100, 20 * page)
+    kernel = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
+    if kernel >= (5, 14):
+        assert done is True
+        # pages 5 .. 25 (the range's first byte lies inside page 5) at least: mapped and dirty
+        dirty = _mapping_kib(address, "Shared_Dirty") + _mapping_kib(address, "Private_Dirty")
+        assert dirty >= 21 * page // 1024
+    else:
+        assert done is False
+    assert np.array_equal(np.asarray(mm), data)
+    assert native.changes.populate_write(mm, 0, 0) is True
+    for start, length in ((-1, 10), (0, 64 * page + 1), (64 * page, 1)):
+        with pytest.raises(ValueError):
+            native.changes.populate_write(mm, start, length)
+    del mm

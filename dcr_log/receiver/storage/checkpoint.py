@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from dcr_log import native
 from dcr_log.checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
 from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
 from dcr_log.errors import IntegrityError, NotFoundError, os_error
@@ -145,6 +146,10 @@ class CheckpointStorage(Storage):
         lo -= lo % _PAGE
         if count * 8 < (hi - lo) // _PAGE:
             return  # sparse: most pages stay clean, let the faults pick them
+        kernels = native.changes
+        if kernels is not None:  # the GIL released: the write pass's threads fault side by side
+            kernels.populate_write(self._maps[file], lo, hi - lo)
+            return
         try:
             self._maps[file]._mmap.madvise(  # type: ignore[attr-defined]  # numpy's private mmap; AttributeError handled
                 _MADV_POPULATE_WRITE, lo, hi - lo)

@@ -106,3 +106,16 @@ def test_native_and_numpy_agree_on_a_large_array(monkeypatch):
     expected = D.sum_range(12345, words)
     monkeypatch.setattr(native, "digest", None)
     assert D.sum_range(12345, words) == expected
+
+
+@pytest.mark.parametrize("word", WORDS)
+def test_sum_at_over_any_indices_matches_the_reference(impl, word):
+    """Indices in any order, repeated, and as large as int64 goes (the key wraps mod 2^64),
+    for every count around the vector loops' widths (the C loop hashes 4 or 8 at a time)."""
+    rng = np.random.default_rng(11)
+    for k in list(range(0, 41)) + [1000, 4099]:
+        flat = rng.integers(0, np.iinfo(np.int64).max, k, dtype=np.int64, endpoint=True)
+        if k > 3:
+            flat[:3] = [np.iinfo(np.int64).max, 0, flat[3]]  # the largest, zero, a repeat
+        words = rng.integers(0, np.iinfo(word).max, k, dtype=word, endpoint=True)
+        assert D.sum_at(flat, words) == reference(flat, words), k

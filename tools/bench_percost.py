@@ -73,7 +73,7 @@ from dcr_log.codec import Attempt, ChangeSet, choose  # noqa: E402
 from dcr_log.codec.base import delta_positions  # noqa: E402
 from dcr_log.codec.ulp import _compress, distance_dtype, ulp_distance  # noqa: E402
 from dcr_log.codec.ulp_rans import UlpRansEncoding  # noqa: E402
-from dcr_log.coords import box_to_tensor_flat, box_view, row_blocks  # noqa: E402
+from dcr_log.coords import box_view, row_blocks  # noqa: E402
 from dcr_log.digest import scheme_for  # noqa: E402
 from dcr_log.format import Record  # noqa: E402
 from dcr_log.format.segment import SegmentBuilder  # noqa: E402
@@ -185,11 +185,9 @@ def stage_costs(base_state, new_state, k: int, repeats: int) -> dict[str, float]
                 full = functools.partial(np.bitwise_xor, bb, nb, out=scratch.get("xor", nb.dtype, nb.size))
                 choose(Attempt("xor", ChangeSet(nb.size, p, x), bv, nv, policy, full, buffer=scratch.get), features)
 
-    def do_digests():
+    def do_digests():  # as diff_box computes them (one pass for a row block's pair)
         for (_, shape, box, _, _), (p, bv, nv) in zip(boxes, found):
-            flat = box_to_tensor_flat(box, shape, p)
-            digests.at(flat, bv)
-            digests.at(flat, nv)
+            digests.record(box, shape, p, bv, nv)
 
     records: list[Record] = []
 

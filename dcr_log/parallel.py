@@ -51,6 +51,18 @@ def side_thread() -> ThreadPoolExecutor:
         return _SIDE[0]
 
 
+def beside(side: Callable[[], R], main: Callable[[], object]) -> R:
+    """``side()`` on the side thread while ``main()`` runs on this one (each should release the
+    GIL: a hash beside the write or upload of its bytes), and side's result. Both have ended
+    when this returns or raises, so the caller may reuse what they read; main's error first."""
+    future = side_thread().submit(side)
+    try:
+        main()
+    finally:
+        wait([future])
+    return future.result()
+
+
 def _forget_pools() -> None:
     global _POOLS_LOCK
     _POOLS.clear()  # a forked child has none of the parent's threads

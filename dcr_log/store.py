@@ -26,7 +26,7 @@ from obstore.exceptions import NotFoundError as ObNotFound
 from obstore.store import LocalStore, MemoryStore, from_url
 
 from dcr_log.errors import AlreadyExists, DcrError, NotFoundError, StoreError, UsageError, WrongSize, os_error
-from dcr_log.parallel import side_thread
+from dcr_log.parallel import beside
 
 # Keys this module hands to a store: printable ASCII without ``\``, no empty, ``.`` or ``..``
 # segment, at most MAX_KEY_BYTES (spec/FORMAT.md, section 15). Anything else is refused
@@ -309,13 +309,7 @@ class _HashingWriter:
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         if view.nbytes >= HASH_BESIDE_BYTES:
-            # Both release the GIL: the hash on the side thread while this one writes. The
-            # caller may reuse ``data`` once this returns, so both end here.
-            hashed = side_thread().submit(self.sha.update, view)
-            try:
-                self.raw.write(view)
-            finally:
-                hashed.result()
+            beside(lambda: self.sha.update(view), lambda: self.raw.write(view))
         else:
             self.sha.update(view)
             self.raw.write(view)

@@ -8,7 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from dcr_log.format import SegmentBuilder, SegmentRef
 from dcr_log.format.segment import load_pyarrow
-from dcr_log.parallel import side_thread
+from dcr_log.parallel import beside
 from dcr_log.store import Store
 
 # Segment uploads in flight at once on a remote store (each holds one segment in memory).
@@ -48,12 +48,7 @@ class SegmentUploader:
             self._turn = (self._turn + 1) % len(self._buffers)
 
             def job():
-                # The hash on the side thread while the bytes go out (both release the GIL).
-                hashed = side_thread().submit(lambda: hashlib.sha256(data).hexdigest())
-                try:
-                    self._store.put_new(key, data)
-                finally:
-                    sha = hashed.result()
+                sha = beside(lambda: hashlib.sha256(data).hexdigest(), lambda: self._store.put_new(key, data))
                 return SegmentRef(key, data.size, sha, records)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="dcr-upload")

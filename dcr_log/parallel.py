@@ -95,4 +95,28 @@ def map_ordered(fn: Callable[[T], R], items: Sequence[T], workers: int,
         wait(pending)
 
 
+def map_grouped(fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int], grain: int, workers: int,
+                parallel: bool = True) -> Generator[R, None, None]:
+    """``map_ordered`` where consecutive items whose ``weights`` sum to less than ``grain`` run
+    together as one task: each task costs two hand-offs between threads (a queue and a
+    future), and on a virtual machine whose idle cores halt, each wakes a core. At least
+    four tasks per worker are kept, so that the last one does not leave the others idle."""
+    total = sum(weights)
+    grain = max(1, min(grain, total // (4 * max(workers, 1))))
+    groups: list[list[T]] = []
+    summed = grain
+    for item, weight in zip(items, weights):
+        if summed >= grain:
+            groups.append([])
+            summed = 0
+        groups[-1].append(item)
+        summed += weight
+    tasks = map_ordered(lambda group: [fn(item) for item in group], groups, workers, parallel)
+    try:
+        for results in tasks:
+            yield from results
+    finally:
+        tasks.close()
+
+
 os.register_at_fork(after_in_child=_forget_pools)

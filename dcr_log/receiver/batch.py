@@ -9,6 +9,7 @@ version is rolled back."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +22,9 @@ from dcr_log.errors import IntegrityError, LineageError
 from dcr_log.format import Record
 from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.records import decode_record, flat_positions, record_bases, record_targets
-from dcr_log.parallel import map_ordered
+from dcr_log.parallel import map_grouped
 from dcr_log.receiver.checks import sampled
-from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, ApplyContext, GroupDigests
+from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, TASK_CHANGES, ApplyContext, GroupDigests
 from dcr_log.receiver.journal import Journal, SegmentProgress
 from dcr_log.receiver.journal_entries import encode_wal_image
 from dcr_log.receiver.segments import SegmentCache
@@ -221,7 +222,13 @@ class BatchWriter:
             return _Gathered(i, rec, info, place, where, cur, values, target, parts)
 
         parallel = sum(it.record.n_changed for it in items) >= PARALLEL_MIN_CHANGES
-        for prepared in map_ordered(prepare, items, APPLY_WORKERS, parallel):
+        # Records pass 1 kept ready take no work here: they skip the pool (a task each would
+        # only hand them to a thread and back).
+        ready = [prepare(it) for it in items if it.gathered is not None]
+        rest = [it for it in items if it.gathered is None]
+        prepared_rest = map_grouped(prepare, rest, [it.record.n_changed for it in rest], TASK_CHANGES,
+                                    APPLY_WORKERS, parallel)
+        for prepared in itertools.chain(ready, prepared_rest):
             if isinstance(prepared, Write):
                 work.append(prepared)
             else:
@@ -296,7 +303,8 @@ class BatchWriter:
             # Records that do not overlap are written in parallel. (Those of a version must
             # not, but a reader does not take it on trust: overlapping ones are written in
             # order. With a fault hook installed too, so that a test stops at a known record.)
-            for _ in map_ordered(lambda w: self._write(w, seg, ctx.undo), work, APPLY_WORKERS):
+            for _ in map_grouped(lambda w: self._write(w, seg, ctx.undo), work,
+                                 [w.record.n_changed for w in work], TASK_CHANGES, APPLY_WORKERS):
                 pass
             report.written += len(work)
             report.repaired += sum(w.repaired for w in work)
@@ -316,8 +324,9 @@ class BatchWriter:
         if ctx.verify != "none":
             checks = [w for w in work if ctx.verify == "full" or sampled(version, seg, w.index)]
             # Reads only, like the batch's gathers: on the pool's threads.
-            parts = map_ordered(lambda w: self.digests.part(w.place, w.where, storage.gather(w.place)),
-                                checks, APPLY_WORKERS, parallel)
+            parts = map_grouped(lambda w: self.digests.part(w.place, w.where, storage.gather(w.place)),
+                                checks, [w.record.n_changed for w in checks], TASK_CHANGES, APPLY_WORKERS,
+                                parallel)
             sums = self.digests.sums(list(parts))
             for w, d in zip(checks, sums):
                 if d != w.record.target_digest:

@@ -25,8 +25,8 @@ from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.deltalog import Step
 from dcr_log.log.records import decode_record, flat_positions, record_targets
 from dcr_log.log.steps import StepRules
-from dcr_log.parallel import map_ordered
-from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, GroupDigests
+from dcr_log.parallel import map_grouped
+from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, TASK_CHANGES, GroupDigests
 from dcr_log.receiver.journal import SegmentProgress
 from dcr_log.receiver.segments import SegmentCache
 from dcr_log.receiver.storage import Storage
@@ -171,8 +171,9 @@ class PassOne:
                 changes = self._decode_ahead(recs[i], i >= done)
                 return changes, self._classify_ahead(recs[i], changes, ahead)
 
-            decoded = map_ordered(decode, range(len(recs)), APPLY_WORKERS,
-                                  sum(r.n_changed for r in recs) >= PARALLEL_MIN_CHANGES)
+            weights = [r.n_changed for r in recs]
+            decoded = map_grouped(decode, range(len(recs)), weights, TASK_CHANGES, APPLY_WORKERS,
+                                  sum(weights) >= PARALLEL_MIN_CHANGES)
             with contextlib.closing(decoded):
                 self._segment(cache, seg, recs, prog, classify, decoded, pending)
             for rec in recs:

@@ -17,6 +17,11 @@ from typing import TypeVar
 DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
+# Work on records goes to the pool in tasks of at least this many changes where it can
+# (map_grouped): at 1% changed, about four records of a few million elements.
+TASK_CHANGES = 1 << 17
+
+
 T = TypeVar("T")
 R = TypeVar("R")
 

@@ -67,24 +67,26 @@ def test_map_grouped_raises_only_once_every_task_ended():
     assert sorted(started) == sorted(ended)
 
 
-def test_an_apply_hands_the_pool_a_task_per_group_of_records(tmp_path, monkeypatch):
-    """Pass 1, the writes and the checks after writing give the pool consecutive records
-    together, and the write pass sends it none of the records pass 1 already gathered (a task
-    a record was three hand-offs per record). The bits are the log's."""
+def _many_records(root, n: int = 1 << 14, rate: float = 0.1):
+    """64 bf16 tensors of ``n`` words, ``rate`` of them changed: a version of 64 records (by
+    default ~1600 changes each, 100k in all: enough for a receiver's pool)."""
     rng = np.random.default_rng(4)
-    n = 1 << 14
     base = {f"w{i}": TensorBits("BF16", (n // 256, 256), rng.integers(0, 1 << 16, n, dtype=np.uint16))
             for i in range(64)}
     new = {}
     for k, b in base.items():
         words = b.words.copy()
-        words[rng.random(n) < 0.1] ^= 1
+        words[rng.random(n) < rate] ^= 1
         new[k] = TensorBits(b.dtype, b.shape, words)
-    writer = LogWriter.create(tmp_path / "log", base, cache_dir=False)
+    writer = LogWriter.create(root, base, cache_dir=False)
     writer.append(new)
-    records = writer.log.commit(1).stats.records
-    assert records >= 64
-    tensors = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
+    assert writer.log.commit(1).stats.records >= 64
+    return writer.log, base, new
+
+
+@pytest.fixture
+def pool_tasks(monkeypatch):
+    """The tasks handed to the shared pool (the names of the threads that handed them)."""
     tasks: list[str] = []
     pool = parallel.shared_pool(parallel.DEFAULT_WORKERS)
     real_submit = pool.submit
@@ -93,11 +95,33 @@ def test_an_apply_hands_the_pool_a_task_per_group_of_records(tmp_path, monkeypat
         tasks.append(threading.current_thread().name)
         return real_submit(fn, *args, **kwargs)
 
+    monkeypatch.setattr(pool, "submit", counted)
+    return tasks
+
+
+def test_an_apply_hands_the_pool_a_task_per_group_of_records(tmp_path, pool_tasks):
+    """Pass 1, the writes and the checks after writing give the pool consecutive records
+    together, and the write pass sends it none of the records pass 1 already gathered (a task
+    a record was three hand-offs per record). The bits are the log's."""
+    log, base, new = _many_records(tmp_path / "log")
+    tensors = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
     with Receiver.open(tensors, tmp_path / "j") as rx:
-        rx.bind(writer.log, 0, verify="none")
-        monkeypatch.setattr(pool, "submit", counted)
-        rx.apply(writer.log, to=1, verify="full")
-        monkeypatch.undo()
+        rx.bind(log, 0, verify="none")
+        pool_tasks.clear()
+        rx.apply(log, to=1, verify="full")
+        tasks = len(pool_tasks)
     for k, v in new.items():
         assert np.array_equal(tensors[k].words, v.words), k
-    assert 0 < len(tasks) <= records / 2
+    assert 0 < tasks <= log.commit(1).stats.records / 2
+
+
+def test_a_replay_hands_the_pool_a_task_per_group_of_records(tmp_path, pool_tasks):
+    """Records large enough for the pool (replay.PARALLEL_MIN_ELEMENTS) but with few changes go
+    to it together; the state ends at the log's bits."""
+    log, base, new = _many_records(tmp_path / "log", n=1 << 17, rate=0.005)
+    state = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
+    pool_tasks.clear()
+    log.apply_version(state, 1)
+    assert 0 < len(pool_tasks) <= log.commit(1).stats.records / 4
+    for k, v in new.items():
+        assert np.array_equal(state[k].words, v.words), k

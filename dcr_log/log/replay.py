@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from dcr_log.format.tensors import state_digest
 from dcr_log.log.records import apply_to_words, decode_record, empty_words
 from dcr_log.log.routes import Step
 from dcr_log.log.steps import StepRules
-from dcr_log.parallel import DEFAULT_WORKERS, shared_pool
+from dcr_log.parallel import DEFAULT_WORKERS, TASK_CHANGES, shared_pool
 from dcr_log.state import TensorBits
 
 if TYPE_CHECKING:
@@ -52,20 +52,29 @@ def _decode_and_apply(rec: Record, info, bits: TensorBits, digests: DigestScheme
     apply_to_words(rec, decode_record(rec, info), bits.words, bits.shape, digests)
 
 
+def _apply_group(group: list[tuple[Record, Any, TensorBits]], digests: DigestScheme) -> None:
+    for rec, info, bits in group:
+        _decode_and_apply(rec, info, bits, digests)
+
+
 class _ParallelApply:
     """Decodes and applies the records of one version on a few threads, as if in order.
 
     Records of one version never overlap, but a reader does not take that on trust: a record
     whose flat span may meet an earlier record's span in the same tensor waits until every
     earlier record is applied, so the result is always that of applying them in order.
-    A bounded number of records is in flight; on the first error the rest are drained and the
-    error is raised.
+    Consecutive records go to the pool together until they hold ``grain`` changes (a task
+    each costs two thread hand-offs; see parallel.map_grouped). A bounded number of tasks is
+    in flight; on the first error the rest are drained and the error is raised.
     """
 
-    def __init__(self, digests: DigestScheme, window: int = 2 * DEFAULT_WORKERS):
+    def __init__(self, digests: DigestScheme, grain: int = TASK_CHANGES, window: int = 2 * DEFAULT_WORKERS):
         self._digests = digests
+        self._grain = grain
         self._window = window
         self._pending: deque[Future] = deque()
+        self._group: list[tuple[Record, Any, TensorBits]] = []
+        self._group_changes = 0
         self._span_end: dict[str, int] = {}  # per tensor: end of the flat spans submitted
 
     def __enter__(self) -> _ParallelApply:
@@ -80,12 +89,21 @@ class _ParallelApply:
         if rec.box.size < PARALLEL_MIN_ELEMENTS:
             _decode_and_apply(rec, info, bits, self._digests)
             return
-        self._pending.append(shared_pool(DEFAULT_WORKERS).submit(_decode_and_apply, rec, info, bits,
-                                                                self._digests))
+        self._group.append((rec, info, bits))
+        self._group_changes += rec.n_changed
+        if self._group_changes >= self._grain:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._group:
+            return
+        group, self._group, self._group_changes = self._group, [], 0
+        self._pending.append(shared_pool(DEFAULT_WORKERS).submit(_apply_group, group, self._digests))
         while len(self._pending) > self._window:
             self._pending.popleft().result()
 
     def _drain(self) -> None:
+        self._flush()
         while self._pending:
             self._pending.popleft().result()
 
@@ -143,7 +161,8 @@ def apply_step(log: DeltaLog, state: dict[str, TensorBits], step: Step, check_al
     # cover the tensor exactly once compose to its digest (each one's target digest was
     # checked against the words it wrote), so no second pass hashes the tensor.
     spans: dict[str, list | None] = {n: [] for n in created} if log.digests.composable else {}
-    with _ParallelApply(log.digests) as applier:
+    grain = max(1, min(TASK_CHANGES, step.stats.changed_elements // (4 * DEFAULT_WORKERS)))
+    with _ParallelApply(log.digests, grain) as applier:
         for rec in log.records(step):
             info = rules.record(rec)
             if rec.tensor in wanted:

@@ -22,9 +22,9 @@ from dcr_log.errors import IntegrityError, LineageError
 from dcr_log.format import Record
 from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.records import decode_record, flat_positions, record_bases, record_targets
-from dcr_log.parallel import map_grouped
+from dcr_log.parallel import TASK_CHANGES, map_grouped
 from dcr_log.receiver.checks import sampled
-from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, TASK_CHANGES, ApplyContext, GroupDigests
+from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, ApplyContext, GroupDigests
 from dcr_log.receiver.journal import Journal, SegmentProgress
 from dcr_log.receiver.journal_entries import encode_wal_image
 from dcr_log.receiver.segments import SegmentCache

@@ -25,8 +25,8 @@ from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.deltalog import Step
 from dcr_log.log.records import decode_record, flat_positions, record_targets
 from dcr_log.log.steps import StepRules
-from dcr_log.parallel import map_grouped
-from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, TASK_CHANGES, GroupDigests
+from dcr_log.parallel import TASK_CHANGES, map_grouped
+from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, GroupDigests
 from dcr_log.receiver.journal import SegmentProgress
 from dcr_log.receiver.segments import SegmentCache
 from dcr_log.receiver.storage import Storage

@@ -30,10 +30,6 @@ APPLY_WORKERS = DEFAULT_WORKERS
 # costs more).
 PARALLEL_MIN_CHANGES = 1 << 16
 
-# Consecutive records go to the pool together until they hold this many changes (see
-# parallel.map_grouped): at 1% changed, about four records of a few million elements.
-TASK_CHANGES = 1 << 17
-
 
 @dataclass(frozen=True, slots=True)
 class GroupDigests:

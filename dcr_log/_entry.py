@@ -79,6 +79,10 @@ def entry() -> None:
     if sys.argv[1:] == ["--version"]:  # what scripts and health checks ask: no command to import for it
         print(version_line())
         finish(0)
+    # dcr calls no BLAS, and numpy's OpenBLAS starts a thread per core at import that spins
+    # for about 0.1 s of CPU waiting for work: a core taken from the start of every command
+    # (tools/bench_startup.py). One thread starts none; a caller's own setting is kept.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from dcr_log import cli  # the heavy imports; a signal meanwhile exits in exit_on_signal
 
     _State.hook = cli.signal_outcome

@@ -10,7 +10,8 @@ synced, over the whole apply).
 The steps come from dcr_log.synthetic (Adam on an fp32 master, stored as bf16): one log per
 rate holding version 0 (the base) and version 1 (one step). Each timed apply takes a receiver
 holding version 0 to version 1 (reading and checking the segments, decoding, gathering,
-writing, flushing and journaling); the receiver is reset between repetitions, untimed.
+writing, flushing and journaling); the receiver is reset between repetitions, untimed (a
+checkpoint directory is written anew, bound and synced: on disk and clean, as between steps).
 Each apply is paired with one ``np.copyto`` of the whole model right after it
 (tools/timing.py): seconds (wall, and "CPU s": the process's CPU time, every thread) are the
 medians of ``--reps``, "x copyto" the median pair's speed ratio. ``--phases``: after the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -115,6 +117,9 @@ def bench_checkpoint(log: DeltaLog, base, expected, verify: str, reps: int, work
         write_checkpoint(base, directory)
         with Receiver.open(directory) as rx:
             rx.bind(log, 0, verify="none")
+            # On disk and clean, as a receiver's checkpoint is between steps: pages dirty from
+            # write_checkpoint would make the kernel's work of dirtying them cheaper.
+            os.sync()
             pairings.append(paired_apply(rx, log, verify, copyto, journal))
             if r == reps - 1:
                 for k, v in expected.items():

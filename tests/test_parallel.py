@@ -8,8 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from helpers import flip_log
 
-from dcr_log import LogWriter, TensorBits, parallel
+from dcr_log import TensorBits, parallel
 from dcr_log.receiver import Receiver
 
 
@@ -68,20 +69,11 @@ def test_map_grouped_raises_only_once_every_task_ended():
 
 
 def _many_records(root, n: int = 1 << 14, rate: float = 0.1):
-    """64 bf16 tensors of ``n`` words, ``rate`` of them changed: a version of 64 records (by
-    default ~1600 changes each, 100k in all: enough for a receiver's pool)."""
-    rng = np.random.default_rng(4)
-    base = {f"w{i}": TensorBits("BF16", (n // 256, 256), rng.integers(0, 1 << 16, n, dtype=np.uint16))
-            for i in range(64)}
-    new = {}
-    for k, b in base.items():
-        words = b.words.copy()
-        words[rng.random(n) < rate] ^= 1
-        new[k] = TensorBits(b.dtype, b.shape, words)
-    writer = LogWriter.create(root, base, cache_dir=False)
-    writer.append(new)
-    assert writer.log.commit(1).stats.records >= 64
-    return writer.log, base, new
+    """A version of 64 records (by default ~1600 changes each, 100k in all: enough for a
+    receiver's pool)."""
+    log, base, new = flip_log(root, tensors=64, n=n, rate=rate, seed=4)
+    assert log.commit(1).stats.records >= 64
+    return log, base, new
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from test_receiver import LAYOUT_VERSION, build_log, numpy_receiver
-from helpers import assert_same_bits
-from dcr_log import LineageError, LogWriter, TensorBits
+from helpers import assert_same_bits, flip_log
+from dcr_log import LineageError, TensorBits
 from dcr_log.receiver import Receiver, checks, write_checkpoint
 from dcr_log.receiver.storage import memory
 
@@ -83,25 +83,10 @@ def test_a_word_changed_behind_the_journal_is_found_ahead_too(tmp_path, ahead):
         assert np.array_equal(tensors[k].words, v), k
 
 
-def _big_log(root, n: int = 1 << 20):
-    """Two bf16 tensors, 5% of their words changed: segments large enough for the pool."""
-    rng = np.random.default_rng(5)
-    base = {f"w{i}": TensorBits("BF16", (n // 256, 256), rng.integers(0, 1 << 16, n, dtype=np.uint16))
-            for i in range(2)}
-    new = {}
-    for k, b in base.items():
-        w = b.words.copy()
-        hit = rng.random(n) < 0.05
-        w[hit] ^= 1
-        new[k] = TensorBits(b.dtype, b.shape, w)
-    writer = LogWriter.create(root, base, cache_dir=False)
-    writer.append(new)
-    return writer.log, base, new
-
-
 @pytest.mark.parametrize("receiver", ["numpy", "checkpoint"])
 def test_large_segments_are_classified_on_pool_threads(tmp_path, ahead, receiver):
-    log, base, new = _big_log(tmp_path / "log")
+    # Two tensors, 5% of their words changed: segments large enough for the pool.
+    log, base, new = flip_log(tmp_path / "log", tensors=2, n=1 << 20, rate=0.05, seed=5)
     if receiver == "numpy":
         tensors = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
         rx = Receiver.open(tensors, tmp_path / "j")

@@ -23,6 +23,7 @@ from helpers.bits import (
     assert_same_bits,
     change_words,
     copy_state,
+    flip_log,
     make_bits,
     make_state,
     random_words,
@@ -36,7 +37,7 @@ from helpers.stores import counting_store
 
 __all__ = [
     "ALL_DTYPES", "FLOAT_DTYPES", "NUMPY_DTYPE", "SPECIAL_WORDS", "SeaweedServer", "assert_file_holds",
-    "assert_one_line", "assert_same_bits", "change_words", "cli_env", "copy_state", "counting_store",
+    "assert_one_line", "assert_same_bits", "change_words", "cli_env", "copy_state", "counting_store", "flip_log",
     "free_port", "make_bits", "make_state", "minilm_config", "minilm_dir", "random_words", "read_safetensors_raw",
     "run_cli", "run_ranks", "snapshot_files", "start_cli",
 ]

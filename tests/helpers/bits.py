@@ -82,3 +82,21 @@ def assert_same_bits(got: dict[str, TensorBits], expected: dict[str, TensorBits]
         assert (g.dtype, g.shape) == (exp.dtype, exp.shape), name
         assert g.words.dtype == exp.words.dtype, name
         assert np.array_equal(g.words, exp.words), f"{name}: words differ"
+
+
+def flip_log(root, tensors: int, n: int, rate: float, seed: int):
+    """A log of ``tensors`` bf16 tensors of ``n`` random words (rows of 256) at version 0 and,
+    at version 1, the low bit flipped in about ``rate`` of them; returns (log, base, new)."""
+    from dcr_log.write import LogWriter
+
+    rng = np.random.default_rng(seed)
+    base = {f"w{i}": TensorBits("BF16", (n // 256, 256), rng.integers(0, 1 << 16, n, dtype=np.uint16))
+            for i in range(tensors)}
+    new = {}
+    for k, b in base.items():
+        words = b.words.copy()
+        words[rng.random(n) < rate] ^= 1
+        new[k] = TensorBits(b.dtype, b.shape, words)
+    writer = LogWriter.create(root, base, cache_dir=False)
+    writer.append(new)
+    return writer.log, base, new

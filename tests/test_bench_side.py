@@ -18,7 +18,8 @@ import bench_side  # noqa: E402
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def test_tiny_run_json_and_plot(tmp_path, capsys):
+def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench_side, "IDLE_SECONDS", 0.05)  # rx_numpy_idle's pause, shortened
     png = tmp_path / "p.png"
     rates = (0.01, 0.05)
     assert bench_side.main(["--gib", "0.01", "--rates", *map(str, rates), "--repeats", "1", "--json",
@@ -41,7 +42,8 @@ def test_tiny_run_json_and_plot(tmp_path, capsys):
         assert pair["changed_elements"] == round(pair["changed_rate"] * pair["elements"])
         assert pair["nemo_to_dcr"] > 1
         t = pair["throughput"]
-        for op in ("xor", "copyto", "append", "replay", "rx_numpy", "rx_torch", "rx_ckpt", "rx_ckpt_sync", "nemo_encode"):
+        for op in ("xor", "copyto", "append", "replay", "rx_numpy", "rx_numpy_idle", "rx_torch", "rx_ckpt",
+                   "rx_ckpt_sync", "nemo_encode"):
             assert t["seconds"][op] > 0 and t["to_xor"][op] > 0, op
         assert t["to_xor"]["xor"] == 1
         # Speed ratios, not time ratios: copyto (one read, one write) is faster than xor (two

@@ -56,6 +56,10 @@ xor in the same minute, per rate):
   an untimed ``os.sync`` runs after the checkpoint is written and bound, so that the apply
   finds it as a receiver between steps does (on disk, its pages cached and clean), not dirty
   from its own writing (which makes the kernel's work of dirtying each page cheaper);
+  ``rx_numpy_idle`` is the numpy receiver again with an untimed pause of ``IDLE_SECONDS``
+  before the apply and before its xor, as a receiver between steps (or a new ``dcr apply``
+  process) meets it: on a virtual machine whose idle cores halt, the threads an apply hands
+  work to wake more slowly after a pause than in back-to-back calls (the other columns);
 - NeMo-like encode, for context;
 - where the changed positions lie (``spread``): per tensor, the share of its changes in each
   tenth of it, the first and last changed position, the rows with a change. On every
@@ -351,6 +355,10 @@ def check_words(got: dict[str, np.ndarray], expected: dict[str, TensorBits], wha
             raise SystemExit(f"{what}: {name} is not bit-exact")
 
 
+# numpy_idle: the pause before each timed call, untimed (see the docstring's receivers).
+IDLE_SECONDS = 0.5
+
+
 def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: int, work: Path,
                    xor) -> dict[str, Pairing]:
     """Apply of ``version`` from its parent (holding base) for each receiver kind, each apply
@@ -359,11 +367,12 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
 
     parent = version - 1
     out = {}
-    for kind in ("numpy", "torch", "ckpt", "ckpt_sync"):
+    for kind in ("numpy", "numpy_idle", "torch", "ckpt", "ckpt_sync"):
         pairings = []
+        before = (lambda: time.sleep(IDLE_SECONDS)) if kind == "numpy_idle" else None
         if not kind.startswith("ckpt"):
             words = {k: v.words.copy() for k, v in base_state.items()}
-            if kind == "numpy":
+            if kind.startswith("numpy"):
                 tensors = {k: TensorBits(v.dtype, v.shape, words[k]) for k, v in base_state.items()}
             else:  # torch CPU tensors sharing memory with ``words``
                 tensors = {k: to_torch(TensorBits(v.dtype, v.shape, words[k])) for k, v in base_state.items()}
@@ -386,7 +395,8 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
                 journal = work / f"journal-{kind}-{version}-{r}"
                 with Receiver.open(tensors, journal) as rx:
                     rx.bind(log, parent, verify="none")
-                    pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version)), xor, 1))
+                    pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version)), xor, 1,
+                                           before=before))
                 check_words(words, new_state, f"{kind} receiver, version {version}")
                 shutil.rmtree(journal)
             if applied != [version]:
@@ -746,7 +756,7 @@ def run(args, work: Path, say) -> dict:
                 reader.apply_version(replay_state, writer.version)
         fresh = paired(lambda: np.bitwise_xor(base, new), xor, repeats)
         versus_xor = {"append": Pairing.join(appends), "replay": Pairing.join(replays), "rx_numpy": rx["numpy"],
-                      "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"], "rx_ckpt_sync": rx["ckpt_sync"],
+                      "rx_numpy_idle": rx["numpy_idle"], "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"], "rx_ckpt_sync": rx["ckpt_sync"],
                       "nemo_encode": nemo}
 
         row = dcr_row(pair, sizes, delta_sizes[0])
@@ -819,8 +829,8 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    ops = ("append", "replay", "rx_numpy", "rx_torch", "rx_ckpt", "rx_ckpt_sync", "nemo_encode")
-    op_heads = ("append", "replay", "rx np", "rx torch", "rx ckpt", "rx ckpt sync", "NeMo enc")
+    ops = ("append", "replay", "rx_numpy", "rx_numpy_idle", "rx_torch", "rx_ckpt", "rx_ckpt_sync", "nemo_encode")
+    op_heads = ("append", "replay", "rx np", "rx np idle", "rx torch", "rx ckpt", "rx ckpt sync", "NeMo enc")
     table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
                   "NeMo/dcr", "xor GB/s", *op_heads,
                   title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "

@@ -100,14 +100,20 @@ def map_ordered(fn: Callable[[T], R], items: Sequence[T], workers: int,
         wait(pending)
 
 
+def task_grain(total: int, workers: int, grain: int = TASK_CHANGES) -> int:
+    """The weight a task gathers before it goes to the pool: ``grain``, or less so that
+    ``total`` makes at least four tasks per worker (the last one then leaves the others idle
+    for less)."""
+    return max(1, min(grain, total // (4 * max(workers, 1))))
+
+
 def map_grouped(fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int], grain: int, workers: int,
                 parallel: bool = True) -> Generator[R, None, None]:
     """``map_ordered`` where consecutive items whose ``weights`` sum to less than ``grain`` run
-    together as one task: each task costs two hand-offs between threads (a queue and a
-    future), and on a virtual machine whose idle cores halt, each wakes a core. At least
-    four tasks per worker are kept, so that the last one does not leave the others idle."""
-    total = sum(weights)
-    grain = max(1, min(grain, total // (4 * max(workers, 1))))
+    together as one task (``task_grain``: at least four tasks per worker): each task costs two
+    hand-offs between threads (a queue and a future), and on a virtual machine whose idle
+    cores halt, each wakes a core."""
+    grain = task_grain(sum(weights), workers, grain)
     groups: list[list[T]] = []
     summed = grain
     for item, weight in zip(items, weights):

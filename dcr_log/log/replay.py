@@ -22,7 +22,7 @@ from dcr_log.format.tensors import state_digest
 from dcr_log.log.records import apply_to_words, decode_record, empty_words
 from dcr_log.log.routes import Step
 from dcr_log.log.steps import StepRules
-from dcr_log.parallel import DEFAULT_WORKERS, TASK_CHANGES, shared_pool
+from dcr_log.parallel import DEFAULT_WORKERS, TASK_CHANGES, shared_pool, task_grain
 from dcr_log.state import TensorBits
 
 if TYPE_CHECKING:
@@ -161,8 +161,7 @@ def apply_step(log: DeltaLog, state: dict[str, TensorBits], step: Step, check_al
     # cover the tensor exactly once compose to its digest (each one's target digest was
     # checked against the words it wrote), so no second pass hashes the tensor.
     spans: dict[str, list | None] = {n: [] for n in created} if log.digests.composable else {}
-    grain = max(1, min(TASK_CHANGES, step.stats.changed_elements // (4 * DEFAULT_WORKERS)))
-    with _ParallelApply(log.digests, grain) as applier:
+    with _ParallelApply(log.digests, task_grain(step.stats.changed_elements, DEFAULT_WORKERS)) as applier:
         for rec in log.records(step):
             info = rules.record(rec)
             if rec.tensor in wanted:

@@ -5,7 +5,7 @@ model in the same process, and the journal's share of the apply time (LMDB trans
 synced, over the whole apply).
 
     python tools/bench_apply.py [--gib 0.25] [--reps 3] [--verify none,sample,full] [--dir DIR]
-                                [--receivers numpy,torch,ckpt] [--phases]
+                                [--receivers numpy,torch,ckpt] [--phases] [--task-changes N]
 
 The steps come from dcr_log.synthetic (Adam on an fp32 master, stored as bf16): one log per
 rate holding version 0 (the base) and version 1 (one step). Each timed apply takes a receiver
@@ -17,6 +17,8 @@ Each apply is paired with one ``np.copyto`` of the whole model right after it
 medians of ``--reps``, "x copyto" the median pair's speed ratio. ``--phases``: after the
 timed applies of a numpy or torch receiver, one more, untimed, whose timeline is printed
 (tools/phases.py): pass 1's reads, decoding and classification, the writes and the commit.
+``--task-changes N``: the changes a task on the pool gathers (1: a task per record, as before
+parallel.map_grouped).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from phases import Phases  # noqa: E402
 from timing import Pairing, fastest, paired  # noqa: E402
 
 from dcr_log import DeltaLog, TensorBits  # noqa: E402
-from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
+from dcr_log.receiver import Receiver, batch, checks, write_checkpoint  # noqa: E402
 from dcr_log.receiver.batch import BatchWriter  # noqa: E402
 from dcr_log.receiver.checks import PassOne  # noqa: E402
 from dcr_log.receiver.journal import Journal  # noqa: E402
@@ -136,7 +138,11 @@ def main() -> int:
     ap.add_argument("--receivers", default="numpy,torch,ckpt")
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--phases", action="store_true", help="one more apply's timeline (numpy and torch)")
+    ap.add_argument("--task-changes", type=int, default=None, metavar="N",
+                    help="changes a pool task gathers (default parallel.TASK_CHANGES; 1: a task per record)")
     args = ap.parse_args()
+    if args.task_changes is not None:  # the receivers' modules took the default at import
+        batch.TASK_CHANGES = checks.TASK_CHANGES = args.task_changes
     work = args.dir or Path(tempfile.mkdtemp(prefix="dcr-bench-apply-"))
     work.mkdir(parents=True, exist_ok=True)
     try:

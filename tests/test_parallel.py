@@ -3,6 +3,10 @@ one task, errors reaching the caller only once no task still runs."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -117,3 +121,51 @@ def test_a_replay_hands_the_pool_a_task_per_group_of_records(tmp_path, pool_task
     assert 0 < len(pool_tasks) <= log.commit(1).stats.records / 4
     for k, v in new.items():
         assert np.array_equal(state[k].words, v.words), k
+
+
+_AFFINITY_PROBE = """
+import json, os, sys, threading
+cpus = [int(c) for c in sys.argv[1].split(",")]
+os.sched_setaffinity(0, set(cpus))
+from dcr_log import parallel
+out = {}
+for workers in (1, len(cpus)):
+    barrier = threading.Barrier(workers)
+    def probe():
+        barrier.wait(timeout=30)  # one task on each thread of the pool
+        return sorted(os.sched_getaffinity(0))
+    pool = parallel.shared_pool(workers)
+    out[workers] = sorted(f.result() for f in [pool.submit(probe) for _ in range(workers)])
+out["caller"] = sorted(os.sched_getaffinity(0))
+print(json.dumps(out))
+"""
+
+
+def _pool_affinities(setting: str | None, cpus: list[int]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != parallel.PIN_ENV}
+    if setting is not None:
+        env[parallel.PIN_ENV] = setting
+    return subprocess.run([sys.executable, "-c", _AFFINITY_PROBE, ",".join(map(str, cpus))], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="binding threads to CPUs needs two CPUs and sched_setaffinity")
+def test_pool_threads_are_bound_one_per_cpu_where_the_pool_covers_the_cpus():
+    """By default (and with DCR_PIN_THREADS=1) a pool with a thread for every CPU the process
+    may use binds each thread to its own CPU; a smaller pool is bound only when asked to, and
+    with DCR_PIN_THREADS=0 none is. The caller's own affinity is never changed."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    pinned = [[cpus[0]], [cpus[1]]]
+    for setting, small, full in ((None, [cpus], pinned), ("auto", [cpus], pinned), ("1", [[cpus[0]]], pinned),
+                                 ("0", [cpus], [cpus, cpus])):
+        proc = _pool_affinities(setting, cpus)
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        assert got == {"1": small, "2": full, "caller": cpus}, (setting, got)
+
+
+def test_a_bad_pin_setting_is_a_usage_error():
+    proc = _pool_affinities("sometimes", sorted(os.sched_getaffinity(0))[:2])
+    assert proc.returncode != 0
+    assert "UsageError" in proc.stderr and "DCR_PIN_THREADS='sometimes': auto, 1 or 0" in proc.stderr

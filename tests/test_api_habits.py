@@ -107,9 +107,11 @@ def test_readers_of_unsigned_logs_import_no_cryptography():
 
 
 def test_pyarrow_is_imported_by_the_first_segment_read_not_before(tmp_path):
-    """Opening a log, reading its commit records and applying a version with no records read
-    no segment, so they import no pyarrow (``dcr apply`` of an empty delta starts faster); the
-    first segment read imports it."""
+    """Opening a log, reading its commit records and applying a version with no records to a
+    checkpoint directory as ``dcr apply`` does (``open_directory``) read no segment, so they
+    import no pyarrow (``dcr apply`` of an empty delta starts faster); the first segment read
+    imports it. ``Receiver.open`` imports it ahead (a receiver kept open for the versions to
+    come does not pay for the import in its first apply)."""
     state = make_state(np.random.default_rng(3), SPEC)
     with LogWriter.create(tmp_path / "log", state, cache_dir=False) as writer:
         writer.append(state)  # no change: a version with no records
@@ -121,9 +123,9 @@ def test_pyarrow_is_imported_by_the_first_segment_read_not_before(tmp_path):
     probe = textwrap.dedent(f"""
         import sys
         from dcr_log import DeltaLog
-        from dcr_log.receiver import Receiver
+        from dcr_log.receiver import Receiver, open_directory
         log = DeltaLog.open({str(tmp_path / "log")!r})
-        with Receiver.open({str(tmp_path / "rx")!r}) as rx:
+        with open_directory(log, {str(tmp_path / "rx")!r}) as rx:
             applied = rx.apply(log)
         empty = "pyarrow" in sys.modules
         log.materialize(0)
@@ -132,3 +134,12 @@ def test_pyarrow_is_imported_by_the_first_segment_read_not_before(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["[1]", "False", "True"]
+    opened = textwrap.dedent(f"""
+        import sys
+        from dcr_log.receiver import Receiver
+        with Receiver.open({str(tmp_path / "rx")!r}) as rx:
+            print("pyarrow.ipc" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", opened], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"]

@@ -36,6 +36,7 @@ from dcr_log.coords import DTYPE_WIDTH, numel
 from dcr_log.digest import XXH3, DigestScheme
 from dcr_log.errors import ExpiredError, IntegrityError, LayoutError, LineageError, NotFoundError, UsageError
 from dcr_log.format import CommitRecord
+from dcr_log.format.segment import load_reader
 from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
 from dcr_log.log.deltalog import DeltaLog, Step
 from dcr_log.parallel import map_ordered
@@ -176,8 +177,12 @@ class Receiver:
         syncing every written file before each journal marker. After a power loss the
         files are right only once a receiver has used the directory (its first apply, bind,
         stage or route restores them; ``dcr status`` says when one is needed); False for a
-        directory that other programs read without a receiver."""
+        directory that other programs read without a receiver.
+
+        It imports pyarrow's segment reader now (format.segment.load_reader), so that the
+        first version applied does not wait for the import."""
         check_layout_changes(layout_changes)
+        load_reader()
         journal = open_journal(storage, journal_path)
         try:
             base = open_receiver_storage(storage, journal.path, device=device, placement=placement,

@@ -61,6 +61,11 @@ xor in the same minute, per rate):
   machine whose idle cores halt, threads woken after a pause wake more slowly): whether the
   other columns are timed on warm cores. Measured on 0.5 GiB they were not (35.3 ms against
   35.5 ms at 1%; the two columns within 0.06 of each other from 1% to 10%);
+  ``rx_numpy_first`` is the numpy receiver's first apply in a fresh process (this file,
+  ``--first-child``), as a rollout worker's first refit and a one-apply measurement from
+  outside meet it: the weights loaded from a file, ``Receiver.open``, ``bind`` to the parent
+  (untimed), then the apply paired with one xor of arrays loaded the same way, and the words
+  checked bit-exact; one process per repetition;
 - NeMo-like encode, for context;
 - where the changed positions lie (``spread``): per tensor, the share of its changes in each
   tenth of it, the first and last changed position, the rows with a change. On every
@@ -147,7 +152,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delta import ROW, as_state, entropy_bound_bits, tensor_rows  # noqa: E402
-from timing import Pairing, paired  # noqa: E402
+from timing import Pairing, Sample, paired  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
@@ -562,6 +567,41 @@ def peak_child_receiver(gib: float, seed: int, directory: Path, new_lr: float) -
             "method": "VmHWM (reset by clear_refs once the weights are held)"}
 
 
+def first_apply_child(gib: float, directory: Path, version: int) -> dict:
+    """``rx_numpy_first``: in this fresh process, the numpy receiver's first apply of
+    ``version`` (from its parent, which ``base.npy`` in ``directory`` holds; ``new-V.npy`` the
+    version), paired with one xor of the two states loaded the same way."""
+    layout = tensor_rows(elements_for(gib))
+    words = np.load(directory / "base.npy")  # the receiver's weights
+    base, new = np.load(directory / "base.npy"), np.load(directory / f"new-{version}.npy")
+    scratch = np.empty_like(base)
+    np.bitwise_xor(base, new, out=scratch)  # every page of the baseline's arrays touched, untimed
+    log = DeltaLog.open(directory / "log")
+    applied: list[int] = []
+    with Receiver.open(as_state(words, layout), directory / f"journal-first-{os.getpid()}") as rx:
+        rx.bind(log, version - 1, verify="none")
+        pairing = paired(lambda: applied.extend(rx.apply(log, to=version)),
+                         functools.partial(np.bitwise_xor, base, new, out=scratch), 1)
+    if applied != [version] or not np.array_equal(words, new):
+        raise SystemExit(f"first-apply child: applied {applied}, or the words are not version {version}'s")
+    return {"op": [pairing.op[0].wall, pairing.op[0].cpu],
+            "baseline": [pairing.baseline[0].wall, pairing.baseline[0].cpu]}
+
+
+def time_first_applies(gib: float, directory: Path, version: int, repeats: int) -> Pairing:
+    """``rx_numpy_first``: one fresh process per repetition (``first_apply_child``)."""
+    pairings = []
+    for _ in range(repeats):
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--gib", str(gib), "--first-child",
+                               str(directory), "--first-version", str(version)],
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"first-apply child failed: {proc.stderr[-2000:]}")
+        got = json.loads(proc.stdout)
+        pairings.append(Pairing((Sample(*got["op"]),), (Sample(*got["baseline"]),)))
+    return Pairing.join(pairings)
+
+
 # Runs a command as its own child and writes that child's exit status and peak RSS to a file.
 # The measured command must not be a direct child of this process: a child's peak RSS starts
 # at its parent's (the address space it had at fork, counted again at exec), so the launcher,
@@ -717,6 +757,7 @@ def run(args, work: Path, say) -> dict:
         "as without (cache_dir=False)")
 
     log_dir = work / "log"
+    np.save(work / "base.npy", base)  # for the first-apply children
     writer = LogWriter.create(log_dir, base_state)  # the default path: appends advance its cache
     uncached = LogWriter.create(work / "log-uncached", base_state, cache_dir=False)  # for the factors only
     reader = DeltaLog.open(log_dir)
@@ -750,6 +791,9 @@ def run(args, work: Path, say) -> dict:
             writer.append(base_state)
             reader.apply_version(replay_state, writer.version)
         rx = time_receivers(reader, first_version, base_state, pair.new_state, repeats, work, xor)
+        np.save(work / f"new-{first_version}.npy", new)
+        rx["numpy_first"] = time_first_applies(args.gib, work, first_version, repeats)
+        (work / f"new-{first_version}.npy").unlink()
         cache_pairs = []
         for _ in range(repeats):  # to new and back: the writer, its log and the replayed state stay at base
             for target in (pair.new_state, base_state):
@@ -757,7 +801,8 @@ def run(args, work: Path, say) -> dict:
                 reader.apply_version(replay_state, writer.version)
         fresh = paired(lambda: np.bitwise_xor(base, new), xor, repeats)
         versus_xor = {"append": Pairing.join(appends), "replay": Pairing.join(replays), "rx_numpy": rx["numpy"],
-                      "rx_numpy_idle": rx["numpy_idle"], "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"],
+                      "rx_numpy_idle": rx["numpy_idle"], "rx_numpy_first": rx["numpy_first"],
+                      "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"],
                       "rx_ckpt_sync": rx["ckpt_sync"], "nemo_encode": nemo}
 
         row = dcr_row(pair, sizes, delta_sizes[0])
@@ -830,9 +875,10 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    ops = ("append", "replay", "rx_numpy", "rx_numpy_idle", "rx_torch", "rx_ckpt", "rx_ckpt_sync",
-           "nemo_encode")
-    op_heads = ("append", "replay", "rx np", "rx np idle", "rx torch", "rx ckpt", "rx ckpt sync", "NeMo enc")
+    ops = ("append", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first", "rx_torch", "rx_ckpt",
+           "rx_ckpt_sync", "nemo_encode")
+    op_heads = ("append", "replay", "rx np", "rx np idle", "rx np first", "rx torch", "rx ckpt", "rx ckpt sync",
+                "NeMo enc")
     table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
                   "NeMo/dcr", "xor GB/s", *op_heads,
                   title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "
@@ -958,7 +1004,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-child", choices=("writer", "receiver"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peak-lr", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peak-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--first-child", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--first-version", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.first_child is not None:
+        print(json.dumps(first_apply_child(args.gib, args.first_child, args.first_version)))
+        return 0
     if args.peak_child == "writer":
         print(json.dumps(peak_child_writer(args.gib, args.peak_lr, args.seed, args.peak_dir)))
         return 0

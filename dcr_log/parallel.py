@@ -148,6 +148,17 @@ def map_grouped(fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int]
     together as one task (``task_grain``: at least four tasks per worker): each task costs two
     hand-offs between threads (a queue and a future), and on a virtual machine whose idle
     cores halt, each wakes a core."""
+    groups = _groups(items, weights, grain, workers)
+    tasks = map_ordered(lambda group: [fn(item) for item in group], groups, workers, parallel)
+    try:
+        for results in tasks:
+            yield from results
+    finally:
+        tasks.close()
+
+
+def _groups(items: Sequence[T], weights: Sequence[int], grain: int, workers: int) -> list[list[T]]:
+    """Consecutive items, each group's weights summing to at least the task grain (but the last)."""
     grain = task_grain(sum(weights), workers, grain)
     groups: list[list[T]] = []
     summed = grain
@@ -157,12 +168,18 @@ def map_grouped(fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int]
             summed = 0
         groups[-1].append(item)
         summed += weight
-    tasks = map_ordered(lambda group: [fn(item) for item in group], groups, workers, parallel)
-    try:
-        for results in tasks:
-            yield from results
-    finally:
-        tasks.close()
+    return groups
+
+
+def start_grouped(fn: Callable[[T], object], items: Sequence[T], weights: Sequence[int], grain: int,
+                  workers: int) -> list[Future]:
+    """``fn(item)`` for every item on the shared pool, grouped as map_grouped groups them and
+    all submitted now: work that runs while the caller does something else. The caller waits
+    for every future (``concurrent.futures.wait``) before it returns or touches what they
+    read, and takes their errors from ``result()``."""
+    pool = shared_pool(workers)
+    return [pool.submit(lambda group: [fn(item) for item in group], group)
+            for group in _groups(items, weights, grain, workers)]
 
 
 os.register_at_fork(after_in_child=_forget_pools)

@@ -74,6 +74,11 @@ class Storage(ABC):
     def write(self, place: Any, values: np.ndarray) -> None:
         """Store ``values`` (unsigned words) at ``place``."""
 
+    def prepare_write(self, place: Any, count: int) -> None:
+        """Ready what a write of ``count`` words at ``place`` will touch, changing no byte
+        (a checkpoint file's pages faulted in for writing): the batch writer runs it on the
+        pool while the journal syncs the batch's redo images. Nothing to do by default."""
+
     @abstractmethod
     def set_layout(self, layout: TableLayout) -> Any:
         """Create (zero-filled) or reshape tensors to match ``layout`` and drop the others;

@@ -138,7 +138,9 @@ class CheckpointStorage(Storage):
     def _populate(self, file: Path, start: int, where, count: int, width: int) -> None:
         """Fault the pages a dense scatter will dirty in one call (MADV_POPULATE_WRITE)
         instead of one write fault per page: at 1% changed every page of a bf16 tensor
-        is written, and the faults cost more than the scatter itself."""
+        is written, and the faults cost more than the scatter itself. No byte changes; a
+        second call on pages already faulted in costs next to nothing (0.01 ms for 512 MiB
+        here), so write calls it again after prepare_write."""
         if isinstance(where, slice) or count == 0:
             return
         lo = start + int(where[0]) * width
@@ -155,6 +157,10 @@ class CheckpointStorage(Storage):
                 _MADV_POPULATE_WRITE, lo, hi - lo)
         except (AttributeError, OSError, ValueError):
             pass  # an older kernel (before 5.14) or another platform: the faults do it
+
+    def prepare_write(self, place, count: int) -> None:
+        words, where, file, start = place
+        self._populate(file, start, where, count, words.itemsize)
 
     def write(self, place, values: np.ndarray) -> None:
         words, where, file, start = place

@@ -1,0 +1,63 @@
+"""A checkpoint directory's pages are faulted in for writing on the pool's threads while the
+journal stages the batch's redo images (batch.PREFAULT_SPAN_TO_IMAGES), before any write."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from helpers import flip_log
+
+from dcr_log.receiver import Receiver, write_checkpoint
+from dcr_log.receiver.journal import Journal
+from dcr_log.receiver.storage.checkpoint import CheckpointStorage
+
+
+@pytest.mark.parametrize("rate, prefaulted", [(0.01, True), (0.1, False)])
+def test_pages_are_faulted_in_beside_the_stage(tmp_path, monkeypatch, rate, prefaulted):
+    """At 1% of two 8 MiB bf16 tensors (spans 32 times the images' bytes) every written
+    record's pages are prepared on pool threads, while the stage transaction runs (it waits
+    here for the first one), and all before the first write; at 10% (images a third of the
+    spans) none are, and the writes fault their pages themselves. The bits are the log's."""
+    log, base, new = flip_log(tmp_path / "log", tensors=2, n=1 << 22, rate=rate, seed=7)
+    (tmp_path / "ckpt").mkdir()
+    write_checkpoint(base, tmp_path / "ckpt")
+    events: list[tuple[str, str]] = []
+    started = threading.Event()
+    real_prepare, real_write, real_stage = (CheckpointStorage.prepare_write, CheckpointStorage.write,
+                                            Journal.stage)
+
+    def prepare_write(self, place, count):
+        started.set()
+        events.append(("prepare", threading.current_thread().name))
+        real_prepare(self, place, count)
+        events.append(("prepared", threading.current_thread().name))
+
+    def write(self, place, values):
+        events.append(("write", threading.current_thread().name))
+        real_write(self, place, values)
+
+    def stage(self, *args, **kwargs):
+        if prefaulted:  # the faults run beside the transaction, not after it
+            assert started.wait(timeout=60)
+        real_stage(self, *args, **kwargs)
+        events.append(("staged", threading.current_thread().name))
+
+    with Receiver.open(tmp_path / "ckpt") as rx:
+        rx.bind(log, 0, verify="none")
+        monkeypatch.setattr(CheckpointStorage, "prepare_write", prepare_write)
+        monkeypatch.setattr(CheckpointStorage, "write", write)
+        monkeypatch.setattr(Journal, "stage", stage)
+        assert rx.apply(log, to=1) == [1]
+        for k, v in new.items():
+            assert np.array_equal(rx.storage.words(k), v.words), k
+    kinds = [e for e, _ in events]
+    writes = kinds.count("write")
+    assert writes == len([r for r in log.records(1) if r.kind == "xor"]) > 1
+    if prefaulted:
+        assert kinds.count("prepare") == kinds.count("prepared") == writes
+        assert max(i for i, e in enumerate(kinds) if e == "prepared") < kinds.index("write")
+        assert threading.current_thread().name not in {t for e, t in events if e == "prepare"}
+    else:
+        assert "prepare" not in kinds

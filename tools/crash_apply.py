@@ -104,9 +104,11 @@ def _files(rng: np.random.Generator, version: int, previous: dict[str, bytes] | 
 
 
 def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
-                  segment_bytes: int = 2048, chunk_elements: int = 4096, catchup: bool = False) -> Fixture:
+                  segment_bytes: int = 2048, chunk_elements: int = 4096, catchup: bool = False,
+                  rates: tuple[float, float] = (0.01, 0.05)) -> Fixture:
     """A log under ``root/log`` and pristine receivers under ``root/pristine-*``; with
-    ``catchup``, a squash, a snapshot and retention (module docstring)."""
+    ``catchup``, a squash, a snapshot and retention (module docstring). Each version changes
+    a fraction of each tensor drawn from ``rates`` (low, high)."""
     rng = np.random.default_rng(seed)
     per_tensor = 128 * 1024  # elements: 256 KiB of bf16
     state = {f"layers.{i:02d}.weight": _bf16(rng, (256, per_tensor // 256)) for i in range(max(1, mb * 4))}
@@ -117,7 +119,7 @@ def build_fixture(root: Path, mb: int = 4, versions: int = 6, seed: int = 0,
     writer = LogWriter.create(log_path, state, policy=EncodePolicy(chunk_elements=chunk_elements),
                               segment_bytes=segment_bytes, cache_dir=False, files=files[0])
     for v in range(1, versions + 1):
-        state = _step(rng, state, rate=float(rng.uniform(0.01, 0.05)))
+        state = _step(rng, state, rate=float(rng.uniform(*rates)))
         state["step"] = TensorBits("I64", (), np.array([v], dtype=np.uint64))
         if v == 2:
             state["extra.bias"] = TensorBits("F32", (1000,), rng.integers(0, 2**32, 1000, dtype=np.uint32))
@@ -384,13 +386,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--catchup", action="store_true", help="receivers catch up through a squash and a snapshot")
+    ap.add_argument("--rates", type=float, nargs=2, default=(0.01, 0.05), metavar=("LO", "HI"),
+                    help="each version changes a fraction of each tensor drawn from [LO, HI) (default 0.01 0.05; "
+                         "at most about 0.012 a checkpoint receiver faults its pages in beside the journal's stage)")
     args = ap.parse_args()
     work = args.dir or Path(tempfile.mkdtemp(prefix="dcr-crash-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
         fx = build_fixture(work / "fixture", mb=args.mb, versions=args.versions, seed=args.seed,
-                           catchup=args.catchup, segment_bytes=args.segment_bytes)
+                           catchup=args.catchup, segment_bytes=args.segment_bytes, rates=tuple(args.rates))
         log = DeltaLog.open(fx.log)
         segs = [len(log.commit(v).segments) for v in log.versions()[1:]]
         print(f"log: {len(fx.expected)} versions, {sum(segs)} segments after version 0, "

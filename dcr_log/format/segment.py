@@ -190,6 +190,14 @@ def encode_segment(records: Iterable[Record], log_id: str, version: int) -> byte
 
 
 def _parse_params(text: str) -> dict:
+    # A segment repeats a few params texts ("{}" for every ulp-rans record): each is parsed
+    # and checked once (parsing and the canonical check were half of a segment's parse); a
+    # record gets its own copy (params are flat objects of numbers and strings).
+    return dict(_checked_params(text))
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_params(text: str) -> dict:
     L.check(len(text) <= L.MAX_PARAMS_BYTES, "record params", f"more than {L.MAX_PARAMS_BYTES} bytes")
     params = parse_json(text, "record params")
     if not isinstance(params, dict) or canonical_bytes(params).decode() != text:
@@ -220,8 +228,10 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise IntegrityError(f"segment of version {version}: corrupt batch ({exc})") from None
         cols = {name: batch.column(name) for name in segment_schema().names}
-        offsets = cols["box_offset"].to_pylist()
-        shapes = cols["box_shape"].to_pylist()
+        # Each column converted once per batch: a scalar's as_py costs about a microsecond,
+        # eight of them per record.
+        values = {name: cols[name].to_pylist() for name in _SCALAR_COLUMNS}
+        offsets, shapes = values["box_offset"], values["box_shape"]
         payload = _payload_slices(cols["payload"])
         for j in range(batch.num_rows):
             if len(offsets[j]) != len(shapes[j]):
@@ -229,16 +239,21 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
             if len(offsets[j]) > L.MAX_RANK or any(d > L.MAX_DIM for d in offsets[j] + shapes[j]):
                 raise IntegrityError(f"segment of version {version}: box beyond the limits")
             yield Record(
-                tensor=cols["tensor"][j].as_py(),
-                kind=cols["kind"][j].as_py(),
+                tensor=values["tensor"][j],
+                kind=values["kind"][j],
                 box=Box(tuple(offsets[j]), tuple(shapes[j])),
-                encoding=cols["encoding"][j].as_py(),
-                params=_parse_params(cols["params"][j].as_py()),
-                n_changed=cols["n_changed"][j].as_py(),
-                base_digest=cols["base_digest"][j].as_py(),
-                target_digest=cols["target_digest"][j].as_py(),
+                encoding=values["encoding"][j],
+                params=_parse_params(values["params"][j]),
+                n_changed=values["n_changed"][j],
+                base_digest=values["base_digest"][j],
+                target_digest=values["target_digest"][j],
                 payload=payload(j),
             )
+
+
+# The columns a record takes as Python values (the payload stays a view of the buffer).
+_SCALAR_COLUMNS = ("tensor", "kind", "box_offset", "box_shape", "encoding", "params", "n_changed",
+                   "base_digest", "target_digest")
 
 
 def _payload_slices(column: pa.Array) -> Callable[[int], memoryview]:

@@ -355,6 +355,10 @@ def _segment_columns(**override) -> dict:
     ({"params": ["{"]}, "JSON"),
     ({"kind": ["and"]}, "kind"),
     ({"box_shape": [[4, 1]]}, "rank"),
+    # Nulls in fields the schema declares non-nullable (Arrow writes and validates them):
+    *(({name: [None]}, f"null in column '{name}'") for name in _segment_columns()),
+    ({"box_offset": [[None]]}, "null in column 'box_offset'"),
+    ({"box_shape": [[None]]}, "null in column 'box_shape'"),
 ])
 def test_segment_rows_checked(override, match):
     meta_schema = SEGMENT_SCHEMA.with_metadata(segment_module._meta(LOG_ID, 5))

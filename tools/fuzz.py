@@ -18,6 +18,8 @@ materialize, and ``open_directory(...).apply(verify=...)`` at a random level. Ta
 - ``payload-resealed``: one record's payload bytes damaged as ``segment``'s are, segment and
   commit record re-sealed (only the encodings' own checks and the record digests can catch
   it: a decoder's checks, the ulp-rans tables, streams and bit stream among them);
+- ``segment-null``: one value of one column of a segment made null (the schema still says
+  non-nullable, which Arrow does not enforce), segment and commit record re-sealed;
 - ``table-changed``: a version's tensor table changed with no record to back it (a tensor
   added, of a small, empty or huge claimed shape, renamed, reshaped or retyped), re-sealed with
   its state digest recomputed;
@@ -71,15 +73,15 @@ from dcr_log.receiver import open_directory, write_checkpoint  # noqa: E402
 from dcr_log.state import TensorBits  # noqa: E402
 from dcr_log.write import LogWriter  # noqa: E402
 
-TARGETS = ("segment", "segment-resealed", "record-reencoded", "payload-resealed", "table-changed",
+TARGETS = ("segment", "segment-resealed", "record-reencoded", "payload-resealed", "segment-null", "table-changed",
            "commit-bytes", "commit-json", "identity-bytes", "identity-json", "journal", "receiver")
 # Damage after which the log still claims the true versions' bits (its tensor tables are the
 # true ones, or a change to them that no record backs): an apply (at sample or full) or a
 # replay that succeeds must give exactly the true bits. RESEALED damage passes every check but
 # the digests, which verify=none skips (a tensor added without records is zero-filled there).
-EXACT = ("segment", "segment-resealed", "record-reencoded", "payload-resealed", "table-changed",
+EXACT = ("segment", "segment-resealed", "record-reencoded", "payload-resealed", "segment-null", "table-changed",
          "commit-bytes", "identity-bytes")
-RESEALED = ("segment-resealed", "record-reencoded", "payload-resealed", "table-changed")
+RESEALED = ("segment-resealed", "record-reencoded", "payload-resealed", "segment-null", "table-changed")
 CASE_SECONDS = 20
 
 
@@ -314,6 +316,37 @@ def damage_payload(rng: random.Random, log: Path, version: int) -> str:
     return f"payload-resealed v{version}#{index}/{j} {rec.kind}/{rec.encoding}"
 
 
+def null_in_segment(rng: random.Random, log: Path, version: int) -> str:
+    """One value of one column of a segment's first batch made null, its schema (non-nullable
+    fields) kept, the segment and commit record re-sealed: a hostile writer's segment."""
+    import pyarrow as pa
+
+    commit = json.loads((log / version_key(version)).read_bytes())
+    index = rng.randrange(len(commit["segments"]))
+    path = log / commit["segments"][index]["key"]
+    reader = pa.ipc.open_file(pa.py_buffer(path.read_bytes()))
+    batch = reader.get_batch(0)
+    name = rng.choice(batch.schema.names)
+    row = rng.randrange(batch.num_rows)
+    column = batch.column(name)
+    values = column.to_pylist()
+    if name in ("box_offset", "box_shape") and values[row] and rng.random() < 0.5:
+        values[row] = [None if i == 0 else v for i, v in enumerate(values[row])]  # an item of the list
+        what = f"{name}[{row}][0]"
+    else:
+        values[row] = None
+        what = f"{name}[{row}]"
+    arrays = [pa.array(values, type=column.type) if n == name else batch.column(n) for n in batch.schema.names]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, reader.schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=reader.schema))
+        for i in range(1, reader.num_record_batches):
+            writer.write_batch(reader.get_batch(i))
+    path.write_bytes(sink.getvalue().to_pybytes())
+    _reseal_segment(log, version, index, path.read_bytes())
+    return f"segment-null v{version}#{index} {what}"
+
+
 def change_table(rng: random.Random, log: Path, version: int) -> str:
     """A version's tensor table changed with no record to back it, re-sealed consistently
     (state digest and element count recomputed): a tensor added (small, empty or of a huge
@@ -371,6 +404,8 @@ def damage(rng: random.Random, target: str, log: Path, rx: Path) -> str:
         return reencode_record(rng, log, rng.choice((2, 3)))
     if target == "payload-resealed":
         return damage_payload(rng, log, rng.choice((2, 3)))
+    if target == "segment-null":
+        return null_in_segment(rng, log, rng.choice((2, 3)))
     if target == "table-changed":
         return change_table(rng, log, rng.choice((2, 3)))
     if target in ("commit-bytes", "commit-json"):

@@ -1893,6 +1893,9 @@ INVALID = [
          c, stats=dataclasses.replace(c.stats, records=c.stats.records + 1))}}, None),
     ("segment-unknown-kind", "IntegrityError", "segment", 1,
      "a record has kind 'add'", {"rows_hook": row_hook("n", lambda r: r.update(kind="add"))}, None),
+    ("segment-null-value", "IntegrityError", "segment", 1,
+     "a record's target_digest is null (every field is declared non-nullable; Arrow writes the null "
+     "anyway)", {"rows_hook": row_hook("n", lambda r: r.update(target_digest=None))}, None),
     ("segment-params-not-canonical", "IntegrityError", "segment", 1,
      "a record's params text has a space after the colon",
      {"rows_hook": row_hook("n", lambda r: r.update(params='{"level": 3}'))}, None),

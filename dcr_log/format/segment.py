@@ -228,6 +228,11 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise IntegrityError(f"segment of version {version}: corrupt batch ({exc})") from None
         cols = {name: batch.column(name) for name in segment_schema().names}
+        # Every field is declared non-nullable, which Arrow neither enforces on write nor
+        # checks in validate: a null would reach the records as None.
+        for name, column in cols.items():
+            if column.null_count or (name in ("box_offset", "box_shape") and column.flatten().null_count):
+                raise IntegrityError(f"segment of version {version}: a null in column {name!r}")
         # Each column converted once per batch: a scalar's as_py costs about a microsecond,
         # eight of them per record.
         values = {name: cols[name].to_pylist() for name in _SCALAR_COLUMNS}

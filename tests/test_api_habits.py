@@ -143,3 +143,22 @@ def test_pyarrow_is_imported_by_the_first_segment_read_not_before(tmp_path):
     proc = subprocess.run([sys.executable, "-c", opened], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True"]
+
+
+def test_reading_segments_imports_no_pyarrow_compute(tmp_path):
+    """Parsing a segment uses no pyarrow.compute (ListArray.flatten, say, imports it: about
+    20 ms of a fresh process's first apply)."""
+    rng = np.random.default_rng(4)
+    state = make_state(rng, SPEC)
+    with LogWriter.create(tmp_path / "log", state, cache_dir=False) as writer:
+        writer.append(make_state(rng, SPEC))
+    probe = textwrap.dedent(f"""
+        import sys
+        from dcr_log import DeltaLog
+        log = DeltaLog.open({str(tmp_path / "log")!r})
+        log.materialize(1)
+        print("pyarrow.ipc" in sys.modules, "pyarrow.compute" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False"]

@@ -148,8 +148,7 @@ def map_grouped(fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int]
     together as one task (``task_grain``: at least four tasks per worker): each task costs two
     hand-offs between threads (a queue and a future), and on a virtual machine whose idle
     cores halt, each wakes a core."""
-    groups = _groups(items, weights, grain, workers)
-    tasks = map_ordered(lambda group: [fn(item) for item in group], groups, workers, parallel)
+    tasks = map_ordered(_each(fn), _groups(items, weights, grain, workers), workers, parallel)
     try:
         for results in tasks:
             yield from results
@@ -178,8 +177,12 @@ def start_grouped(fn: Callable[[T], object], items: Sequence[T], weights: Sequen
     for every future (``concurrent.futures.wait``) before it returns or touches what they
     read, and takes their errors from ``result()``."""
     pool = shared_pool(workers)
-    return [pool.submit(lambda group: [fn(item) for item in group], group)
-            for group in _groups(items, weights, grain, workers)]
+    return [pool.submit(_each(fn), group) for group in _groups(items, weights, grain, workers)]
+
+
+def _each(fn: Callable[[T], R]) -> Callable[[list[T]], list[R]]:
+    """One task's work: ``fn`` of each item of its group, in order."""
+    return lambda group: [fn(item) for item in group]
 
 
 os.register_at_fork(after_in_child=_forget_pools)

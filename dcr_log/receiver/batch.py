@@ -10,7 +10,7 @@ version is rolled back."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +45,12 @@ WAL_MAX_BYTES = 4 << 30
 
 def wal_budget(storage_bytes: int) -> int:
     return min(WAL_MAX_BYTES, max(WAL_MIN_BYTES, storage_bytes // 4))
+
+
+def wal_image_bytes(changes: int, width: int) -> int:
+    """About the bytes of the images of ``changes`` written words of ``width`` bytes (a
+    4-byte position and the word per change)."""
+    return changes * (4 + width)
 
 
 @dataclass(slots=True)
@@ -283,19 +289,26 @@ class BatchWriter:
         # Only where the images are small beside the spans written: writing larger ones into
         # the journal takes the CPU the faults would (tools/bench_apply.py, 0.5 GiB: the
         # apply 17% faster at 1% changed, 8% slower at 3% when always on).
-        prefaulting: list[Future] = []
-
-        def prefault() -> None:
-            if parallel and PREFAULT_SPAN_TO_IMAGES * _image_bytes(work) <= _span_bytes(work):
-                prefaulting.extend(start_grouped(lambda w: storage.prepare_write(w.place, w.target.size), work,
-                                                 [w.record.n_changed for w in work], TASK_CHANGES, APPLY_WORKERS))
-
-        try:
-            images = self._stage(ctx, batch, work, started_end, prefault)
-        finally:
-            wait(prefaulting)
-        for future in prefaulting:
-            future.result()
+        images: dict[int, bytes] | None = None  # deferred sync: the batch's images
+        if durable and work:
+            images, clear = self._wal_images(work)
+            prefaulting: list[Future] = []
+            image_bytes = sum(wal_image_bytes(w.target.size, w.target.itemsize) for w in work)
+            if parallel and PREFAULT_SPAN_TO_IMAGES * image_bytes <= sum(map(_span_bytes, work)):
+                prefaulting = start_grouped(lambda w: storage.prepare_write(w.place, w.target.size), work,
+                                            [w.record.n_changed for w in work], TASK_CHANGES, APPLY_WORKERS)
+            try:
+                self.journal.stage(seg, start, started_end,
+                                   {} if images is not None else
+                                   {w.index: np.ascontiguousarray(w.target).data.cast("B")
+                                    for w in work if w.redo},
+                                   wal=images, version=version, clear_wal=clear,
+                                   boot=b"" if self.deferred is None else self.deferred.boot)
+            finally:
+                wait(prefaulting)
+            for future in prefaulting:
+                future.result()
+            self._hook("redo", version=version, segment=seg, start=start, end=end)
         if self.fault is None and parallel and disjoint(work):
             # Records that do not overlap are written in parallel. (Those of a version must
             # not, but a reader does not take it on trust: overlapping ones are written in
@@ -330,38 +343,25 @@ class BatchWriter:
                     raise IntegrityError(f"version {version}: tensor {w.record.tensor!r} differs from "
                                          "the record's target after writing")
 
-    def _stage(self, ctx: ApplyContext, batch: Batch, work: list[Write], started_end: int,
-               beside: Callable[[], None]) -> dict[int, bytes] | None:
-        """The batch's stage transaction (a durable storage's redo images, or under deferred
-        sync its WAL images); the images kept in the journal, or None. ``beside`` is called
-        right before the transaction, to start work that runs while it syncs."""
-        storage, version, seg = self.storage, ctx.version, batch.segment
-        start, end = batch.start, batch.end
-        images: dict[int, bytes] | None = None  # deferred sync: the batch's images
-        if storage.durable and work:
-            deferred, clear = self.deferred, False
-            if deferred is not None:
-                images = {w.index: encode_wal_image(w.record.tensor, w.where, w.target) for w in work}
-                size = sum(map(len, images.values()))
-                if size > deferred.budget:
-                    images = None  # too large to keep: this batch is synced as it is written
-                clear = deferred.used > 0 and (images is None or deferred.used + size > deferred.budget)
-                if clear:
-                    # The images held so far are dropped in the stage transaction: their
-                    # words must be on disk first.
-                    storage.sync()
-                    deferred.used = 0
-                if images is not None:
-                    deferred.used += size
-            beside()
-            self.journal.stage(seg, start, started_end,
-                               {} if images is not None else
-                               {w.index: np.ascontiguousarray(w.target).data.cast("B")
-                                for w in work if w.redo},
-                               wal=images, version=version, clear_wal=clear,
-                               boot=b"" if deferred is None else deferred.boot)
-            self._hook("redo", version=version, segment=seg, start=start, end=end)
-        return images
+    def _wal_images(self, work: list[Write]) -> tuple[dict[int, bytes] | None, bool]:
+        """Deferred sync: the batch's images to keep in the journal (None: too large, the batch
+        is synced as it is written; or no deferred sync), and whether the images held so far
+        are dropped in the stage transaction (the storage is synced first)."""
+        deferred = self.deferred
+        if deferred is None:
+            return None, False
+        images = {w.index: encode_wal_image(w.record.tensor, w.where, w.target) for w in work}
+        size = sum(map(len, images.values()))
+        keep = size <= deferred.budget  # else too large to keep: synced as it is written
+        clear = deferred.used > 0 and (not keep or deferred.used + size > deferred.budget)
+        if clear:
+            # The images held so far are dropped in the stage transaction: their words must
+            # be on disk first.
+            self.storage.sync()
+            deferred.used = 0
+        if keep:
+            deferred.used += size
+        return (images if keep else None), clear
 
     def _write(self, w: Write, seg: int, undo: Undo | None) -> None:
         if undo is None:
@@ -409,35 +409,27 @@ class BatchWriter:
 PREFAULT_SPAN_TO_IMAGES = 16
 
 
-def _span_bytes(work: Iterable[Write]) -> int:
-    """The bytes from each record's first written word to its last."""
-    total = 0
-    for w in work:
-        where = w.where
-        if isinstance(where, slice):
-            total += (where.stop - where.start) * w.target.itemsize
-        elif where.size:
-            total += (int(where[-1]) - int(where[0]) + 1) * w.target.itemsize
-    return total
+def _span(w: Write) -> tuple[int, int] | None:
+    """A record's first and last flat position (None: it writes nothing)."""
+    where = w.where
+    if isinstance(where, slice):
+        return (where.start, where.stop - 1) if where.stop > where.start else None
+    return (int(where[0]), int(where[-1])) if where.size else None  # flat positions of a box increase
 
 
-def _image_bytes(work: Iterable[Write]) -> int:
-    """About the bytes of the records' redo images (a word and a position per change)."""
-    return sum(w.target.size * (w.target.itemsize + 4) for w in work)
+def _span_bytes(w: Write) -> int:
+    """The bytes from a record's first written word to its last."""
+    span = _span(w)
+    return 0 if span is None else (span[1] - span[0] + 1) * w.target.itemsize
 
 
 def disjoint(work: Iterable[Write]) -> bool:
     """Whether the records' flat spans (first to last position, per tensor) are disjoint."""
     spans: dict[str, list[tuple[int, int]]] = {}
     for w in work:
-        where = w.where
-        if isinstance(where, slice):
-            span = (where.start, where.stop - 1)
-        elif where.size:
-            span = (int(where[0]), int(where[-1]))  # flat positions of a box increase
-        else:
-            continue
-        spans.setdefault(w.record.tensor, []).append(span)
+        span = _span(w)
+        if span is not None:
+            spans.setdefault(w.record.tensor, []).append(span)
     for pieces in spans.values():
         pieces.sort()
         if any(start <= prev_end for (_, prev_end), (start, _) in zip(pieces, pieces[1:])):

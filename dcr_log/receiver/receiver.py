@@ -40,7 +40,7 @@ from dcr_log.format.segment import load_reader
 from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
 from dcr_log.log.deltalog import DeltaLog, Step
 from dcr_log.parallel import map_ordered
-from dcr_log.receiver.batch import BatchWriter, Deferred, Undo, redo_journal_bytes, wal_budget
+from dcr_log.receiver.batch import BatchWriter, Deferred, Undo, redo_journal_bytes, wal_budget, wal_image_bytes
 from dcr_log.receiver.checks import PassOne, sample_tensors
 from dcr_log.receiver.context import APPLY_WORKERS, ApplyContext, GroupDigests
 from dcr_log.receiver.files import FilePlan, plan_files, write_files
@@ -527,7 +527,7 @@ class Receiver:
         layout = self.storage.layout()
         budget = wal_budget(sum(numel(shape) * DTYPE_WIDTH[dtype] for dtype, shape in layout.values()))
         width = max((DTYPE_WIDTH[t.dtype] for t in commit.tensors), default=1)
-        return budget, commit.stats.changed_elements * (4 + width)
+        return budget, wal_image_bytes(commit.stats.changed_elements, width)
 
     def _apply_step(self, log: DeltaLog, step: Step, verify: str,
                     verified_digest: int | None) -> tuple[ApplyReport, int | None]:

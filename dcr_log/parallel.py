@@ -31,10 +31,11 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
 # DCR_PIN_THREADS: "auto" (the default), "1" or "0". Whether each thread of a shared pool is
-# bound to one CPU of the set its creator may use (round-robin). Measured on a 2-core virtual
-# machine: a receiver's apply after an idle half second took 40-45 ms unbound, as long as on
-# one thread, against 29-31 ms bound: the kernel woke the threads that hand the GIL and the
-# tasks to each other on the waker's CPU while the other core idled. "auto" binds only where
+# bound to one CPU of the set its creator may use (round-robin). On a 2-core virtual machine
+# the kernel woke the threads that hand the GIL and the tasks to each other on the waker's CPU
+# after an idle moment while the other core idled: tools/bench_side.py --gib 0.5 --rates 0.01
+# --no-minilm gave the numpy receiver after a 0.5 s pause (rx_numpy_idle) 0.58 of copyto's
+# speed unbound (DCR_PIN_THREADS=0), 0.87 bound. "auto" binds only where
 # the pool has a thread for every CPU the process may use, so a thread is never bound away
 # from a CPU that no other thread of the pool would take.
 PIN_ENV = "DCR_PIN_THREADS"

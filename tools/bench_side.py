@@ -59,8 +59,9 @@ xor in the same minute, per rate):
   ``rx_numpy_idle`` is the numpy receiver again with an untimed pause of ``IDLE_SECONDS``
   before the apply and before its xor, as a receiver between steps meets it (on a virtual
   machine whose idle cores halt, threads woken after a pause wake more slowly): whether the
-  other columns are timed on warm cores. Measured on 0.5 GiB they were not (35.3 ms against
-  35.5 ms at 1%; the two columns within 0.06 of each other from 1% to 10%);
+  other columns are timed on warm cores. They are not: each of their applies also follows an
+  untimed reset (``--gib 0.5 --rates 0.01 0.03 0.05 0.10 --repeats 5 --no-minilm``: the two
+  columns within 0.06 of each other from 1% to 10%, with the pool's threads bound or not);
   ``rx_numpy_first`` is the numpy receiver's first apply in a fresh process (this file,
   ``--first-child``), as a rollout worker's first refit and a one-apply measurement from
   outside meet it: the weights loaded from a file, ``Receiver.open``, ``bind`` to the parent
@@ -115,11 +116,17 @@ load average of 9-14; ``factors`` in the report holds the paired ones):
 - a fresh xor output costs page faults (1.6-2.4x the time of xor into a reused buffer, paired).
   This file's xor has always written into a reused buffer, so it did not slow the baseline; an
   outside xor that allocated would have made the outside ratios higher, not lower;
-- not factors here: the data (positions spread over every tensor, ``spread``); threads (at
-  this load wall time is above CPU time, and tools/bench_percost.py finds the same CPU per
-  change on one core as on two, and no lower wall time on two); the page cache (the log is
-  read back from the page cache in every run; a cold cache, not
-  measured here, would lower the receivers' figures further).
+- threads after an idle moment (found later, on a quiet machine): the kernel woke the pool's
+  threads on the CPU that woke them, so a receiver whose apply followed a pause used one core
+  of two. The pool's threads are now bound one per CPU (dcr_log.parallel, DCR_PIN_THREADS);
+  ``--gib 0.5 --rates 0.01 0.03 0.05 0.10 --repeats 5 --no-minilm`` with DCR_PIN_THREADS=0 and
+  unset gave the numpy receiver at 1% 0.58 and 0.88 of copyto's speed;
+- pyarrow imported inside a process's first apply (about 18 ms; ``python -X importtime -c
+  "import pyarrow.ipc"``): ``Receiver.open`` now imports it; ``rx_numpy_first`` measures a
+  fresh process's first apply;
+- not factors here: the data (positions spread over every tensor, ``spread``); the page cache
+  (the log is read back from the page cache in every run; a cold cache, not measured here,
+  would lower the receivers' figures further).
 
 Usage:
 

@@ -27,8 +27,9 @@ def load_pyarrow() -> Any:
 
 
 def load_reader() -> None:
-    """Import what reading a segment takes (pyarrow and its IPC reader; about 18 ms of CPU
-    here): a receiver opened ahead of its first version pays for it then, not in the apply."""
+    """Import what reading a segment takes (pyarrow and its IPC reader; about 18 ms here,
+    ``python -X importtime -c "import pyarrow.ipc"``): a receiver opened ahead of its first
+    version pays for it then, not in the apply."""
     import pyarrow.ipc  # noqa: F401
 
 
@@ -231,7 +232,7 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
         # Every field is declared non-nullable, which Arrow neither enforces on write nor
         # checks in validate: a null would reach the records as None.
         # (The items of the box lists are checked per row below: ListArray.flatten would
-        # import pyarrow.compute, 21 ms.)
+        # import pyarrow.compute, about 21 ms by python -X importtime; tests/test_api_habits.py.)
         for name, column in cols.items():
             if column.null_count:
                 raise IntegrityError(f"segment of version {version}: a null in column {name!r}")

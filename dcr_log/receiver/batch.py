@@ -287,8 +287,9 @@ class BatchWriter:
         # for the journal to sync the redo images: no byte changes, and the writes then find
         # them ready (a checkpoint directory at 1% changed writes every page of its tensors).
         # Only where the images are small beside the spans written: writing larger ones into
-        # the journal takes the CPU the faults would (tools/bench_apply.py, 0.5 GiB: the
-        # apply 17% faster at 1% changed, 8% slower at 3% when always on).
+        # the journal takes the CPU the faults would (tools/bench_apply.py --gib 0.5 --reps 9
+        # --verify sample --receivers ckpt: the apply 17% faster at 1% changed, and with
+        # PREFAULT_SPAN_TO_IMAGES = 0, always on, 8% slower at 3%).
         images: dict[int, bytes] | None = None  # deferred sync: the batch's images
         if durable and work:
             images, clear = self._wal_images(work)

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -82,13 +81,13 @@ def _many_records(root, n: int = 1 << 14, rate: float = 0.1):
 
 @pytest.fixture
 def pool_tasks(monkeypatch):
-    """The tasks handed to the shared pool (the names of the threads that handed them)."""
-    tasks: list[str] = []
+    """The tasks (functions) handed to the shared pool."""
+    tasks: list = []
     pool = parallel.shared_pool(parallel.DEFAULT_WORKERS)
     real_submit = pool.submit
 
     def counted(fn, *args, **kwargs):
-        tasks.append(threading.current_thread().name)
+        tasks.append(fn)
         return real_submit(fn, *args, **kwargs)
 
     monkeypatch.setattr(pool, "submit", counted)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_receiver import CRASH_POINTS, LAYOUT_VERSION, SimulatedCrash, build_log, ckpt_receiver, reopen
 
 from helpers import assert_same_bits, change_words, copy_state, make_state
@@ -268,3 +270,75 @@ def test_a_failed_sync_makes_the_next_start_restore(tmp_path, monkeypatch, logge
         assert rx.apply(log) == [2, 3, 4, 5]
     assert reads == [1, 1]
     assert_same_bits(load_checkpoint(directory), states[VERSIONS])
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.text(min_size=1, max_size=8), width=st.sampled_from([1, 2, 4, 8]), count=st.integers(0, 40),
+       kind=st.sampled_from(["span", "u4", "u8"]), start=st.integers(0, 1 << 40), lead=st.integers(0, 9),
+       seed=st.integers(0, 2**32 - 1))
+def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, start, lead, seed):
+    """A batch lays its images into a reused buffer: each must be exactly the bytes the
+    image encodes to (whatever an earlier batch left there), and nothing outside it is
+    touched."""
+    from dcr_log.receiver.journal_entries import WalImageLayout, decode_wal_image, encode_wal_image
+
+    rng = np.random.default_rng(seed)
+    words = rng.integers(0, 1 << 63, count, dtype=np.uint64).astype(f"<u{width}")
+    if kind == "span":
+        where: slice | np.ndarray = slice(start, start + count)
+    else:
+        top = (1 << 32) if kind == "u4" else (1 << 48)
+        where = np.sort(rng.choice(top, count, replace=False)).astype(np.int64) if count else np.zeros(0, np.int64)
+    whole = encode_wal_image(name, where, words)
+    layout = WalImageLayout(name, where, words)
+    assert layout.size == len(whole)
+    buffer = rng.integers(0, 256, lead + layout.size + 7, dtype=np.uint8)  # an earlier batch's bytes
+    before = buffer.copy()
+    laid = encode_wal_image(name, where, words, buffer[lead:], layout)
+    assert bytes(laid) == whole
+    assert np.array_equal(buffer[:lead], before[:lead]) and np.array_equal(buffer[lead + layout.size:],
+                                                                          before[lead + layout.size:])
+    image = decode_wal_image(b"00000001/00000002/00000003", whole)
+    assert image.tensor == name and image.words.tobytes() == words.tobytes()
+    if kind == "span":
+        assert image.where == where
+    else:
+        assert np.array_equal(np.asarray(image.where, np.int64), where)
+
+
+def test_the_image_buffer_is_kept_for_the_next_version(tmp_path, monkeypatch, logged):
+    """The buffer a batch's images are laid into is lent back after the stage and serves the
+    next version's batches, also those of another receiver (a fresh buffer per image made
+    the C heap fault its pages in again at every version); one above IMAGE_BUFFER_KEEP bytes
+    is not kept. The power-loss tests above check the images themselves."""
+    log, states = logged
+    monkeypatch.setattr(batch_module, "_image_buffer", None)
+    lent: list[tuple[int, int, np.ndarray]] = []  # (receiver, bytes asked, buffer)
+    real_borrow = batch_module.borrow_image_buffer
+    receiver = 0
+    monkeypatch.setattr(batch_module, "borrow_image_buffer",
+                        lambda n: lent.append((receiver, n, real_borrow(n))) or lent[-1][2])
+    for receiver, name in enumerate(("one", "two")):
+        directory = ckpt_receiver(tmp_path, log, states[0], shard_bytes=2000, name=name)
+        with reopen(directory) as rx:
+            assert rx.apply(log, to=2) == [1, 2]
+        assert_same_bits(load_checkpoint(directory), states[2])
+    kept: np.ndarray | None = None
+    for _, n, buffer in lent:
+        assert buffer.size >= n
+        if kept is not None and kept.size >= n:
+            assert buffer is kept
+        elif kept is not None:
+            assert buffer is not kept
+        kept = buffer if kept is None or kept.size < buffer.size else kept
+    assert batch_module._image_buffer is kept
+    # The second receiver's batches were laid into the first one's buffer.
+    assert any(r == 1 and buffer is first for r, _, buffer in lent for s, _, first in lent if s == 0)
+
+    monkeypatch.setattr(batch_module, "_image_buffer", None)
+    monkeypatch.setattr(batch_module, "IMAGE_BUFFER_KEEP", 16)
+    directory = ckpt_receiver(tmp_path, log, states[0], shard_bytes=2000, name="three")
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=2) == [1, 2]
+    assert batch_module._image_buffer is None
+    assert_same_bits(load_checkpoint(directory), states[2])

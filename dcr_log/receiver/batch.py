@@ -10,6 +10,7 @@ version is rolled back."""
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from dcr_log.parallel import TASK_CHANGES, map_grouped, start_grouped
 from dcr_log.receiver.checks import sampled
 from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, ApplyContext, GroupDigests
 from dcr_log.receiver.journal import Journal, SegmentProgress
-from dcr_log.receiver.journal_entries import encode_wal_image
+from dcr_log.receiver.journal_entries import WalImageLayout, encode_wal_image
 from dcr_log.receiver.segments import SegmentCache
 from dcr_log.receiver.storage import FaultHook, Storage, Where
 from dcr_log.receiver.storage.placed import PlacedStorage
@@ -51,6 +52,40 @@ def wal_image_bytes(changes: int, width: int) -> int:
     """About the bytes of the images of ``changes`` written words of ``width`` bytes (a
     4-byte position and the word per change)."""
     return changes * (4 + width)
+
+
+# The bytes a batch's deferred-sync images are laid into before the stage transaction copies
+# them into the journal: one buffer, lent to a batch and taken back after its stage, kept for
+# the process's next version (of any receiver) up to IMAGE_BUFFER_KEEP bytes. Fresh for each
+# image, they came from the C heap, which gave them back when they were freed and faulted them
+# in again at the next version: the faults, and the address-space lock they take, held back
+# the pool's prefault beside the stage (scratch script, tools/bench_side.py's checkpoint
+# receiver at 1% of 512 MiB of bf16, a new receiver per version: about 15,000 minor faults a
+# version against 6,700, 62-80 ms against 44-55).
+IMAGE_BUFFER_KEEP = 256 << 20
+_image_buffer_lock = threading.Lock()
+_image_buffer: np.ndarray | None = None
+
+
+def borrow_image_buffer(nbytes: int) -> np.ndarray:
+    """At least ``nbytes`` bytes to lay images into, the kept buffer where it is large enough;
+    give it back with return_image_buffer."""
+    global _image_buffer
+    with _image_buffer_lock:
+        kept, _image_buffer = _image_buffer, None
+    if kept is not None and kept.size >= nbytes:
+        return kept
+    del kept  # (given back before the new one is faulted in)
+    return np.empty(nbytes, np.uint8)
+
+
+def return_image_buffer(buffer: np.ndarray) -> None:
+    global _image_buffer
+    if buffer.size > IMAGE_BUFFER_KEEP:
+        return
+    with _image_buffer_lock:
+        if _image_buffer is None or _image_buffer.size < buffer.size:
+            _image_buffer = buffer
 
 
 @dataclass(slots=True)
@@ -290,9 +325,9 @@ class BatchWriter:
         # the journal takes the CPU the faults would (tools/bench_apply.py --gib 0.5 --reps 9
         # --verify sample --receivers ckpt: the apply 17% faster at 1% changed, and with
         # PREFAULT_SPAN_TO_IMAGES = 0, always on, 8% slower at 3%).
-        images: dict[int, bytes] | None = None  # deferred sync: the batch's images
+        images: dict[int, memoryview] | None = None  # deferred sync: the batch's images
         if durable and work:
-            images, clear = self._wal_images(work)
+            images, clear, buffer = self._wal_images(work)
             prefaulting: list[Future] = []
             image_bytes = sum(wal_image_bytes(w.target.size, w.target.itemsize) for w in work)
             if parallel and PREFAULT_SPAN_TO_IMAGES * image_bytes <= sum(map(_span_bytes, work)):
@@ -306,6 +341,8 @@ class BatchWriter:
                                    wal=images, version=version, clear_wal=clear,
                                    boot=b"" if self.deferred is None else self.deferred.boot)
             finally:
+                if buffer is not None:  # the journal holds copies of the images now
+                    return_image_buffer(buffer)
                 wait(prefaulting)
             for future in prefaulting:
                 future.result()
@@ -344,15 +381,16 @@ class BatchWriter:
                     raise IntegrityError(f"version {version}: tensor {w.record.tensor!r} differs from "
                                          "the record's target after writing")
 
-    def _wal_images(self, work: list[Write]) -> tuple[dict[int, bytes] | None, bool]:
+    def _wal_images(self, work: list[Write]) -> tuple[dict[int, memoryview] | None, bool, np.ndarray | None]:
         """Deferred sync: the batch's images to keep in the journal (None: too large, the batch
-        is synced as it is written; or no deferred sync), and whether the images held so far
-        are dropped in the stage transaction (the storage is synced first)."""
+        is synced as it is written; or no deferred sync), whether the images held so far are
+        dropped in the stage transaction (the storage is synced first), and the borrowed
+        buffer the images lie in (borrow_image_buffer)."""
         deferred = self.deferred
         if deferred is None:
-            return None, False
-        images = {w.index: encode_wal_image(w.record.tensor, w.where, w.target) for w in work}
-        size = sum(map(len, images.values()))
+            return None, False, None
+        layouts = [WalImageLayout(w.record.tensor, w.where, w.target) for w in work]
+        size = sum(layout.size for layout in layouts)
         keep = size <= deferred.budget  # else too large to keep: synced as it is written
         clear = deferred.used > 0 and (not keep or deferred.used + size > deferred.budget)
         if clear:
@@ -360,9 +398,18 @@ class BatchWriter:
             # be on disk first.
             self.storage.sync()
             deferred.used = 0
-        if keep:
-            deferred.used += size
-        return (images if keep else None), clear
+        if not keep:
+            return None, clear, None
+        deferred.used += size
+        buffer = borrow_image_buffer(size)
+        images: dict[int, memoryview] = {}
+        at = 0
+        for w, layout in zip(work, layouts):
+            image = encode_wal_image(w.record.tensor, w.where, w.target, buffer[at:], layout)
+            assert isinstance(image, memoryview)
+            images[w.index] = image
+            at += layout.size
+        return images, clear, buffer
 
     def _write(self, w: Write, seg: int, undo: Undo | None) -> None:
         if undo is None:

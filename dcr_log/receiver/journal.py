@@ -378,7 +378,7 @@ class Journal:
         self._write(fn)
 
     def stage(self, segment: int, done: int, end: int, redo: Mapping[int, memoryview | bytes],
-              wal: Mapping[int, bytes] | None = None, version: int | None = None,
+              wal: Mapping[int, bytes | memoryview] | None = None, version: int | None = None,
               clear_wal: bool = False, boot: bytes = b"") -> None:
         """Before a batch is written: its redo images and its extent, in one transaction.
         Deferred sync: ``wal`` holds the batch's images (by record of ``version``), written

@@ -75,20 +75,44 @@ class WalImage:
     words: np.ndarray          # unsigned words of the image's width
 
 
-def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray) -> bytes:
-    name = tensor.encode()
-    count = int(words.size)
-    words = np.ascontiguousarray(words)
-    parts: list[bytes | memoryview]
-    if isinstance(where, slice):
-        parts = [_WAL_HEAD.pack(len(name)), name, _WAL_FIELDS.pack(words.itemsize, 0, count),
-                 struct.pack("<Q", where.start or 0)]
+class WalImageLayout:
+    """Where one image's parts lie (see ``_WAL_HEAD``): its header, then the start (kind 0) or
+    the positions, then the words. ``size`` is its bytes."""
+
+    __slots__ = ("head", "kind", "count", "width", "size")
+
+    def __init__(self, tensor: str, where: slice | np.ndarray, words: np.ndarray):
+        name = tensor.encode()
+        count, width = int(words.size), words.itemsize
+        if isinstance(where, slice):
+            kind = 0
+        else:
+            kind = 4 if count == 0 or int(where.max()) < (1 << 32) else 8  # flat positions are >= 0
+        self.head = _WAL_HEAD.pack(len(name)) + name + _WAL_FIELDS.pack(width, kind, count)
+        self.kind, self.count, self.width = kind, count, width
+        self.size = len(self.head) + (8 if kind == 0 else kind * count) + width * count
+
+
+def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
+                     out: np.ndarray | None = None, layout: WalImageLayout | None = None) -> bytes | memoryview:
+    """One written record's image: bytes, or laid into ``out`` (uint8, at least
+    ``layout.size`` long: a receiver reuses one buffer for its batches' images) and returned
+    as a view of it."""
+    layout = layout or WalImageLayout(tensor, where, words)
+    buf = np.empty(layout.size, np.uint8) if out is None else out[:layout.size]
+    head, kind, count = layout.head, layout.kind, layout.count
+    at = len(head)
+    buf[:at] = np.frombuffer(head, np.uint8)
+    if kind == 0:
+        assert isinstance(where, slice)
+        buf[at:at + 8] = np.frombuffer(struct.pack("<Q", where.start or 0), np.uint8)
+        at += 8
     else:
-        kind = 4 if count == 0 or int(where.max()) < (1 << 32) else 8  # flat positions are >= 0
-        positions = where.astype("<u4" if kind == 4 else "<u8", copy=False)
-        parts = [_WAL_HEAD.pack(len(name)), name, _WAL_FIELDS.pack(words.itemsize, kind, count),
-                 positions.data.cast("B")]
-    return b"".join([*parts, words.data.cast("B")])
+        assert isinstance(where, np.ndarray)
+        np.copyto(buf[at:at + kind * count].view("<u4" if kind == 4 else "<u8"), where, casting="unsafe")
+        at += kind * count
+    np.copyto(buf[at:].view(f"<u{layout.width}"), words.reshape(-1), casting="unsafe")
+    return buf.tobytes() if out is None else buf.data
 
 
 def decode_wal_image(key_suffix: bytes, value) -> WalImage:

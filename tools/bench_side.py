@@ -53,6 +53,8 @@ xor in the same minute, per rate):
   checked bit-exact after every apply; the checkpoint directory by default (deferred sync:
   the written words kept in the journal, spec/RECEIVER.md 5.6) as ``rx_ckpt`` and with
   ``deferred_sync=False`` (every file synced before each journal marker) as ``rx_ckpt_sync``;
+  ``rx_ckpt_follow`` is one checkpoint receiver applying the rate's versions in turn (new,
+  base, new, ...; os.sync untimed before each), as a rollout worker does step after step;
   an untimed ``os.sync`` runs after the checkpoint is written and bound, so that the apply
   finds it as a receiver between steps does (on disk, its pages cached and clean), not dirty
   from its own writing (which makes the kernel's work of dirtying each page cheaper);
@@ -124,6 +126,14 @@ load average of 9-14; ``factors`` in the report holds the paired ones):
 - pyarrow imported inside a process's first apply (about 18 ms; ``python -X importtime -c
   "import pyarrow.ipc"``): ``Receiver.open`` now imports it; ``rx_numpy_first`` measures a
   fresh process's first apply;
+- the receivers' columns run after ``import torch`` (for the torch receiver), and a process that
+  has imported torch happened to keep the C heap from shrinking between versions; in one that
+  had not, a checkpoint receiver's fresh deferred-sync images were faulted in again at every
+  version (a new receiver per version, as here, at 1% of 0.5 GiB: 62-80 ms without torch,
+  44-55 ms with it, scratch script). The images now go into one buffer kept between
+  versions (dcr_log.receiver.batch), and both take 44-57 ms. One receiver applying version
+  after version (a rollout worker, the files synced between steps) takes longer still:
+  ``rx_ckpt_follow``;
 - not factors here: the data (positions spread over every tensor, ``spread``); the page cache
   (the log is read back from the page cache in every run; a cold cache, not measured here,
   would lower the receivers' figures further).
@@ -381,6 +391,8 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
     parent = version - 1
     out = {}
     for kind in ("numpy", "numpy_idle", "torch", "ckpt", "ckpt_sync"):
+        if kind == "ckpt":
+            out["ckpt_follow"] = time_checkpoint_follow(log, version, base_state, new_state, repeats, work, xor)
         pairings = []
         before = (lambda: time.sleep(IDLE_SECONDS)) if kind == "numpy_idle" else None
         if not kind.startswith("ckpt"):
@@ -418,6 +430,30 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
         if not kind.startswith("ckpt"):
             del tensors, words
     return out
+
+
+def time_checkpoint_follow(log: DeltaLog, version: int, base_state, new_state, repeats: int, work: Path,
+                           xor) -> Pairing:
+    """One checkpoint-directory receiver (default: deferred sync) applying ``version``,
+    ``version + 1``, ... in turn (the versions alternate new and base: each moves the same
+    changes), each paired with one call of ``xor``, an untimed ``os.sync`` before each as
+    between steps: a rollout worker's steady state (its kept buffers, its journal holding
+    earlier versions' images), where ``ckpt`` gives every apply a new receiver and directory."""
+    directory = work / f"ckpt-follow-{version}"
+    directory.mkdir()
+    write_checkpoint(base_state, directory)
+    pairings, applied = [], []
+    with Receiver.open(directory) as rx:
+        rx.bind(log, version - 1, verify="none")
+        for r in range(repeats):
+            os.sync()
+            pairings.append(paired(lambda to=version + r: applied.extend(rx.apply(log, to=to)), xor, 1))
+        check_words({k: rx.storage.words(k) for k in new_state}, new_state if repeats % 2 else base_state,
+                    f"checkpoint receiver following to version {version + repeats - 1}")
+    shutil.rmtree(directory)
+    if applied != list(range(version, version + repeats)):
+        raise SystemExit(f"following checkpoint receiver applied {applied}")
+    return Pairing.join(pairings)
 
 
 def cache_bytes(root: Path) -> int:
@@ -809,7 +845,7 @@ def run(args, work: Path, say) -> dict:
         fresh = paired(lambda: np.bitwise_xor(base, new), xor, repeats)
         versus_xor = {"append": Pairing.join(appends), "replay": Pairing.join(replays), "rx_numpy": rx["numpy"],
                       "rx_numpy_idle": rx["numpy_idle"], "rx_numpy_first": rx["numpy_first"],
-                      "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"],
+                      "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"], "rx_ckpt_follow": rx["ckpt_follow"],
                       "rx_ckpt_sync": rx["ckpt_sync"], "nemo_encode": nemo}
 
         row = dcr_row(pair, sizes, delta_sizes[0])
@@ -883,9 +919,9 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     ops = ("append", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first", "rx_torch", "rx_ckpt",
-           "rx_ckpt_sync", "nemo_encode")
-    op_heads = ("append", "replay", "rx np", "rx np idle", "rx np first", "rx torch", "rx ckpt", "rx ckpt sync",
-                "NeMo enc")
+           "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode")
+    op_heads = ("append", "replay", "rx np", "rx np idle", "rx np first", "rx torch", "rx ckpt", "rx ckpt follow",
+                "rx ckpt sync", "NeMo enc")
     table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
                   "NeMo/dcr", "xor GB/s", *op_heads,
                   title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "

@@ -342,3 +342,25 @@ def test_the_image_buffer_is_kept_for_the_next_version(tmp_path, monkeypatch, lo
         assert rx.apply(log, to=2) == [1, 2]
     assert batch_module._image_buffer is None
     assert_same_bits(load_checkpoint(directory), states[2])
+
+
+def test_a_forked_child_borrows_an_image_buffer_even_with_the_lock_held_at_the_fork(monkeypatch):
+    """Engines fork workers: a child forked while another thread held the buffer's lock gets
+    a fresh lock and no buffer (it would otherwise wait forever at its first batch)."""
+    import os
+    import signal
+
+    monkeypatch.setattr(batch_module, "_image_buffer", np.zeros(64, np.uint8))
+    lock = batch_module._image_buffer_lock
+    with lock:
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if borrowing works and lends no parent's buffer
+            signal.alarm(10)
+            try:
+                buffer = batch_module.borrow_image_buffer(32)
+                status = 0 if buffer.size >= 32 and batch_module._image_buffer is None else 3
+            except BaseException:
+                status = 4
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -10,6 +10,7 @@ version is rolled back."""
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
@@ -86,6 +87,17 @@ def return_image_buffer(buffer: np.ndarray) -> None:
     with _image_buffer_lock:
         if _image_buffer is None or _image_buffer.size < buffer.size:
             _image_buffer = buffer
+
+
+def _forget_image_buffer() -> None:
+    """In a forked child: a fresh lock (the parent's may have been held by another thread at
+    the fork) and no buffer."""
+    global _image_buffer, _image_buffer_lock
+    _image_buffer_lock = threading.Lock()
+    _image_buffer = None
+
+
+os.register_at_fork(after_in_child=_forget_image_buffer)
 
 
 @dataclass(slots=True)

@@ -275,15 +275,19 @@ def test_a_failed_sync_makes_the_next_start_restore(tmp_path, monkeypatch, logge
 @settings(max_examples=200, deadline=None)
 @given(name=st.text(min_size=1, max_size=8), width=st.sampled_from([1, 2, 4, 8]), count=st.integers(0, 40),
        kind=st.sampled_from(["span", "u4", "u8"]), start=st.integers(0, 1 << 40), lead=st.integers(0, 9),
-       seed=st.integers(0, 2**32 - 1))
-def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, start, lead, seed):
+       seed=st.integers(0, 2**32 - 1), floats=st.booleans())
+def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, start, lead, seed, floats):
     """A batch lays its images into a reused buffer: each must be exactly the bytes the
     image encodes to (whatever an earlier batch left there), and nothing outside it is
-    touched."""
+    touched. Words given in a float dtype (NaN payloads, -0.0 among random bits) are kept
+    as bits, not converted."""
     from dcr_log.receiver.journal_entries import WalImageLayout, decode_wal_image, encode_wal_image
 
     rng = np.random.default_rng(seed)
     words = rng.integers(0, 1 << 63, count, dtype=np.uint64).astype(f"<u{width}")
+    if floats and width > 1:
+        words[:1] = np.array(-0.0, f"<f{width}").view(f"<u{width}")  # and NaNs among the random bits
+        words = words.view(f"<f{width}")
     if kind == "span":
         where: slice | np.ndarray = slice(start, start + count)
     else:

@@ -111,7 +111,8 @@ def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
         assert isinstance(where, np.ndarray)
         np.copyto(buf[at:at + kind * count].view("<u4" if kind == 4 else "<u8"), where, casting="unsafe")
         at += kind * count
-    np.copyto(buf[at:].view(f"<u{layout.width}"), words.reshape(-1), casting="unsafe")
+    word = f"<u{layout.width}"  # the words' bits, whatever their dtype says
+    np.copyto(buf[at:].view(word), np.ascontiguousarray(words).reshape(-1).view(word))
     return buf.tobytes() if out is None else buf.data
 
 

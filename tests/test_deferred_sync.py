@@ -293,7 +293,7 @@ def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, star
     else:
         top = (1 << 32) if kind == "u4" else (1 << 48)
         where = np.sort(rng.choice(top, count, replace=False)).astype(np.int64) if count else np.zeros(0, np.int64)
-    whole = encode_wal_image(name, where, words)
+    whole = bytes(encode_wal_image(name, where, words))
     layout = WalImageLayout(name, where, words)
     assert layout.size == len(whole)
     buffer = rng.integers(0, 256, lead + layout.size + 7, dtype=np.uint8)  # an earlier batch's bytes

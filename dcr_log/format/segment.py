@@ -236,8 +236,8 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
         for name, column in cols.items():
             if column.null_count:
                 raise IntegrityError(f"segment of version {version}: a null in column {name!r}")
-        # Each column converted once per batch: a scalar's as_py costs about a microsecond,
-        # eight of them per record.
+        # Each column converted once per batch, not one pyarrow scalar per value (eight per
+        # record: most of a segment's parse before).
         values = {name: cols[name].to_pylist() for name in _SCALAR_COLUMNS}
         offsets, shapes = values["box_offset"], values["box_shape"]
         payload = _payload_slices(cols["payload"])

@@ -76,7 +76,7 @@ def borrow_image_buffer(nbytes: int) -> np.ndarray:
         kept, _image_buffer = _image_buffer, None
     if kept is not None and kept.size >= nbytes:
         return kept
-    del kept  # (given back before the new one is faulted in)
+    del kept  # (dropped before the larger one is allocated: never both held)
     return np.empty(nbytes, np.uint8)
 
 
@@ -417,9 +417,7 @@ class BatchWriter:
         images: dict[int, memoryview] = {}
         at = 0
         for w, layout in zip(work, layouts):
-            image = encode_wal_image(w.record.tensor, w.where, w.target, buffer[at:], layout)
-            assert isinstance(image, memoryview)
-            images[w.index] = image
+            images[w.index] = encode_wal_image(w.record.tensor, w.where, w.target, buffer[at:], layout)
             at += layout.size
         return images, clear, buffer
 

@@ -94,10 +94,9 @@ class WalImageLayout:
 
 
 def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
-                     out: np.ndarray | None = None, layout: WalImageLayout | None = None) -> bytes | memoryview:
-    """One written record's image: bytes, or laid into ``out`` (uint8, at least
-    ``layout.size`` long: a receiver reuses one buffer for its batches' images) and returned
-    as a view of it."""
+                     out: np.ndarray | None = None, layout: WalImageLayout | None = None) -> memoryview:
+    """One written record's image, laid into ``out`` (uint8, at least ``layout.size`` long: a
+    receiver reuses one buffer for its batches' images) or into new memory, as a view."""
     layout = layout or WalImageLayout(tensor, where, words)
     buf = np.empty(layout.size, np.uint8) if out is None else out[:layout.size]
     head, kind, count = layout.head, layout.kind, layout.count
@@ -113,7 +112,7 @@ def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
         at += kind * count
     word = f"<u{layout.width}"  # the words' bits, whatever their dtype says
     np.copyto(buf[at:].view(word), np.ascontiguousarray(words).reshape(-1).view(word))
-    return buf.tobytes() if out is None else buf.data
+    return buf.data
 
 
 def decode_wal_image(key_suffix: bytes, value) -> WalImage:

@@ -139,8 +139,8 @@ class CheckpointStorage(Storage):
         """Fault the pages a dense scatter will dirty in one call (MADV_POPULATE_WRITE)
         instead of one write fault per page: at 1% changed every page of a bf16 tensor
         is written, and the faults cost more than the scatter itself. No byte changes; a
-        second call on pages already faulted in costs next to nothing (0.01 ms for 512 MiB
-        here), so write calls it again after prepare_write."""
+        second call on pages already faulted in only walks their page tables, so write calls
+        it again after prepare_write."""
         if isinstance(where, slice) or count == 0:
             return
         lo = start + int(where[0]) * width

@@ -129,11 +129,12 @@ load average of 9-14; ``factors`` in the report holds the paired ones):
 - the receivers' columns run after ``import torch`` (for the torch receiver), and a process that
   has imported torch happened to keep the C heap from shrinking between versions; in one that
   had not, a checkpoint receiver's fresh deferred-sync images were faulted in again at every
-  version (a new receiver per version, as here, at 1% of 0.5 GiB: 62-80 ms without torch,
-  44-55 ms with it, scratch script). The images now go into one buffer kept between
-  versions (dcr_log.receiver.batch), and both take 44-57 ms. One receiver applying version
-  after version (a rollout worker, the files synced between steps) takes longer still:
-  ``rx_ckpt_follow``;
+  version (found with a scratch script running this file's checkpoint column without torch).
+  The images now go into one buffer kept between versions (dcr_log.receiver.batch). Here,
+  with torch imported, ``--rates 0.01 --repeats 11 --no-minilm`` did not tell the buffer from
+  the fresh images beyond its spread (``rx_ckpt`` 0.44-0.46 and ``rx_ckpt_follow`` 0.38-0.46
+  of copyto's speed, two runs of each, alternated). ``rx_ckpt_follow`` measures one receiver
+  applying version after version (a rollout worker, the files synced between steps);
 - not factors here: the data (positions spread over every tensor, ``spread``); the page cache
   (the log is read back from the page cache in every run; a cold cache, not measured here,
   would lower the receivers' figures further).

@@ -60,9 +60,9 @@ def wal_image_bytes(changes: int, width: int) -> int:
 # the process's next version (of any receiver) up to IMAGE_BUFFER_KEEP bytes. Fresh for each
 # image, they came from the C heap, which gave them back when they were freed and faulted them
 # in again at the next version: the faults, and the address-space lock they take, held back
-# the pool's prefault beside the stage (scratch script, tools/bench_side.py's checkpoint
-# receiver at 1% of 512 MiB of bf16, a new receiver per version: about 15,000 minor faults a
-# version against 6,700, 62-80 ms against 44-55).
+# the pool's prefault beside the stage (tools/bench_apply.py --gib 0.5 --reps 9 --verify
+# sample --receivers ckpt, a new receiver per version: 0.125-0.128 s at 3% changed against
+# 0.133-0.142 s; unchanged at 1%).
 IMAGE_BUFFER_KEEP = 256 << 20
 _image_buffer_lock = threading.Lock()
 _image_buffer: np.ndarray | None = None

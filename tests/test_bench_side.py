@@ -46,6 +46,9 @@ def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
                    "rx_ckpt", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode"):
             assert t["seconds"][op] > 0 and t["to_xor"][op] > 0, op
         assert t["to_xor"]["xor"] == 1
+        # The following receiver's journal fills with images first (a version's images lie
+        # well within the budget here), then is timed past its first drop of them.
+        assert t["seconds"]["rx_ckpt_fill"] > 0 and t["to_xor"]["rx_ckpt_fill"] > 0
         # Speed ratios, not time ratios: copyto (one read, one write) is faster than xor (two
         # reads, one write), and each ratio follows from the medians' direction.
         assert (t["to_xor"]["copyto"] > 1) == (t["seconds"]["copyto"] < t["seconds"]["xor"])
@@ -79,6 +82,21 @@ def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
     # Measured apart from this process: a direct child's peak would start at this process's.
     assert imports < bench_side._vm("VmHWM") / 2**20
     assert png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_follow_versions_cover_the_journals_first_fill():
+    from dcr_log.receiver.batch import wal_budget, wal_image_bytes
+
+    n = 1 << 28  # 512 MiB of bf16
+    budget = wal_budget(2 * n)
+    for changed in (n // 100, n // 33, n // 20):
+        count, fill = bench_side.follow_versions(n, changed, 5)
+        per_version = wal_image_bytes(changed, 2)
+        # The fill ends at the first version whose images do not fit beside the earlier ones.
+        assert (fill - 1) * per_version > budget >= (fill - 2) * per_version, changed
+        assert count == fill + 5
+    # Images above the budget are never kept: nothing to fill.
+    assert bench_side.follow_versions(n, n // 10, 5) == (5, 0)
 
 
 def test_nemo_like_codec_round_trips():

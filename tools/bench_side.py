@@ -53,8 +53,13 @@ xor in the same minute, per rate):
   checked bit-exact after every apply; the checkpoint directory by default (deferred sync:
   the written words kept in the journal, spec/RECEIVER.md 5.6) as ``rx_ckpt`` and with
   ``deferred_sync=False`` (every file synced before each journal marker) as ``rx_ckpt_sync``;
-  ``rx_ckpt_follow`` is one checkpoint receiver applying the rate's versions in turn (new,
-  base, new, ...; os.sync untimed before each), as a rollout worker does step after step;
+  ``rx_ckpt_follow`` is one checkpoint receiver applying versions in turn (new, base, new,
+  ...; os.sync untimed before each), as a rollout worker does step after step, once its
+  journal has dropped its images for the first time (the budget reached, the storage
+  synced): the steady state, where the journal's pages are reused; ``rx_ckpt_fill`` is the
+  same receiver's applies before that, up to and including the one that dropped them (its
+  journal's file growing: the kernel allocates each new page), "-" where a version's images
+  are never kept (above the budget, each batch is synced as it is written);
   an untimed ``os.sync`` runs after the checkpoint is written and bound, so that the apply
   finds it as a receiver between steps does (on disk, its pages cached and clean), not dirty
   from its own writing (which makes the kernel's work of dirtying each page cheaper);
@@ -135,6 +140,10 @@ load average of 9-14; ``factors`` in the report holds the paired ones):
   the fresh images beyond its spread (``rx_ckpt`` 0.44-0.46 and ``rx_ckpt_follow`` 0.38-0.46
   of copyto's speed, two runs of each, alternated). ``rx_ckpt_follow`` measures one receiver
   applying version after version (a rollout worker, the files synced between steps);
+- ``rx_ckpt_follow`` timed, until this change, the first versions of its receiver: all of
+  them inside its journal's first fill (at 0.5 GiB and 1%, about 15 MiB of images a version
+  against a budget of 128 MiB: nine versions), which is a rollout worker's first minutes, not
+  its steady state; ``rx_ckpt_fill`` now shows those, ``rx_ckpt_follow`` the applies after;
 - not factors here: the data (positions spread over every tensor, ``spread``); the page cache
   (the log is read back from the page cache in every run; a cold cache, not measured here,
   would lower the receivers' figures further).
@@ -174,6 +183,7 @@ from timing import Pairing, Sample, paired  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
+from dcr_log.receiver.batch import wal_budget, wal_image_bytes  # noqa: E402
 from dcr_log.state import to_torch  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
 
@@ -383,17 +393,19 @@ def check_words(got: dict[str, np.ndarray], expected: dict[str, TensorBits], wha
 IDLE_SECONDS = 0.5
 
 
-def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: int, work: Path,
-                   xor) -> dict[str, Pairing]:
+def time_receivers(log: DeltaLog, version: int, follow: range, base_state, new_state, repeats: int,
+                   work: Path, xor) -> dict[str, Pairing]:
     """Apply of ``version`` from its parent (holding base) for each receiver kind, each apply
-    paired with one call of ``xor``."""
+    paired with one call of ``xor``; the following checkpoint receiver applies the versions
+    ``follow`` (see time_checkpoint_follow)."""
     import torch  # noqa: F401  (the torch receiver)
 
     parent = version - 1
     out = {}
     for kind in ("numpy", "numpy_idle", "torch", "ckpt", "ckpt_sync"):
         if kind == "ckpt":
-            out["ckpt_follow"] = time_checkpoint_follow(log, version, base_state, new_state, repeats, work, xor)
+            out["ckpt_fill"], out["ckpt_follow"] = time_checkpoint_follow(log, follow, base_state, new_state,
+                                                                          repeats, work, xor)
         pairings = []
         before = (lambda: time.sleep(IDLE_SECONDS)) if kind == "numpy_idle" else None
         if not kind.startswith("ckpt"):
@@ -433,28 +445,62 @@ def time_receivers(log: DeltaLog, version: int, base_state, new_state, repeats: 
     return out
 
 
-def time_checkpoint_follow(log: DeltaLog, version: int, base_state, new_state, repeats: int, work: Path,
-                           xor) -> Pairing:
-    """One checkpoint-directory receiver (default: deferred sync) applying ``version``,
-    ``version + 1``, ... in turn (the versions alternate new and base: each moves the same
+def follow_versions(elements: int, changed: int, repeats: int) -> tuple[int, int]:
+    """How many versions the following checkpoint receiver needs: (at most the applies until
+    its journal first drops its deferred-sync images, then ``repeats``), and the first count.
+    A bf16 state of ``elements`` words, ``changed`` of them per version; none to fill when a
+    version's images exceed the budget (each batch is then synced as it is written)."""
+    per_version = wal_image_bytes(changed, 2)
+    budget = wal_budget(2 * elements)
+    fill = budget // per_version + 2 if 0 < per_version <= budget else 0
+    return fill + repeats, fill
+
+
+def time_checkpoint_follow(log: DeltaLog, versions: range, base_state, new_state, repeats: int, work: Path,
+                           xor) -> tuple[Pairing | None, Pairing]:
+    """One checkpoint-directory receiver (default: deferred sync) holding ``versions[0] - 1``
+    (base) applies ``versions`` in turn (they alternate new and base: each moves the same
     changes), each paired with one call of ``xor``, an untimed ``os.sync`` before each as
-    between steps: a rollout worker's steady state (its kept buffers, its journal holding
-    earlier versions' images), where ``ckpt`` gives every apply a new receiver and directory."""
-    directory = work / f"ckpt-follow-{version}"
+    between steps: a rollout worker, step after step.
+
+    Returns two pairings: the applies while its journal first fills with images, up to and
+    including the first that drops them (the storage synced, the budget reached), and the
+    last ``repeats`` applies after that: the steady state, where the journal's pages are
+    reused. While it fills, each stage transaction appends new pages to the journal's file
+    (the kernel allocates them: the write of a version's images took several times as long
+    as later, when the same pages are written again; seen with strace). None for the first
+    when a version's images are never kept (follow_versions gives no fill)."""
+    directory = work / f"ckpt-follow-{versions[0]}"
     directory.mkdir()
     write_checkpoint(base_state, directory)
-    pairings, applied = [], []
+    fill: list[Pairing] = []
+    steady: list[Pairing] = []
+    applied: list[int] = []
+    filling = len(versions) > repeats
     with Receiver.open(directory) as rx:
-        rx.bind(log, version - 1, verify="none")
-        for r in range(repeats):
+        rx.bind(log, versions[0] - 1, verify="none")
+        for to in versions:
+            if not filling and len(steady) == repeats:
+                break
+            held = rx.journal.wal_bytes()
             os.sync()
-            pairings.append(paired(lambda to=version + r: applied.extend(rx.apply(log, to=to)), xor, 1))
-        check_words({k: rx.storage.words(k) for k in new_state}, new_state if repeats % 2 else base_state,
-                    f"checkpoint receiver following to version {version + repeats - 1}")
+            pairing = paired(lambda to=to: applied.extend(rx.apply(log, to=to)), xor, 1)
+            if filling:
+                fill.append(pairing)
+                # Each apply adds its images: fewer than before means this one dropped them.
+                filling = not 0 < rx.journal.wal_bytes() <= held
+            else:
+                steady.append(pairing)
+        if filling or len(steady) < repeats:
+            raise SystemExit(f"following checkpoint receiver: its journal did not drop its images within "
+                             f"{len(fill)} versions")
+        expected = new_state if (applied[-1] - versions[0]) % 2 == 0 else base_state
+        check_words({k: rx.storage.words(k) for k in new_state}, expected,
+                    f"checkpoint receiver following to version {applied[-1]}")
     shutil.rmtree(directory)
-    if applied != list(range(version, version + repeats)):
+    if applied != list(versions[:len(applied)]):
         raise SystemExit(f"following checkpoint receiver applied {applied}")
-    return Pairing.join(pairings)
+    return (Pairing.join(fill) if fill else None), Pairing.join(steady)
 
 
 def cache_bytes(root: Path) -> int:
@@ -834,7 +880,12 @@ def run(args, work: Path, say) -> dict:
         if repeats % 2 == 1:  # leave the writer and the replayed state at base for the next rate
             writer.append(base_state)
             reader.apply_version(replay_state, writer.version)
-        rx = time_receivers(reader, first_version, base_state, pair.new_state, repeats, work, xor)
+        count, _ = follow_versions(n, k, repeats)
+        follow = range(writer.version + 1, writer.version + 1 + count)
+        for i in range(count + count % 2):  # untimed; the writer and the replayed state end at base
+            writer.append(pair.new_state if i % 2 == 0 else base_state)
+            reader.apply_version(replay_state, writer.version)
+        rx = time_receivers(reader, first_version, follow, base_state, pair.new_state, repeats, work, xor)
         np.save(work / f"new-{first_version}.npy", new)
         rx["numpy_first"] = time_first_applies(args.gib, work, first_version, repeats)
         (work / f"new-{first_version}.npy").unlink()
@@ -848,6 +899,8 @@ def run(args, work: Path, say) -> dict:
                       "rx_numpy_idle": rx["numpy_idle"], "rx_numpy_first": rx["numpy_first"],
                       "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"], "rx_ckpt_follow": rx["ckpt_follow"],
                       "rx_ckpt_sync": rx["ckpt_sync"], "nemo_encode": nemo}
+        if rx["ckpt_fill"] is not None:
+            versus_xor["rx_ckpt_fill"] = rx["ckpt_fill"]
 
         row = dcr_row(pair, sizes, delta_sizes[0])
         row["spread"] = position_spread(pair)
@@ -915,14 +968,18 @@ def _size(b: float | None, missing: str = "-") -> str:
     return f"{b:.0f} B"
 
 
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3f}"
+
+
 def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
     ops = ("append", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first", "rx_torch", "rx_ckpt",
-           "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode")
-    op_heads = ("append", "replay", "rx np", "rx np idle", "rx np first", "rx torch", "rx ckpt", "rx ckpt follow",
-                "rx ckpt sync", "NeMo enc")
+           "rx_ckpt_fill", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode")
+    op_heads = ("append", "replay", "rx np", "rx np idle", "rx np first", "rx torch", "rx ckpt", "rx ckpt fill",
+                "rx ckpt follow", "rx ckpt sync", "NeMo enc")
     table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
                   "NeMo/dcr", "xor GB/s", *op_heads,
                   title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "
@@ -934,7 +991,7 @@ def print_table(report: dict) -> None:
     for r in report["pairs"]:
         b = r["bytes"]
         t = r["throughput"]
-        cells = [f"{t['gbps']['xor']:.2f}", *(f"{t['to_xor'][op]:.3f}" for op in ops)] if t else \
+        cells = [f"{t['gbps']['xor']:.2f}", *(_ratio(t["to_xor"].get(op)) for op in ops)] if t else \
             ["-"] * (1 + len(ops))
         table.add_row(r["label"], f"{100 * r['changed_rate']:.2f}%", _size(b["dcr"]), _size(b["nemo_like"]),
                       _size(b["xor_zstd"]), _size(b["zipnn"], zip_missing), _size(b["bound"]),
@@ -951,7 +1008,7 @@ def print_table(report: dict) -> None:
         for r in timed_rows:
             t = r["throughput"]
             copy.add_row(r["label"], f"{t['gbps']['copyto']:.2f}", f"{t['to_copyto']['xor']:.3f}",
-                         *(f"{t['to_copyto'][op]:.3f}" for op in ops))
+                         *(_ratio(t["to_copyto"].get(op)) for op in ops))
         console.print(copy)
     d = report["dense_create"]
     console.print(f"dense create (LogWriter.create, its baseline cache built): {d['seconds']:.2f} s, "

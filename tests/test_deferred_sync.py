@@ -6,6 +6,8 @@ helpers.powerloss (per page: durable bytes or current ones, at random; a new boo
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -346,6 +348,39 @@ def test_the_image_buffer_is_kept_for_the_next_version(tmp_path, monkeypatch, lo
         assert rx.apply(log, to=2) == [1, 2]
     assert batch_module._image_buffer is None
     assert_same_bits(load_checkpoint(directory), states[2])
+
+
+def test_images_laid_on_the_pool_are_each_records_own(tmp_path, monkeypatch, logged):
+    """A batch's images are laid into the buffer by the pool's threads, each at its own offset:
+    after an apply the journal holds, for every changed word of the version, its position and
+    its new bits, and every image's words are the new state's at its positions (an image laid
+    at another's offset would overwrite that one's bytes, or leave a hole that does not parse)."""
+    log, states = logged
+    # Every batch on the pool, a record per task, however few its changes.
+    monkeypatch.setattr(batch_module, "PARALLEL_MIN_CHANGES", 0)
+    monkeypatch.setattr(batch_module, "TASK_CHANGES", 1)
+    threads: set[int] = set()
+    real = batch_module.encode_wal_image
+    monkeypatch.setattr(batch_module, "encode_wal_image",
+                        lambda *args: threads.add(threading.get_ident()) or real(*args))
+    directory = ckpt_receiver(tmp_path, log, states[0], shard_bytes=2000)
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=1) == [1]
+        # (An image is a view of the journal's pages, valid until the next is read: copied.)
+        images = [(i.version, i.tensor, i.where if isinstance(i.where, slice) else i.where.copy(),
+                   i.words.copy()) for i in rx.journal.wal_images()]
+    assert threads - {threading.get_ident()}, "no image was laid on the pool"
+    assert images and {version for version, *_ in images} == {1}
+    covered: dict[str, list[np.ndarray]] = {}
+    for _, tensor, where, words in images:
+        new = states[1][tensor].words.reshape(-1)
+        positions = np.arange(new.size)[where]
+        assert np.array_equal(new[positions].view(words.dtype), words), tensor
+        covered.setdefault(tensor, []).append(positions)
+    for name, before in states[0].items():
+        after = states[1][name].words.reshape(-1)
+        changed = np.flatnonzero(before.words.reshape(-1) != after)
+        assert np.isin(changed, np.concatenate(covered.get(name, [np.empty(0, np.int64)]))).all(), name
 
 
 def test_a_forked_child_borrows_an_image_buffer_even_with_the_lock_held_at_the_fork(monkeypatch):

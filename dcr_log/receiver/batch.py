@@ -424,7 +424,8 @@ class BatchWriter:
         # laid on this thread, they held the prefault and the stage back behind them
         # (tools/bench_apply.py --gib 0.5 --reps 9 --verify sample --receivers ckpt, two
         # alternating pairs: 0.054 s at 1% changed against 0.058-0.059, 0.116-0.122 s at 3%
-        # against 0.121-0.128).
+        # against 0.121-0.128; tools/bench_side.py's checkpoint columns did not move beyond
+        # their spread).
         laid = map_grouped(lay, list(zip(work, layouts, starts)), [w.record.n_changed for w in work],
                            TASK_CHANGES, APPLY_WORKERS, sum(w.record.n_changed for w in work) >= PARALLEL_MIN_CHANGES)
         images = {w.index: image for w, image in zip(work, laid)}

@@ -446,10 +446,11 @@ def time_receivers(log: DeltaLog, version: int, follow: range, base_state, new_s
 
 
 def follow_versions(elements: int, changed: int, repeats: int) -> tuple[int, int]:
-    """How many versions the following checkpoint receiver needs: (at most the applies until
-    its journal first drops its deferred-sync images, then ``repeats``), and the first count.
-    A bf16 state of ``elements`` words, ``changed`` of them per version; none to fill when a
-    version's images exceed the budget (each batch is then synced as it is written)."""
+    """The versions the following checkpoint receiver needs, and how many of them may go to
+    filling its journal with images until it first drops them: the budget over one version's
+    images, plus two; then ``repeats`` more. A bf16 state of ``elements`` words with
+    ``changed`` of them per version; nothing to fill when one version's images exceed the
+    budget (its batches are then synced as they are written)."""
     per_version = wal_image_bytes(changed, 2)
     budget = wal_budget(2 * elements)
     fill = budget // per_version + 2 if 0 < per_version <= budget else 0

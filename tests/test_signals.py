@@ -342,3 +342,29 @@ def test_signal_during_the_imports_says_nothing_done(tmp_path, sig):
     rc, out, err = run_entry(tmp_path, setup, ["--help"])
     assert interrupted_line(rc, err, sig) == "nothing done"
     assert out == ""
+
+
+@pytest.mark.parametrize("sig", SIGS)
+def test_a_signal_in_a_weakref_callback_is_remembered_without_a_traceback(sig):
+    """A signal can land while Python runs a weakref callback (importlib drops each module's
+    lock so, as an import ends): the Interrupted its handler raises there cannot propagate,
+    and Python would print its traceback. The command's signal handling remembers the signal
+    (main then says its one line) and prints nothing."""
+    code = textwrap.dedent(f"""
+        import gc, signal, weakref
+        from dcr_log.cli.app import _Signals
+
+        class Held:
+            pass
+
+        with _Signals() as signals:
+            held = Held()
+            ref = weakref.ref(held, lambda _: signal.raise_signal({int(sig)}))
+            del held
+            gc.collect()
+            print(signals.signum)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=cli_env())
+    assert proc.stderr == "", proc.stderr
+    assert proc.returncode == 0 and proc.stdout.strip() == str(int(sig)), (proc.returncode, proc.stdout)

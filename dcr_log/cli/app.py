@@ -228,6 +228,7 @@ class _Signals:
         self.signum: int | None = None
         self.raising = True
         self._old: dict = {}
+        self._old_hook: Callable[[Any], object] | None = None
 
     def _handler(self, signum, frame) -> None:
         first = self.signum is None
@@ -244,15 +245,28 @@ class _Signals:
             return
         raise Interrupted(signum)
 
+    def _unraisable(self, info: Any) -> None:
+        """A signal's Interrupted raised where Python cannot raise (a weakref callback, as an
+        import's module lock is dropped) is lost there, and Python would print its traceback.
+        The signal is remembered: main says its one line once the command is over (a second
+        signal interrupts the command)."""
+        if isinstance(info.exc_value, Interrupted) and self.signum is not None:
+            return
+        assert self._old_hook is not None
+        self._old_hook(info)
+
     def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handler)
+            self._old_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if self._old_hook is not None:
+            sys.unraisablehook = self._old_hook
 
 
 class _Outcome:

@@ -34,7 +34,8 @@ def test_each_segment_is_fetched_once_and_the_spool_is_removed(tmp_path, monkeyp
     assert all(len(log.commit(v).segments) >= 8 for v in (1, 2))
     spools = tmp_path / "tmp"
     spools.mkdir()
-    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(spools))
+    asked: list[int] = []
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: asked.append(1) or str(spools))
     monkeypatch.setattr(apply_module, "SEGMENT_CACHE_BYTES", budget)
     arrays = {n: b.words.reshape(b.shape).copy() for n, b in states[0].items()}
     rx = Receiver.open(arrays, tmp_path / "j", dtypes={n: b.dtype for n, b in states[0].items()})
@@ -55,6 +56,9 @@ def test_each_segment_is_fetched_once_and_the_spool_is_removed(tmp_path, monkeyp
     assert set(segment_gets) == {ref.key for v in (1, 2) for ref in log.commit(v).segments}
     assert set(segment_gets.values()) == {1}  # fetched once, however small the budget
     assert (len(spooled) > 0) == (budget == 4096)
+    # The temporary directory is asked for only when a segment is spooled: a process's first
+    # gettempdir() creates a probe file there, which a kill would leave behind.
+    assert (len(asked) > 0) == (len(spooled) > 0)
     assert list(spools.iterdir()) == []  # the spool is gone
 
 
@@ -146,7 +150,8 @@ def test_a_segment_above_the_memory_budget_is_streamed_not_held(tmp_path, monkey
     monkeypatch.setattr(apply_module, "SEGMENT_CACHE_BYTES", 1 << 20)
     spools = tmp_path / "tmp"
     spools.mkdir()
-    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(spools))
+    asked: list[int] = []
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: asked.append(1) or str(spools))
     rx = Receiver.open(arrays, tmp_path / "j", dtypes={"w": "BF16"})
     rx.bind(log, 0)
     assert rx.apply(log, verify="full") == [1]

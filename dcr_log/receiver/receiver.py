@@ -607,8 +607,11 @@ class Receiver:
                 raise IntegrityError(f"journal {self.journal.path}: progress of segment {seg} lies "
                                      f"outside version {version}'s segments")
         # A spool outside the receiver (a refused apply writes nothing there), used only for
-        # segments beyond the memory budget.
-        cache = SegmentCache(log, commit, spool=Path(tempfile.gettempdir()) / f"dcr-spool-{uuid.uuid4().hex}")
+        # segments beyond the memory budget. Its place is asked for only then: the first
+        # tempfile.gettempdir() of a process creates and removes a file in the directory it
+        # picks, which a process killed meanwhile leaves behind (tools/crash_apply.py's kills
+        # left such files in /tmp).
+        cache = SegmentCache(log, commit, spool=lambda: Path(tempfile.gettempdir()) / f"dcr-spool-{uuid.uuid4().hex}")
         try:
             # Pass 1, at every level: every segment still to apply is read and checked (size,
             # sha256, schema, record count) and every record decoded, so that nothing the

@@ -6,6 +6,7 @@ located and (when the writes follow at once) classified kept for the write pass
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,11 +37,13 @@ class SegmentCache:
     reader to hold in memory at all (which read_segment gives as a local file)."""
 
     def __init__(self, log: DeltaLog, commit: CommitRecord | Step, budget: int | None = None,
-                 spool: Path | None = None):
+                 spool: Path | Callable[[], Path] | None = None):
         self.log = log
         self.commit = commit
         self.budget = SEGMENT_CACHE_BYTES if budget is None else budget
-        self.spool = spool
+        # A callable gives the spool's path when a segment is first spooled (see close).
+        self._spool_at = spool if callable(spool) else None
+        self.spool: Path | None = None if callable(spool) else spool
         self._data: dict[int, memoryview] = {}
         self._spooled: dict[int, Path] = {}
         self._files: dict[int, SegmentFile] = {}
@@ -97,8 +100,11 @@ class SegmentCache:
         elif self._used + len(data) <= self.budget:
             self._data[index] = data
             self._used += len(data)
-        elif self.spool is not None:
+        elif self.spool is not None or self._spool_at is not None:
             try:
+                if self.spool is None:
+                    assert self._spool_at is not None
+                    self.spool = self._spool_at()
                 self.spool.mkdir(parents=True, exist_ok=True)
                 path = self.spool / f"{index:08d}.arrow"
                 path.write_bytes(data)

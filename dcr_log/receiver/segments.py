@@ -41,9 +41,9 @@ class SegmentCache:
         self.log = log
         self.commit = commit
         self.budget = SEGMENT_CACHE_BYTES if budget is None else budget
-        # A callable gives the spool's path when a segment is first spooled (see close).
-        self._spool_at = spool if callable(spool) else None
-        self.spool: Path | None = None if callable(spool) else spool
+        # The spool's path, asked for when a segment is first spooled (then ``spool``).
+        self._spool_at: Callable[[], Path] | None = (lambda: spool) if isinstance(spool, Path) else spool
+        self.spool: Path | None = None
         self._data: dict[int, memoryview] = {}
         self._spooled: dict[int, Path] = {}
         self._files: dict[int, SegmentFile] = {}
@@ -100,11 +100,9 @@ class SegmentCache:
         elif self._used + len(data) <= self.budget:
             self._data[index] = data
             self._used += len(data)
-        elif self.spool is not None or self._spool_at is not None:
+        elif self._spool_at is not None:
             try:
-                if self.spool is None:
-                    assert self._spool_at is not None
-                    self.spool = self._spool_at()
+                self.spool = self.spool or self._spool_at()
                 self.spool.mkdir(parents=True, exist_ok=True)
                 path = self.spool / f"{index:08d}.arrow"
                 path.write_bytes(data)

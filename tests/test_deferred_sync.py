@@ -6,6 +6,7 @@ helpers.powerloss (per page: durable bytes or current ones, at random; a new boo
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import numpy as np
@@ -296,6 +297,16 @@ def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, star
         top = (1 << 32) if kind == "u4" else (1 << 48)
         where = np.sort(rng.choice(top, count, replace=False)).astype(np.int64) if count else np.zeros(0, np.int64)
     whole = bytes(encode_wal_image(name, where, words))
+    # The bytes RECEIVER.md 5.6 lays out, built here from its words (u16 n, the name, u8 width,
+    # u8 kind, u64 count, the start or the positions, the words): what the journal always held.
+    raw = name.encode()
+    if kind == "span":
+        kind_byte, located = 0, struct.pack("<Q", start)
+    else:
+        kind_byte = 4 if count == 0 or int(where.max()) < (1 << 32) else 8
+        located = where.astype(f"<u{kind_byte}").tobytes()
+    assert whole == (struct.pack("<H", len(raw)) + raw + struct.pack("<BBQ", width, kind_byte, count) + located
+                     + words.tobytes())
     layout = WalImageLayout(name, where, words)
     assert layout.size == len(whole)
     buffer = rng.integers(0, 256, lead + layout.size + 7, dtype=np.uint8)  # an earlier batch's bytes

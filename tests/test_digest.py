@@ -119,3 +119,48 @@ def test_sum_at_over_any_indices_matches_the_reference(impl, word):
             flat[:3] = [np.iinfo(np.int64).max, 0, flat[3]]  # the largest, zero, a repeat
         words = rng.integers(0, np.iinfo(word).max, k, dtype=word, endpoint=True)
         assert D.sum_at(flat, words) == reference(flat, words), k
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "checkpoint"])
+@pytest.mark.parametrize("scheme", ["sum", "xxh3"])
+def test_tensor_digests_in_spans_equal_each_tensors_own(tmp_path, monkeypatch, kind, scheme):
+    """tensor_digests sums a composable scheme's digest in spans on the pool: with spans of 7
+    words, tensors of 0-d, empty, odd and several-span sizes get exactly the digest the
+    storage gives each whole (and the xxh3 scheme, which does not compose, each whole)."""
+    import threading
+
+    from dcr_log.receiver import CheckpointStorage, NumpyStorage, TorchStorage, write_checkpoint
+    from dcr_log.receiver.storage import base as storage_base
+    from dcr_log.state import TensorBits, to_torch
+
+    rng = np.random.default_rng(3)
+    shapes = {"scalar": (), "empty": (0, 4), "odd": (5,), "spans": (3, 11), "long": (50,)}
+    state = {n: TensorBits("BF16", s, rng.integers(0, 1 << 16, size=int(np.prod(s)), dtype=np.uint16))
+             for n, s in shapes.items()}
+    if kind == "numpy":
+        storage = NumpyStorage({n: TensorBits(b.dtype, b.shape, b.words.copy()) for n, b in state.items()})
+    elif kind == "torch":
+        storage = TorchStorage({n: to_torch(b) for n, b in state.items()})
+    else:
+        (tmp_path / "ckpt").mkdir()
+        write_checkpoint(state, tmp_path / "ckpt")
+        storage = CheckpointStorage(tmp_path / "ckpt")
+    digests = D.SumDigests() if scheme == "sum" else D.XXH3
+    names = list(shapes)
+    whole = [storage.tensor_digest(n, digests) for n in names]
+    monkeypatch.setattr(storage_base, "DIGEST_SPAN", 7)
+    spans: list[tuple[int, str]] = []
+    real_at = type(digests).at
+
+    def at(self, flat, words):
+        spans.append((flat.stop - flat.start, threading.current_thread().name))
+        return real_at(self, flat, words)
+
+    monkeypatch.setattr(type(digests), "at", at)
+    assert storage_base.tensor_digests(storage, names, digests, workers=2) == whole
+    if scheme == "sum":
+        assert sorted(n for n, _ in spans) == sorted([7] * 11 + [1, 5, 5, 1])  # 1, 5, 33 and 50 words
+        assert {t for _, t in spans} != {threading.current_thread().name}  # on the pool
+    else:
+        assert spans == []
+    assert storage_base.tensor_digests(storage, names, digests, workers=2, parallel=False) == whole

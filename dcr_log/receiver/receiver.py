@@ -39,7 +39,6 @@ from dcr_log.format import CommitRecord
 from dcr_log.format.segment import load_reader
 from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
 from dcr_log.log.deltalog import DeltaLog, Step
-from dcr_log.parallel import map_ordered
 from dcr_log.receiver.batch import BatchWriter, Deferred, Undo, redo_journal_bytes, wal_budget, wal_image_bytes
 from dcr_log.receiver.checks import PassOne, sample_tensors
 from dcr_log.receiver.context import APPLY_WORKERS, ApplyContext, GroupDigests
@@ -55,7 +54,7 @@ from dcr_log.receiver.opening import (
 )
 from dcr_log.receiver.reports import ApplyReport, StageReport
 from dcr_log.receiver.segments import SegmentCache
-from dcr_log.receiver.storage import FaultHook, Storage, storage_state_digest
+from dcr_log.receiver.storage import FaultHook, Storage, storage_state_digest, tensor_digests
 from dcr_log.receiver.storage.placed import PlacedStorage
 from dcr_log.signing import as_trust
 from dcr_log.state import TableLayout, describe_layout_change
@@ -733,12 +732,10 @@ class Receiver:
                     raise IntegrityError(f"{commit.describe()}: storage state digest differs after apply")
             elif verify == "sample":
                 names = [n for n in sample_tensors(commit.tensors, version) if storage.holds(n)]
-                # Whole-tensor digests release the GIL: tensors on the pool (an engine's may
-                # talk to its group, so those stay on this thread).
-                def digest(name: str) -> int:
-                    return storage.tensor_digest(name, self.digests)
-
-                sums = self._digest_parts.sums(list(map_ordered(digest, names, APPLY_WORKERS, not self.placed)))
+                # On the pool's threads (an engine's tensors stay on this one: its storage may
+                # talk to its group).
+                sums = self._digest_parts.sums(tensor_digests(storage, names, self.digests, APPLY_WORKERS,
+                                                              not self.placed))
                 for name, d in zip(names, sums):
                     if d != table[name].digest:
                         raise IntegrityError(f"version {version}: tensor {name!r} differs from its digest")

@@ -13,13 +13,13 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from dcr_log.errors import UsageError
-from dcr_log.receiver.storage.base import FaultHook, Storage, Where, storage_state_digest
+from dcr_log.receiver.storage.base import FaultHook, Storage, Where, storage_state_digest, tensor_digests
 from dcr_log.receiver.storage.checkpoint import CheckpointStorage, has_checkpoint
 from dcr_log.receiver.storage.memory import NumpyStorage, TorchStorage
 from dcr_log.state import is_torch_tensor
 
-__all__ = ["FaultHook", "Storage", "Where", "storage_state_digest", "CheckpointStorage", "has_checkpoint",
-           "NumpyStorage", "TorchStorage", "open_storage"]
+__all__ = ["FaultHook", "Storage", "Where", "storage_state_digest", "tensor_digests", "CheckpointStorage",
+           "has_checkpoint", "NumpyStorage", "TorchStorage", "open_storage"]
 
 
 def open_storage(storage: Any, device: Any = None) -> Storage:

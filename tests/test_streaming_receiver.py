@@ -159,3 +159,88 @@ def test_a_segment_above_the_memory_budget_is_streamed_not_held(tmp_path, monkey
     # Never read whole: no get of a segment (read_segment streams it to a file instead).
     assert not [k for k in store.gets if k.startswith("segments/")]
     assert list(spools.iterdir()) == []
+
+
+def _one_segment_log(tmp_path):
+    rng = np.random.default_rng(9)
+    state = make_state(rng, {"a": ("BF16", (40, 30)), "b": ("F32", (7,))})
+    root = tmp_path / "log"
+    writer = LogWriter.create(root, state, cache_dir=False)
+    new = {n: change_words(rng, b, 0.3) for n, b in state.items()}
+    writer.append(new)
+    return root, state, new
+
+
+def test_a_segment_is_parsed_beside_its_hash_and_damage_reads_as_a_hash_mismatch(tmp_path, monkeypatch):
+    """The first segment is parsed while its sha256 is computed on the side thread; whatever
+    byte is damaged, the receiver reports the hash mismatch (never the parse's own error, which
+    would hide what happened) and writes nothing, journal included."""
+    import hashlib
+    import threading
+
+    from dcr_log.errors import IntegrityError
+    from dcr_log.store import Store
+
+    root, state, new = _one_segment_log(tmp_path)
+    store = Store.open(str(root))
+    (ref,) = DeltaLog.open(store).commit(1).segments
+    original = bytes(store.get(ref.key))
+    hashed_on: list[str] = []
+    real_sha256 = hashlib.sha256
+
+    def spy(data=b""):
+        if len(data) == ref.size:
+            hashed_on.append(threading.current_thread().name)
+        return real_sha256(data)
+
+    monkeypatch.setattr(hashlib, "sha256", spy)
+    arrays = {n: b.words.reshape(b.shape).copy() for n, b in state.items()}
+    dtypes = {n: b.dtype for n, b in state.items()}
+    rx = Receiver.open(arrays, tmp_path / "j", dtypes=dtypes)
+    rx.bind(DeltaLog.open(store), 0, verify="none")
+    # Every byte of the Arrow file's head and tail (where a flip breaks the parse), and a
+    # spread of the rest.
+    flips = sorted(set(range(64)) | set(range(len(original) - 400, len(original))) | set(range(0, len(original), 13)))
+    for i in flips:
+        data = bytearray(original)
+        data[i] ^= 0x20
+        store.delete(ref.key)
+        store.put_new(ref.key, bytes(data))
+        with pytest.raises(IntegrityError, match="sha256 mismatch"):
+            rx.apply(DeltaLog.open(store), verify="sample")
+        assert rx.version == 0
+        assert all(arrays[n].tobytes() == b.words.tobytes() for n, b in state.items()), i
+    assert hashed_on and all(name.startswith("dcr-side") for name in hashed_on)
+    store.delete(ref.key)
+    store.put_new(ref.key, original)
+    assert rx.apply(DeltaLog.open(store), verify="sample") == [1]
+    assert all(arrays[n].tobytes() == b.words.tobytes() for n, b in new.items())
+
+
+def test_a_parse_error_beside_a_matching_hash_is_raised(tmp_path):
+    """A segment whose sha256 matches its commit record but is not an Arrow file (the record
+    re-sealed around it): the parse's error comes through."""
+    import dataclasses
+    import hashlib
+
+    from dcr_log.errors import IntegrityError
+    from dcr_log.format import SegmentRef
+    from dcr_log.format.keys import version_key
+    from dcr_log.store import Store
+
+    root, state, _ = _one_segment_log(tmp_path)
+    store = Store.open(str(root))
+    commit = DeltaLog.open(store).commit(1)
+    (ref,) = commit.segments
+    data = bytes(store.get(ref.key))[:-6] + b"NOTARR"  # the footer's magic
+    forged = dataclasses.replace(commit, segments=(SegmentRef(ref.key, len(data), hashlib.sha256(data).hexdigest(),
+                                                              ref.records),))
+    for key, value in ((ref.key, data), (version_key(1), forged.to_bytes())):
+        store.delete(key)
+        store.put_new(key, value)
+    arrays = {n: b.words.reshape(b.shape).copy() for n, b in state.items()}
+    rx = Receiver.open(arrays, tmp_path / "j", dtypes={n: b.dtype for n, b in state.items()})
+    rx.bind(DeltaLog.open(store), 0, verify="none")
+    with pytest.raises(IntegrityError, match="not an Arrow IPC file"):
+        rx.apply(DeltaLog.open(store), verify="sample")
+    assert rx.version == 0

@@ -41,6 +41,7 @@ from timing import Pairing, fastest, paired  # noqa: E402
 
 from dcr_log import DeltaLog, TensorBits  # noqa: E402
 from dcr_log.receiver import Receiver, batch, checks, write_checkpoint  # noqa: E402
+from dcr_log.receiver import receiver as receiver_module  # noqa: E402
 from dcr_log.receiver.batch import BatchWriter  # noqa: E402
 from dcr_log.receiver.checks import PassOne  # noqa: E402
 from dcr_log.receiver.journal import Journal  # noqa: E402
@@ -50,8 +51,9 @@ from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, rate_of, specs
 from dcr_log.write import LogWriter  # noqa: E402
 
 # The functions whose calls make an apply's timeline (--phases).
-APPLY_PHASES = [(SegmentCache, "records"), (PassOne, "_decode_ahead"), (PassOne, "_classify_ahead"),
-                (BatchWriter, "apply_batch"), (BatchWriter, "_write"), (Journal, "begin"), (Journal, "commit")]
+APPLY_PHASES = [(SegmentCache, "records"), (DeltaLog, "read_segment_records"), (PassOne, "_decode_ahead"),
+                (PassOne, "_classify_ahead"), (BatchWriter, "apply_batch"), (BatchWriter, "_write"),
+                (Journal, "begin"), (receiver_module, "tensor_digests"), (Journal, "commit")]
 
 
 def copy_state(state: dict[str, TensorBits]) -> dict[str, TensorBits]:

@@ -72,6 +72,12 @@ class SegmentCache:
             if j not in self._pending and j not in self._data and j not in self._spooled and j not in self._files:
                 self._pending[j] = pool.submit(self._fetch, j)
 
+    def _fetches_now(self, index: int) -> bool:
+        """Whether ``data(index)`` would fetch the segment on this thread (not held, spooled,
+        mapped or being fetched ahead)."""
+        return not (index in self._data or index in self._files or index in self._spooled
+                    or index in self._pending)
+
     def data(self, index: int) -> memoryview | SegmentFile:
         """The segment's bytes in memory, or a local file holding them (SegmentFile)."""
         held: memoryview | SegmentFile | None = self._data.get(index)
@@ -95,6 +101,11 @@ class SegmentCache:
         future = self._pending.pop(index, None)
         self._ahead(index)
         data = future.result() if future is not None else self._fetch(index)
+        self._hold(index, data)
+        return data
+
+    def _hold(self, index: int, data: memoryview | SegmentFile) -> None:
+        """Keep a segment just fetched: in memory within the budget, else spooled."""
         if isinstance(data, SegmentFile):  # already a local file, not in memory
             self._files[index] = data
         elif self._used + len(data) <= self.budget:
@@ -109,7 +120,6 @@ class SegmentCache:
                 self._spooled[index] = path
             except OSError:
                 pass  # no room to spool: it is fetched again when needed
-        return data
 
     def close(self) -> None:
         """Stop fetching ahead and remove the spool."""
@@ -138,8 +148,14 @@ class SegmentCache:
         parsed = self._parsed.get(index)
         if parsed is not None:
             return parsed
-        records = list(self.log.segment_records(self.commit.version, self.commit.segments[index],
-                                                self.data(index)))
+        ref = self.commit.segments[index]
+        if self._fetches_now(index):
+            # Fetched on this thread: parsed while its hash is computed (read_segment_records).
+            self._ahead(index)
+            data, records = self.log.read_segment_records(ref, self.commit.version)
+            self._hold(index, data)
+        else:
+            records = list(self.log.segment_records(self.commit.version, ref, self.data(index)))
         if index in self._data:
             self._parsed[index] = records
         return records

@@ -244,3 +244,38 @@ def test_a_parse_error_beside_a_matching_hash_is_raised(tmp_path):
     with pytest.raises(IntegrityError, match="not an Arrow IPC file"):
         rx.apply(DeltaLog.open(store), verify="sample")
     assert rx.version == 0
+
+
+def test_records_are_decoded_while_the_first_segments_hash_runs(tmp_path, monkeypatch):
+    """The hash of a segment fetched by the receiver itself does not hold its records back:
+    here it waits until pass one has begun decoding them (and would wait in vain, 10 s, were
+    they held back until it returned)."""
+    import hashlib
+    import threading
+
+    from dcr_log.receiver.checks import PassOne
+
+    root, state, new = _one_segment_log(tmp_path)
+    log = DeltaLog.open(root)
+    (ref,) = log.commit(1).segments
+    decoding = threading.Event()
+    waited: list[bool] = []
+    real_sha256, real_decode = hashlib.sha256, PassOne._decode_ahead
+
+    def sha256(data=b""):
+        if len(data) == ref.size:
+            waited.append(decoding.wait(10))
+        return real_sha256(data)
+
+    def decode_ahead(self, rec, wanted):
+        decoding.set()
+        return real_decode(self, rec, wanted)
+
+    monkeypatch.setattr(hashlib, "sha256", sha256)
+    monkeypatch.setattr(PassOne, "_decode_ahead", decode_ahead)
+    arrays = {n: b.words.reshape(b.shape).copy() for n, b in state.items()}
+    rx = Receiver.open(arrays, tmp_path / "j", dtypes={n: b.dtype for n, b in state.items()})
+    rx.bind(log, 0, verify="none")
+    assert rx.apply(log, verify="sample") == [1]
+    assert waited == [True]
+    assert all(arrays[n].tobytes() == b.words.tobytes() for n, b in new.items())

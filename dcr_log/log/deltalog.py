@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import wait
 
 from dcr_log.codec.registry import required_feature
@@ -56,6 +56,10 @@ from dcr_log.state import TensorBits
 from dcr_log.store import AlreadyExists, Store
 
 __all__ = ["DeltaLog", "Progress", "Step", "VerifyReport"]
+
+
+def _nothing_to_check() -> None:
+    pass
 
 
 class DeltaLog:
@@ -369,16 +373,20 @@ class DeltaLog:
             raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
         return data
 
-    def read_segment_records(self, ref: SegmentRef, version: int) -> tuple[memoryview | SegmentFile, list[Record]]:
-        """read_segment and the segment's records (segment_records). A segment read into
-        memory is parsed while its sha256 is computed on the side thread: the parse's error,
-        if any, is raised only once the hash matched (a mismatch is raised first), and its
-        records are returned only then. (Each took 1-2 ms of the first segment's lead-in,
-        before any record could be decoded: 1.7 and 1.1 ms for 3.2 MiB and 89 records,
-        tools/bench_apply.py --gib 0.5 --phases.)"""
+    def read_segment_records(self, ref: SegmentRef, version: int
+                             ) -> tuple[memoryview | SegmentFile, list[Record], Callable[[], None]]:
+        """read_segment, the segment's records (segment_records), and ``check``, which the
+        caller calls before anything it took from them is written or reported. A segment read
+        into memory is parsed while its sha256 is computed on the side thread, and the hash
+        may still be running when this returns (the records can be decoded meanwhile):
+        ``check`` waits for it and raises its mismatch first, then the parse's error, if any
+        (the records are then empty). For the other segments it has nothing left to check.
+        (Hash, then parse, took 1.7 and 1.1 ms of the first segment's lead-in, before any
+        record could be decoded: 3.2 MiB and 89 records, tools/bench_apply.py --gib 0.5
+        --phases.)"""
         if ref.key in self._prefetched or ref.size > segments.SEGMENT_MEMORY_BYTES:
             data = self.read_segment(ref, version)
-            return data, list(self.segment_records(version, ref, data))
+            return data, list(self.segment_records(version, ref, data)), _nothing_to_check
         try:
             fetched = self.store.get(ref.key, size=ref.size)
         except NotFoundError:
@@ -388,15 +396,16 @@ class DeltaLog:
         parse_error: Exception | None = None
         try:
             records = list(self.segment_records(version, ref, fetched))
-        except Exception as exc:  # raised below, after the hash
+        except Exception as exc:  # raised by check, after the hash
             records, parse_error = [], exc
-        finally:
+
+        def check() -> None:
             wait([hashing])
-        if hashing.result() != ref.sha256:
-            raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
-        if parse_error is not None:
-            raise parse_error
-        return fetched, records
+            if hashing.result() != ref.sha256:
+                raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
+            if parse_error is not None:
+                raise parse_error
+        return fetched, records, check
 
     def segment_records(self, version: int, ref: SegmentRef, data=None) -> Iterator[Record]:
         """The records of one segment; ``data``, if given, is what read_segment returned for

@@ -162,7 +162,9 @@ class PassOne:
             if prog.done >= ref.records:
                 whole = False
                 continue
-            recs = cache.records(seg)
+            # Decoding may start while the segment's hash is still computed: ``checked`` gives
+            # its verdict, first if anything here fails, and before anything is written.
+            recs, checked = cache.records_ahead(seg)
             whole = whole and prog.done == 0
             pending: list[_Precondition] = []
 
@@ -174,8 +176,13 @@ class PassOne:
             weights = [r.n_changed for r in recs]
             decoded = map_grouped(decode, range(len(recs)), weights, TASK_CHANGES, APPLY_WORKERS,
                                   sum(weights) >= PARALLEL_MIN_CHANGES)
-            with contextlib.closing(decoded):
-                self._segment(cache, seg, recs, prog, classify, decoded, pending)
+            try:
+                with contextlib.closing(decoded):
+                    self._segment(cache, seg, recs, prog, classify, decoded, pending)
+            except BaseException:
+                checked()
+                raise
+            checked()
             for rec in recs:
                 if rec.kind == "tensor":
                     if rec.tensor in rules.created:

@@ -27,6 +27,10 @@ SEGMENT_CACHE_BYTES = 1 << 30
 PREFETCH_SEGMENTS = 4
 
 
+def _checked() -> None:
+    pass
+
+
 class SegmentCache:
     """A version's segments, each fetched once (size and sha256 checked by
     DeltaLog.read_segment): up to ``PREFETCH_SEGMENTS`` ahead of the one being read, on
@@ -143,22 +147,41 @@ class SegmentCache:
                 pass
 
     def records(self, index: int) -> list[Record]:
+        """The segment's records, checked (records_ahead, then its check)."""
+        records, check = self.records_ahead(index)
+        check()
+        return records
+
+    def records_ahead(self, index: int) -> tuple[list[Record], Callable[[], None]]:
         """The segment's records, parsed once while its bytes are held in memory (pass 1 and
-        the write pass both read them); parsed again from a spooled or mapped segment."""
+        the write pass both read them; parsed again from a spooled or mapped segment), and
+        ``check``: a segment fetched on this thread is parsed while its hash is computed,
+        and may be returned before the hash is known (DeltaLog.read_segment_records), so
+        that its records can be decoded meanwhile. ``check`` raises what the hash or the
+        parse found, and keeps the segment once it passes; until then nothing taken from
+        the records may be written, and ``records`` would fetch the segment again."""
         parsed = self._parsed.get(index)
         if parsed is not None:
-            return parsed
+            return parsed, _checked
         ref = self.commit.segments[index]
-        if self._fetches_now(index):
-            # Fetched on this thread: parsed while its hash is computed (read_segment_records).
-            self._ahead(index)
-            data, records = self.log.read_segment_records(ref, self.commit.version)
-            self._hold(index, data)
-        else:
+        if not self._fetches_now(index):
             records = list(self.log.segment_records(self.commit.version, ref, self.data(index)))
-        if index in self._data:
-            self._parsed[index] = records
-        return records
+            if index in self._data:
+                self._parsed[index] = records
+            return records, _checked
+        self._ahead(index)
+        data, records, verify = self.log.read_segment_records(ref, self.commit.version)
+        passed: list[bool] = []
+
+        def check() -> None:
+            if passed:
+                return
+            verify()
+            self._hold(index, data)
+            if index in self._data:
+                self._parsed[index] = records
+            passed.append(True)
+        return records, check
 
     def keep_changes(self, segment: int, record: int, changes) -> bool:
         """Keep a record decoded in pass 1 for the write pass, within the byte budget."""

@@ -309,10 +309,21 @@ MOVE(uint16_t)
 MOVE(uint32_t)
 MOVE(uint64_t)
 
-static int indices_inside(const int64_t *pos, Py_ssize_t k, Py_ssize_t n) {
-    int64_t bad = 0;
+/* Every index in [0, n): one unsigned compare each (a negative index wraps above n), the loop
+ * also built for AVX2 and AVX-512 and picked at load time (ifunc, as in _digest.c): SSE2 has
+ * no 64-bit compare, so the portable build checked one index at a time. A standalone timing of
+ * 2.7 million sorted indices in records of 30,000: 0.52 ms against 0.78. */
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) \
+    && __GNUC__ >= 11
+#define CHECK_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define CHECK_CLONES
+#endif
+
+CHECK_CLONES static int indices_inside(const int64_t *pos, Py_ssize_t k, Py_ssize_t n) {
+    uint64_t bad = 0;
     for (Py_ssize_t i = 0; i < k; i++)
-        bad |= (pos[i] < 0) | (pos[i] >= n);
+        bad |= (uint64_t)pos[i] >= (uint64_t)n;
     return !bad;
 }
 

@@ -320,6 +320,22 @@ def test_native_gather_scatter_and_ulp_step_equal_numpy(word):
         with pytest.raises(IndexError):
             scatter_words(words, bad.astype(np.int64), np.ones(bad.size, word))
         assert np.array_equal(words, before)  # nothing written
+    # The bounds check runs vectorized (4 or 8 indices a step, then a tail): a bad index at
+    # every place of arrays shorter, as long as and longer than a step is found.
+    extremes = (5000, -1, np.iinfo(np.int64).max, np.iinfo(np.int64).min)
+    for k in (1, 3, 4, 7, 8, 9, 17, 33):
+        ok = np.full(k, 4999, np.int64)
+        assert np.array_equal(gather_words(words, ok), words[ok])
+        for j in range(k):
+            for value in extremes:
+                bad = ok.copy()
+                bad[j] = value
+                with pytest.raises(IndexError):
+                    gather_words(words, bad)
+                before = words.copy()
+                with pytest.raises(IndexError):
+                    scatter_words(words, bad, np.ones(k, word))
+                assert np.array_equal(words, before)
 
 
 def test_receivers_write_in_parallel_only_disjoint_records():

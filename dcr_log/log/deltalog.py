@@ -381,9 +381,9 @@ class DeltaLog:
         may still be running when this returns (the records can be decoded meanwhile):
         ``check`` waits for it and raises its mismatch first, then the parse's error, if any
         (the records are then empty). For the other segments it has nothing left to check.
-        (Hash, then parse, took 1.7 and 1.1 ms of the first segment's lead-in, before any
-        record could be decoded: 3.2 MiB and 89 records, tools/bench_apply.py --gib 0.5
-        --phases.)"""
+        (The hash, then the parse, held the first record's decoding back: it began 3.6-3.8 ms
+        into an apply of a 3.2 MiB segment of 89 records, now 2.1 ms, by timelines of
+        tools/bench_apply.py --gib 0.5 --verify sample --phases.)"""
         if ref.key in self._prefetched or ref.size > segments.SEGMENT_MEMORY_BYTES:
             data = self.read_segment(ref, version)
             return data, list(self.segment_records(version, ref, data)), _nothing_to_check

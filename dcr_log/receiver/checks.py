@@ -163,7 +163,8 @@ class PassOne:
                 whole = False
                 continue
             # Decoding may start while the segment's hash is still computed: ``checked`` gives
-            # its verdict, first if anything here fails, and before anything is written.
+            # its verdict, first if anything here fails, and before anything is written (an
+            # interrupt goes through as it is: nothing was written).
             recs, checked = cache.records_ahead(seg)
             whole = whole and prog.done == 0
             pending: list[_Precondition] = []
@@ -179,7 +180,7 @@ class PassOne:
             try:
                 with contextlib.closing(decoded):
                     self._segment(cache, seg, recs, prog, classify, decoded, pending)
-            except BaseException:
+            except Exception:
                 checked()
                 raise
             checked()

@@ -198,6 +198,8 @@ def test_a_segment_is_parsed_beside_its_hash_and_damage_reads_as_a_hash_mismatch
     dtypes = {n: b.dtype for n, b in state.items()}
     rx = Receiver.open(arrays, tmp_path / "j", dtypes=dtypes)
     rx.bind(DeltaLog.open(store), 0, verify="none")
+    journal = {p: p.read_bytes() for p in sorted((tmp_path / "j").rglob("*")) if p.is_file()}
+    assert journal
     # Every byte of the Arrow file's head and tail (where a flip breaks the parse), and a
     # spread of the rest.
     flips = sorted(set(range(64)) | set(range(len(original) - 400, len(original))) | set(range(0, len(original), 13)))
@@ -210,6 +212,7 @@ def test_a_segment_is_parsed_beside_its_hash_and_damage_reads_as_a_hash_mismatch
             rx.apply(DeltaLog.open(store), verify="sample")
         assert rx.version == 0
         assert all(arrays[n].tobytes() == b.words.tobytes() for n, b in state.items()), i
+        assert {p: p.read_bytes() for p in journal} == journal, i
     assert hashed_on and all(name.startswith("dcr-side") for name in hashed_on)
     store.delete(ref.key)
     store.put_new(ref.key, original)

@@ -188,3 +188,29 @@ def test_percost_tiny_run_json(capsys):
         f = stages[name]
         assert f["points"] >= 2 and np.isfinite(f["ns_per_change"]) and np.isfinite(f["fixed_ms"]), (name, f)
     assert report["modes"]["one-core"]["stage_seconds"][0]["encodings"] == ["ulp-rans"]
+
+
+def test_bench_pagecache_ways_keep_the_checkpoints_bytes(tmp_path):
+    """tools/bench_pagecache.py times the same bytes reached five ways: each way leaves the
+    checkpoint's file byte for byte as write_checkpoint wrote it, and a tiny run times each."""
+    import bench_pagecache
+
+    from dcr_log.receiver import write_checkpoint
+
+    state = bench_pagecache.state_of(2)
+    assert sum(b.words.nbytes for b in state.values()) == 2 << 20
+    for n, (way, prepare) in enumerate(bench_pagecache.WAYS.items()):
+        directory = tmp_path / f"ckpt-{n}"
+        directory.mkdir()
+        write_checkpoint(state, directory)
+        (path,) = directory.glob("*.safetensors")
+        written = path.read_bytes()
+        prepare(path)
+        assert path.read_bytes() == written, way
+        assert sorted(p.name for p in directory.iterdir()) == [path.name], way
+    (tmp_path / "run").mkdir()
+    result = bench_pagecache.run(2, 1, tmp_path / "run")
+    assert list(result["populate_ms"]) == list(bench_pagecache.WAYS)
+    assert all(ms > 0 for ms in result["populate_ms"].values())
+    assert result["to_one_write"]["one write"] == 1.0
+    assert list((tmp_path / "run").iterdir()) == []

@@ -16,7 +16,9 @@ Each apply is paired with one ``np.copyto`` of the whole model right after it
 (tools/timing.py): seconds (wall, and "CPU s": the process's CPU time, every thread) are the
 medians of ``--reps``, "x copyto" the median pair's speed ratio. ``--phases``: after the
 timed applies of a numpy or torch receiver, one more, untimed, whose timeline is printed
-(tools/phases.py): pass 1's reads, decoding and classification, the writes and the commit.
+(tools/phases.py): pass 1's reads (the first segment's fetch, parse and hash in
+read_segment_records), decoding and classification, the writes, verify's tensor digests and
+the commit.
 ``--task-changes N``: the changes a task on the pool gathers (1: a task per record, as before
 parallel.map_grouped).
 """

@@ -58,8 +58,8 @@ from dcr_log.store import AlreadyExists, Store
 __all__ = ["DeltaLog", "Progress", "Step", "VerifyReport"]
 
 
-def _nothing_to_check() -> None:
-    pass
+def nothing_to_check() -> None:
+    """The check of segment records that were checked already (read_segment_records)."""
 
 
 class DeltaLog:
@@ -386,7 +386,7 @@ class DeltaLog:
         tools/bench_apply.py --gib 0.5 --verify sample --phases.)"""
         if ref.key in self._prefetched or ref.size > segments.SEGMENT_MEMORY_BYTES:
             data = self.read_segment(ref, version)
-            return data, list(self.segment_records(version, ref, data)), _nothing_to_check
+            return data, list(self.segment_records(version, ref, data)), nothing_to_check
         try:
             fetched = self.store.get(ref.key, size=ref.size)
         except NotFoundError:

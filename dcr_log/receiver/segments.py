@@ -15,7 +15,7 @@ import numpy as np
 
 from dcr_log.errors import IntegrityError
 from dcr_log.format import CommitRecord, Record
-from dcr_log.log.deltalog import DeltaLog, Step
+from dcr_log.log.deltalog import DeltaLog, Step, nothing_to_check
 from dcr_log.log.segments import SegmentFile
 
 # Segment bytes kept between pass 1 and the writes (and for rollback), beyond which they
@@ -25,10 +25,6 @@ SEGMENT_CACHE_BYTES = 1 << 30
 
 # Segments fetched ahead of the one being checked or applied (threads of one SegmentCache).
 PREFETCH_SEGMENTS = 4
-
-
-def _checked() -> None:
-    pass
 
 
 class SegmentCache:
@@ -73,12 +69,12 @@ class SegmentCache:
         if pool is None:
             pool = self._pool = ThreadPoolExecutor(PREFETCH_SEGMENTS, thread_name_prefix="dcr-fetch")
         for j in range(index + 1, min(len(refs), index + 1 + PREFETCH_SEGMENTS)):
-            if j not in self._pending and j not in self._data and j not in self._spooled and j not in self._files:
+            if self._unfetched(j):
                 self._pending[j] = pool.submit(self._fetch, j)
 
-    def _fetches_now(self, index: int) -> bool:
-        """Whether ``data(index)`` would fetch the segment on this thread (not held, spooled,
-        mapped or being fetched ahead)."""
+    def _unfetched(self, index: int) -> bool:
+        """Whether the segment is neither held, spooled, mapped nor being fetched ahead (so
+        that ``data(index)`` would fetch it on this thread)."""
         return not (index in self._data or index in self._files or index in self._spooled
                     or index in self._pending)
 
@@ -162,13 +158,13 @@ class SegmentCache:
         the records may be written, and ``records`` would fetch the segment again."""
         parsed = self._parsed.get(index)
         if parsed is not None:
-            return parsed, _checked
+            return parsed, nothing_to_check
         ref = self.commit.segments[index]
-        if not self._fetches_now(index):
+        if not self._unfetched(index):
             records = list(self.log.segment_records(self.commit.version, ref, self.data(index)))
             if index in self._data:
                 self._parsed[index] = records
-            return records, _checked
+            return records, nothing_to_check
         self._ahead(index)
         data, records, verify = self.log.read_segment_records(ref, self.commit.version)
         passed: list[bool] = []

@@ -339,7 +339,7 @@ class BatchWriter:
         # PREFAULT_SPAN_TO_IMAGES = 0, always on, 8% slower at 3%).
         images: dict[int, memoryview] | None = None  # deferred sync: the batch's images
         if durable and work:
-            images, clear, buffer = self._wal_images(work)
+            images, clear, buffer = self._wal_images(work, parallel)
             prefaulting: list[Future] = []
             image_bytes = sum(wal_image_bytes(w.target.size, w.target.itemsize) for w in work)
             if parallel and PREFAULT_SPAN_TO_IMAGES * image_bytes <= sum(map(_span_bytes, work)):
@@ -393,11 +393,13 @@ class BatchWriter:
                     raise IntegrityError(f"version {version}: tensor {w.record.tensor!r} differs from "
                                          "the record's target after writing")
 
-    def _wal_images(self, work: list[Write]) -> tuple[dict[int, memoryview] | None, bool, np.ndarray | None]:
+    def _wal_images(self, work: list[Write], parallel: bool
+                    ) -> tuple[dict[int, memoryview] | None, bool, np.ndarray | None]:
         """Deferred sync: the batch's images to keep in the journal (None: too large, the batch
         is synced as it is written; or no deferred sync), whether the images held so far are
         dropped in the stage transaction (the storage is synced first), and the borrowed
-        buffer the images lie in (borrow_image_buffer)."""
+        buffer the images lie in (borrow_image_buffer). ``parallel``: the batch goes to the
+        pool (apply_batch's choice), so its images are laid there too."""
         deferred = self.deferred
         if deferred is None:
             return None, False, None
@@ -427,7 +429,7 @@ class BatchWriter:
         # against 0.121-0.128; tools/bench_side.py's checkpoint columns did not move beyond
         # their spread).
         laid = map_grouped(lay, list(zip(work, layouts, starts)), [w.record.n_changed for w in work],
-                           TASK_CHANGES, APPLY_WORKERS, sum(w.record.n_changed for w in work) >= PARALLEL_MIN_CHANGES)
+                           TASK_CHANGES, APPLY_WORKERS, parallel)
         images = {w.index: image for w, image in zip(work, laid)}
         return images, clear, buffer
 

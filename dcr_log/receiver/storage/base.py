@@ -162,8 +162,9 @@ def tensor_digests(storage: Storage, names: list[str], digests: DigestScheme = X
     release the GIL). Where the scheme composes and the storage's words are host views
     (``parallel_reads``), in spans of DIGEST_SPAN words, whose digests add up to the tensor's:
     a few large tensors then take every thread, not one each. (verify=sample's 14 tensors
-    after an apply of 512 MiB of bf16, by timelines of tools/bench_apply.py --gib 0.5
-    --verify sample --phases: 2.1-2.3 ms a tensor per task, 1.3 ms in spans.) Not
+    after an apply of 512 MiB of bf16: 1.3 ms in spans by tools/bench_apply.py --gib 0.5
+    --verify sample --phases; 2.1-2.3 ms a tensor per task before, by the same apply's
+    tools/phases.py timeline of NumpyStorage.tensor_digest.) Not
     ``parallel``: in order on this thread (an engine's storage may talk to its group)."""
     if not (parallel and digests.composable and storage.parallel_reads):
         return list(map_ordered(lambda name: storage.tensor_digest(name, digests), names, workers, parallel))

@@ -333,6 +333,10 @@ def lr_for_rate(rate: float, config: AdamConfig | None = None, sample: int = 1 <
             lo, r_lo, hi = hi, r_hi, hi * 4
             r_hi = measured(hi)
             continue
+        if r_lo > rate:  # below the first bracket (under about 0.2% changed): widen it downwards
+            hi, r_hi, lo = lo, r_lo, lo / 4
+            r_lo = measured(lo)
+            continue
         # Interpolate in log space, then bisect if the guess does not shrink the bracket.
         guess = math.exp(math.log(lo) + (math.log(hi) - math.log(lo))
                          * (rate - r_lo) / max(r_hi - r_lo, 1e-12))

@@ -213,3 +213,17 @@ def test_bench_pagecache_ways_keep_the_checkpoints_bytes(tmp_path):
     assert list(result["populate_ms"]) == list(bench_pagecache.WAYS)
     assert all(ms > 0 for ms in result["populate_ms"].values())
     assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_bench_apply_rates(capsys):
+    """tools/bench_apply.py --rates: a log per rate, each near its rate, every receiver's apply
+    checked bit for bit by the tool (it asserts the words it applied) and reported."""
+    import bench_apply
+
+    assert bench_apply.main(["--gib", "0.01", "--reps", "1", "--receivers", "numpy", "--verify", "sample",
+                             "--rates", "0.001,0.05"]) == 0
+    out = capsys.readouterr().out
+    changed = [float(line.split(": ")[1].split("%")[0]) for line in out.splitlines() if line.startswith("log ")]
+    assert len(changed) == 2 and 0.05 < changed[0] < 0.2 and 4 < changed[1] < 6, out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["numpy"]]
+    assert [r[1] for r in rows] == ["0.1%", "5%"] and all(float(r[3]) > 0 for r in rows), out

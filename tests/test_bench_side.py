@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -127,6 +128,29 @@ def test_minilm_trace_pairs_partly_changed():
     # The states are views of the flat arrays.
     name, bits = next(iter(pair.new_state.items()))
     assert np.shares_memory(bits.words, pair.new)
+
+
+def test_small_receiver_timing_applies_and_checks_each_version(tmp_path):
+    """The MiniLM rows' numpy receiver: every timed apply takes the pair's base to its new
+    words (checked bit for bit by the tool), is paired with one copyto, and leaves no journal."""
+    n = 64 * bench_side.ROW
+    base, new = bench_side.adam_step_pair(n, 3, (2e-6,))
+    layout = bench_side.tensor_rows(n)
+    pair = bench_side.Pair("small", "minilm", None, 2e-6, base, new, bench_side.as_state(base, layout),
+                           bench_side.as_state(new, layout))
+    writer = bench_side.LogWriter.create(tmp_path / "log", pair.base_state, cache_dir=False)
+    version = writer.append(pair.new_state).version
+    (tmp_path / "work").mkdir()
+    timed = bench_side.time_small_receiver(bench_side.DeltaLog.open(tmp_path / "log"), version, pair, 3,
+                                           tmp_path / "work")
+    assert len(timed.op) == len(timed.baseline) == 3
+    assert all(s.wall > 0 for s in timed.op + timed.baseline)
+    assert list((tmp_path / "work").iterdir()) == []
+    # A pair whose new words the log does not hold is refused, not timed.
+    wrong = bench_side.Pair("wrong", "minilm", None, 2e-6, base, base, pair.base_state, pair.base_state)
+    with pytest.raises(SystemExit, match="not bit-exact"):
+        bench_side.time_small_receiver(bench_side.DeltaLog.open(tmp_path / "log"), version, wrong, 1,
+                                       tmp_path / "work")
 
 
 def test_bench_codec_reports_what_the_codec_comments_quote(capsys):

@@ -33,7 +33,7 @@ by every append, under this run's temporary directory (``$DCR_CACHE_DIR`` set fo
 its child processes, so the user's ``~/.cache/dcr-log`` is not touched); default encode policy
 and threads; receivers' default verification (``sample``).
 
-Throughput (bf16 pairs only; the MiniLM trace is too small to time), as model bytes per second
+Throughput (bf16 pairs only; of the MiniLM trace, only the numpy receiver below), as model bytes per second
 and as speed ratios to ``np.bitwise_xor(base, new, out=prealloc)`` on the same flat arrays (and
 to ``np.copyto`` of the whole state). Each timed call is paired with one call of xor right after
 it (tools/timing.py): ``--repeats`` pairs, and the ratio reported is the median pair's; seconds
@@ -48,6 +48,10 @@ xor in the same minute, per rate):
   the log and the cache are removed untimed after each, so each is a first create; an untimed
   ``os.sync`` runs before the create and before its xor, so that neither runs beside the
   other's writeback;
+- MiniLM pairs: a numpy receiver's apply of the pair's version (from its base, default
+  verification, checked bit-exact), paired with one ``np.copyto`` of the pair's flat words:
+  for a model this small (45 MiB, 100-odd records) what an apply costs whatever it changes
+  is most of its time;
 - receivers: numpy, torch (CPU) and checkpoint-directory ``Receiver`` apply of the rate's
   first version from its parent, default verification, reset untimed between repetitions and
   checked bit-exact after every apply; the checkpoint directory by default (deferred sync:
@@ -443,6 +447,30 @@ def time_receivers(log: DeltaLog, version: int, follow: range, base_state, new_s
         if not kind.startswith("ckpt"):
             del tensors, words
     return out
+
+
+def time_small_receiver(log: DeltaLog, version: int, pair: Pair, repeats: int, work: Path) -> Pairing:
+    """A numpy receiver's apply of ``version`` (from the pair's base) paired with one
+    ``np.copyto`` of the pair's flat words: a small model, where what an apply costs whatever
+    it changes (its records, the journal, verify's tensor digests) is most of its time."""
+    words = {k: v.words.copy() for k, v in pair.base_state.items()}
+    tensors = {k: TensorBits(v.dtype, v.shape, words[k]) for k, v in pair.base_state.items()}
+    scratch = np.empty_like(pair.base)
+    copyto = lambda: np.copyto(scratch, pair.base)
+    pairings = []
+    for r in range(repeats):
+        for k, v in pair.base_state.items():  # reset to the base, untimed
+            np.copyto(words[k], v.words)
+        applied: list[int] = []
+        journal = work / f"journal-small-{version}-{r}"
+        with Receiver.open(tensors, journal) as rx:
+            rx.bind(log, version - 1, verify="none")
+            pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version)), copyto, 1))
+        check_words(words, pair.new_state, f"{pair.label} numpy receiver")
+        shutil.rmtree(journal)
+        if applied != [version]:
+            raise SystemExit(f"{pair.label} numpy receiver applied {applied}, expected [{version}]")
+    return Pairing.join(pairings)
 
 
 def follow_versions(elements: int, changed: int, repeats: int) -> tuple[int, int]:
@@ -944,9 +972,15 @@ def run(args, work: Path, say) -> dict:
             state = DeltaLog.open(mdir).materialize(0)
             DeltaLog.open(mdir).apply_version(state, commit.version)
             check_words({k: v.words for k, v in state.items()}, pair.new_state, f"{pair.label} replay")
+            rx = time_small_receiver(DeltaLog.open(mdir), commit.version, pair, repeats, work)
             shutil.rmtree(mdir)
-            rows.append(dcr_row(pair, sizes, commit.delta_bytes))
-            say(f"{pair.label}: {100 * sizes['changed_rate']:.2f}% changed, dcr {commit.delta_bytes:,} B")
+            row = dcr_row(pair, sizes, commit.delta_bytes)
+            row["rx_numpy"] = {"seconds": rx.op_wall, "cpu_seconds": rx.op_cpu, "copyto_seconds": rx.baseline_wall,
+                               "to_copyto": 1 / rx.ratio, "records": commit.stats.records}
+            rows.append(row)
+            say(f"{pair.label}: {100 * sizes['changed_rate']:.2f}% changed, dcr {commit.delta_bytes:,} B, "
+                f"numpy receiver {1e3 * rx.op_wall:.1f} ms ({1 / rx.ratio:.2f} x copyto, "
+                f"{commit.stats.records} records)")
 
     peak_lr = lrs[list(args.rates).index(PEAK_RATE)] if PEAK_RATE in args.rates else lr_for_rate(PEAK_RATE)
     clear_cache(cache_root)
@@ -1011,6 +1045,11 @@ def print_table(report: dict) -> None:
             copy.add_row(r["label"], f"{t['gbps']['copyto']:.2f}", f"{t['to_copyto']['xor']:.3f}",
                          *(_ratio(t["to_copyto"].get(op)) for op in ops))
         console.print(copy)
+    for r in report["pairs"]:
+        rx = r.get("rx_numpy")
+        if rx:
+            console.print(f"{r['label']}: numpy receiver {1e3 * rx['seconds']:.1f} ms for {rx['records']} records, "
+                          f"{rx['to_copyto']:.3f} x copyto ({1e3 * rx['copyto_seconds']:.2f} ms; median pair)")
     d = report["dense_create"]
     console.print(f"dense create (LogWriter.create, its baseline cache built): {d['seconds']:.2f} s, "
                   f"{d['to_xor']:.3f} x xor, {d['to_copyto']:.3f} x copyto (median pair)")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import os
 import threading
+import types
 import uuid
 
 import numpy as np
@@ -172,3 +174,39 @@ def test_a_failed_large_write_raises_and_counts_nothing():
         sink.write(bytes(HASH_BESIDE_BYTES))
     assert sink.sha.hexdigest() == hashlib.sha256(bytes(HASH_BESIDE_BYTES)).hexdigest()
     assert sink.size == 0
+
+
+def test_large_local_objects_are_read_into_huge_pages_with_every_check(tmp_path, monkeypatch):
+    """A local directory's object whose size the caller gives, from HUGE_MIN_BYTES on, is read
+    into a buffer of its own (not obstore's): the same bytes, the same size checks before any
+    byte is read, the same answers for a missing key and a directory, a file that grew
+    refused, and the answer of obstore's read (NotFoundError) below that size."""
+    from dcr_log import buffers
+    from dcr_log.errors import WrongSize
+
+    store = Store.open(tmp_path / "root", create=True)
+    big = np.random.default_rng(5).integers(0, 256, buffers.HUGE_MIN_BYTES + 12345, dtype=np.uint8).tobytes()
+    store.put_new("segments/1/a.arrow", big)
+    got = store.get("segments/1/a.arrow", size=len(big))
+    assert isinstance(got.obj, np.ndarray) and got.nbytes == len(big) and bytes(got) == big  # its own buffer
+    assert hashlib.sha256(got).hexdigest() == hashlib.sha256(big).hexdigest()
+    small = store.get("segments/1/a.arrow", max_size=len(big))  # no size given: obstore's read
+    assert not isinstance(small.obj, np.ndarray) and bytes(small) == big
+    with pytest.raises(WrongSize):
+        store.get("segments/1/a.arrow", size=len(big) + 1)
+    with pytest.raises(NotFoundError):
+        store.get("segments/1/missing.arrow", size=len(big))
+    (tmp_path / "root" / "segments" / "1" / "dir.arrow").mkdir()
+    with pytest.raises(NotFoundError):
+        store.get("segments/1/dir.arrow", size=len(big))
+
+    # A file that grew after its size was taken (os.fstat): the bytes past it are refused.
+    import dcr_log.store as store_module
+
+    path = tmp_path / "root" / "segments" / "1" / "a.arrow"
+    path.write_bytes(big + b"more")
+    real_fstat = os.fstat
+    monkeypatch.setattr(store_module.os, "fstat", lambda fd: types.SimpleNamespace(st_size=len(big))
+                        if real_fstat(fd).st_size == len(big) + 4 else real_fstat(fd))
+    with pytest.raises(WrongSize):
+        store.get("segments/1/a.arrow", size=len(big))

@@ -4,6 +4,7 @@ checked and applied, each fetched once, spooled to local disk beyond the memory 
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -282,3 +283,73 @@ def test_records_are_decoded_while_the_first_segments_hash_runs(tmp_path, monkey
     assert rx.apply(log, verify="sample") == [1]
     assert waited == [True]
     assert all(arrays[n].tobytes() == b.words.tobytes() for n, b in new.items())
+
+
+def test_replay_reads_the_next_segment_beside_the_records_of_this_one(tmp_path):
+    """DeltaLog.records: segment i + 1 is read and hashed on the side thread while segment i's
+    records are taken; the result is the same state; damage in a later segment is raised
+    when its records are due (the earlier segments' records were all taken); and a caller that
+    stops early leaves nothing reading."""
+    import threading
+
+    from dcr_log.errors import IntegrityError
+    from dcr_log.log.replay import state_equal
+
+    rng = np.random.default_rng(6)
+    spec = {f"t{i}": ("BF16", (64, 48)) for i in range(12)}
+    state = make_state(rng, spec)
+    root = tmp_path / "log"
+    writer = LogWriter.create(root, state, cache_dir=False, segment_bytes=1024)
+    new = {n: change_words(rng, b, 0.3) for n, b in state.items()}
+    writer.append(new)
+    log = DeltaLog.open(root)
+    refs = log.commit(1).segments
+    assert len(refs) >= 8
+    readers: list[tuple[str, str]] = []
+    real_read = log.read_segment
+
+    def spy(ref, version=None):
+        readers.append((ref.key, threading.current_thread().name))
+        return real_read(ref, version)
+
+    log.read_segment = spy  # type: ignore[method-assign]
+    replayed = log.materialize(0)
+    log.apply_version(replayed, 1)
+    assert state_equal(replayed, new)
+    ones = [(k, t) for k, t in readers if k in {r.key for r in refs}]
+    assert [k for k, _ in ones] == [r.key for r in refs]  # each once, in order
+    assert all(t.startswith("dcr-side") for _, t in ones[1:]) and not ones[0][1].startswith("dcr-side")
+
+    # The sixth segment damaged: the five before it are taken whole, then the mismatch.
+    damaged = root / refs[5].key
+    original = damaged.read_bytes()
+    data = bytearray(original)
+    data[len(data) // 2] ^= 1
+    damaged.write_bytes(bytes(data))
+    taken = []
+    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+        for rec in DeltaLog.open(root).records(1):
+            taken.append(rec)
+    assert len(taken) == sum(r.records for r in refs[:5])
+
+    # Stopped after the first record: the read ahead (slowed down here) has ended by the time
+    # the generator is closed (one not begun yet is cancelled).
+    damaged.write_bytes(original)
+    slow = DeltaLog.open(root)
+    events: list[str] = []
+    real_slow = slow.read_segment
+
+    def slow_read(ref, version=None):
+        events.append("start")
+        time.sleep(0.2)
+        try:
+            return real_slow(ref, version)
+        finally:
+            events.append("end")
+
+    slow.read_segment = slow_read  # type: ignore[method-assign]
+    records = slow.records(1)
+    next(records)
+    time.sleep(0.05)  # the second segment's read has begun on the side thread
+    records.close()
+    assert events == ["start", "end", "start", "end"]

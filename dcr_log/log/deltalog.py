@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 
 from dcr_log.codec.registry import required_feature
 from dcr_log.digest import DigestScheme, scheme_for
@@ -433,9 +433,21 @@ class DeltaLog:
             raise IntegrityError(f"segment {ref.key}: {count} records, commit says {ref.records}")
 
     def records(self, version: int | Step) -> Iterator[Record]:
+        """The records of a version (or step), segment after segment. The next segment is read
+        and hashed on the side thread while this one's records are taken (replay decodes them
+        on the pool meanwhile); its errors are raised in order, when its records are due."""
         step = version if isinstance(version, Step) else self.version_step(version)
-        for ref in step.segments:
-            yield from self.segment_records(step.version, ref)
+        refs = step.segments
+        ahead: Future | None = None
+        try:
+            for i, ref in enumerate(refs):
+                data = ahead.result() if ahead is not None else self.read_segment(ref, step.version)
+                ahead = (side_thread().submit(self.read_segment, refs[i + 1], step.version)
+                         if i + 1 < len(refs) else None)
+                yield from self.segment_records(step.version, ref, data)
+        finally:
+            if ahead is not None and not ahead.cancel():
+                wait([ahead])  # nothing reads on after the caller stopped
 
     def _check_removed(self, ref: SegmentRef, version: int | None) -> None:
         """Raise ExpiredError if retention removed what ``ref`` belongs to while it was read."""

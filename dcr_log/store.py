@@ -172,12 +172,15 @@ class Store:
         try:
             with open(root / key, "rb", buffering=0) as f:
                 _check_size(key, os.fstat(f.fileno()).st_size, size, None)
-                view = buffers.zeros(size, np.uint8).data
+                data = buffers.zeros(size, np.uint8)
+                view = data.data
                 got = 0
                 while got < size and (n := f.readinto(view[got:])):
                     got += n
                 if got == size and f.read(1):
                     got += 1  # it grew since fstat: the size check below refuses it
+                data.flags.writeable = False  # read-only, as obstore's bytes are
+                view = data.data
         except (FileNotFoundError, IsADirectoryError):  # as obstore's local store answers
             raise NotFoundError(f"{self.url}: no object {key}") from None
         except DcrError:

@@ -189,6 +189,7 @@ def test_large_local_objects_are_read_into_huge_pages_with_every_check(tmp_path,
     store.put_new("segments/1/a.arrow", big)
     got = store.get("segments/1/a.arrow", size=len(big))
     assert isinstance(got.obj, np.ndarray) and got.nbytes == len(big) and bytes(got) == big  # its own buffer
+    assert got.readonly
     assert hashlib.sha256(got).hexdigest() == hashlib.sha256(big).hexdigest()
     small = store.get("segments/1/a.arrow", max_size=len(big))  # no size given: obstore's read
     assert not isinstance(small.obj, np.ndarray) and bytes(small) == big

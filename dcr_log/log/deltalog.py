@@ -448,6 +448,8 @@ class DeltaLog:
         finally:
             if ahead is not None and not ahead.cancel():
                 wait([ahead])  # nothing reads on after the caller stopped
+                if ahead.exception() is None and isinstance(ahead.result(), SegmentFile):
+                    ahead.result().close()
 
     def _check_removed(self, ref: SegmentRef, version: int | None) -> None:
         """Raise ExpiredError if retention removed what ``ref`` belongs to while it was read."""

@@ -365,8 +365,7 @@ class DeltaLog:
                 data = self.store.get(ref.key, size=ref.size)
                 sha = hashlib.sha256(data).hexdigest()
         except NotFoundError:
-            self._check_removed(ref, version)
-            raise IntegrityError(f"segment {ref.key} is missing") from None
+            raise self._missing(ref, version) from None
         if sha != ref.sha256:
             if isinstance(data, SegmentFile):
                 data.close()
@@ -390,8 +389,7 @@ class DeltaLog:
         try:
             fetched = self.store.get(ref.key, size=ref.size)
         except NotFoundError:
-            self._check_removed(ref, version)
-            raise IntegrityError(f"segment {ref.key} is missing") from None
+            raise self._missing(ref, version) from None
         hashing = side_thread().submit(lambda: hashlib.sha256(fetched).hexdigest())
         parse_error: Exception | None = None
         try:
@@ -451,8 +449,9 @@ class DeltaLog:
                 if ahead.exception() is None and isinstance(ahead.result(), SegmentFile):
                     ahead.result().close()
 
-    def _check_removed(self, ref: SegmentRef, version: int | None) -> None:
-        """Raise ExpiredError if retention removed what ``ref`` belongs to while it was read."""
+    def _missing(self, ref: SegmentRef, version: int | None) -> IntegrityError:
+        """What a segment not found means: ExpiredError (raised) if retention removed what
+        ``ref`` belongs to while it was read, else damage, the IntegrityError returned."""
         if ref.key.startswith((SNAPSHOTS_PREFIX, SQUASHES_PREFIX)):
             manifest = ref.key.rsplit("/", 1)[0] + "/" + MANIFEST
             if self.store.head(manifest) is None:
@@ -461,6 +460,7 @@ class DeltaLog:
                                    "retention while it was read: plan the route again", self.start())
         elif version is not None and version < self.start():
             raise self.expired(version, f"version {version}") from None
+        return IntegrityError(f"segment {ref.key} is missing")
 
     # -- signatures (spec/FORMAT.md section 21; dcr_log.log.signatures) -----------------------
 

@@ -184,3 +184,41 @@ def test_a_bad_pin_setting_is_a_usage_error():
     proc = _pool_affinities("sometimes", sorted(os.sched_getaffinity(0))[:2])
     assert proc.returncode != 0
     assert "UsageError" in proc.stderr and "DCR_PIN_THREADS='sometimes': auto, 1 or 0" in proc.stderr
+
+
+@pytest.mark.parametrize("n, verify", [(1 << 14, "full"), (1 << 14, "sample"), (1 << 8, "full")])
+def test_a_write_that_misses_its_target_is_caught_by_the_read_back(tmp_path, monkeypatch, n, verify):
+    """A storage whose write puts one wrong bit into a record is refused after writing, at
+    ``full`` and, for the first record (always sampled), at ``sample``: with records read
+    back by the pool's task that wrote them (64 records of ~1600 changes each) and after the
+    batch (few changes: written in order on the calling thread). The memory receiver rolls
+    back the other tensors to their base bits (the victim's xor record is undone by stepping
+    back from the words it holds, which the bad write left off by one bit)."""
+    from dcr_log.errors import IntegrityError
+    from dcr_log.receiver.storage.memory import NumpyStorage
+
+    log, base, _ = _many_records(tmp_path / "log", n=n)
+    first = log.segment_records(1, log.commit(1).segments[0])
+    victim = next(first).tensor
+    real_write = NumpyStorage.write
+    missed: list[bool] = []
+
+    def bad_write(self, place, values):
+        words, _ = place
+        if words is self._bits[victim].words and values.size and not missed:
+            missed.append(True)
+            values = values.copy()
+            values[0] ^= 2  # not the low bit the version flips: neither base nor target
+        real_write(self, place, values)
+
+    monkeypatch.setattr(NumpyStorage, "write", bad_write)
+    tensors = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
+    with Receiver.open(tensors, tmp_path / "j") as rx:
+        rx.bind(log, 0, verify="none")
+        with pytest.raises(IntegrityError, match=f"tensor '{victim}' differs from the record's target after writing"):
+            rx.apply(log, to=1, verify=verify)
+        assert rx.version == 0
+    assert missed
+    for k, v in base.items():
+        if k != victim:
+            assert np.array_equal(tensors[k].words, v.words), k

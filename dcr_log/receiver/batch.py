@@ -359,13 +359,24 @@ class BatchWriter:
             for future in prefaulting:
                 future.result()
             self._hook("redo", version=version, segment=seg, start=start, end=end)
+        checks = [] if ctx.verify == "none" else [
+            w for w in work if ctx.verify == "full" or sampled(version, seg, w.index)]
+        read_back: list[int] | None = None  # the checked records' digest parts, in order
         if self.fault is None and parallel and disjoint(work):
             # Records that do not overlap are written in parallel. (Those of a version must
             # not, but a reader does not take it on trust: overlapping ones are written in
             # order. With a fault hook installed too, so that a test stops at a known record.)
-            for _ in map_grouped(lambda w: self._write(w, seg, ctx.undo), work,
-                                 [w.record.n_changed for w in work], TASK_CHANGES, APPLY_WORKERS):
-                pass
+            # A checked record is read back by the task that wrote it, once it is written (no
+            # other record of the batch writes its words), while the lines it wrote are still
+            # in the cache; read back after the whole batch, they came from memory again.
+            checked = {id(w) for w in checks}
+
+            def write(w: Write) -> int | None:
+                self._write(w, seg, ctx.undo)
+                return self.digests.part(w.place, w.where, storage.gather(w.place)) if id(w) in checked else None
+
+            parts = map_grouped(write, work, [w.record.n_changed for w in work], TASK_CHANGES, APPLY_WORKERS)
+            read_back = [part for part in parts if part is not None]
             report.written += len(work)
             report.repaired += sum(w.repaired for w in work)
         else:
@@ -382,13 +393,13 @@ class BatchWriter:
             self.journal.mark_applied(seg, end, max(end, torn.stop), range(start, end))
             self._hook("applied", version=version, segment=seg, end=end)
         if ctx.verify != "none":
-            checks = [w for w in work if ctx.verify == "full" or sampled(version, seg, w.index)]
-            # Reads only, like the batch's gathers: on the pool's threads.
-            parts = map_grouped(lambda w: self.digests.part(w.place, w.where, storage.gather(w.place)),
-                                checks, [w.record.n_changed for w in checks], TASK_CHANGES, APPLY_WORKERS,
-                                parallel)
-            sums = self.digests.sums(list(parts))
-            for w, d in zip(checks, sums):
+            if read_back is None:
+                # Reads only, like the batch's gathers: on the pool's threads.
+                read_back = list(map_grouped(lambda w: self.digests.part(w.place, w.where, storage.gather(w.place)),
+                                             checks, [w.record.n_changed for w in checks], TASK_CHANGES,
+                                             APPLY_WORKERS, parallel))
+            sums = self.digests.sums(read_back)
+            for w, d in zip(checks, sums, strict=True):
                 if d != w.record.target_digest:
                     raise IntegrityError(f"version {version}: tensor {w.record.tensor!r} differs from "
                                          "the record's target after writing")

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dcr_log.coords import Box
 from dcr_log.errors import IntegrityError, UsageError
@@ -355,6 +358,10 @@ def _segment_columns(**override) -> dict:
     ({"params": ["{"]}, "JSON"),
     ({"kind": ["and"]}, "kind"),
     ({"box_shape": [[4, 1]]}, "rank"),
+    ({"box_offset": [[0] * 33], "box_shape": [[1] * 33]}, "beyond the limits"),
+    ({"box_offset": [[(1 << 48) + 1]]}, "beyond the limits"),
+    ({"box_shape": [[(1 << 48) + 1]]}, "beyond the limits"),
+    ({"box_offset": [[(1 << 64) - 1]]}, "beyond the limits"),
     # Nulls in fields the schema declares non-nullable (Arrow writes and validates them):
     *(({name: [None]}, f"null in column '{name}'") for name in _segment_columns()),
     ({"box_offset": [[None]]}, "null in column 'box_offset'"),
@@ -372,6 +379,49 @@ def test_segment_rows_checked(override, match):
         list(iter_segment(_arrow_file(batch, meta_schema), LOG_ID, 5))
 
 
+_BOX_ITEMS = st.one_of(st.none(), st.sampled_from([0, 1, 7, (1 << 48) - 1, 1 << 48, (1 << 64) - 1]),
+                      st.integers(0, 1 << 20))
+
+
+@settings(max_examples=150, deadline=None)
+@given(boxes=st.lists(st.tuples(st.lists(_BOX_ITEMS, max_size=34), st.lists(_BOX_ITEMS, max_size=34)),
+                      min_size=1, max_size=6),
+       offset=st.integers(0, 2))
+def test_segment_boxes_checked_on_the_buffers_as_row_by_row(boxes, offset):
+    """The boxes of a batch are checked on its columns' buffers at once: a segment is accepted
+    exactly when every row passes the row-by-row check, and refused with the first bad row's
+    error (a null item, a rank mismatch, a rank or item beyond the limits); also where the
+    list arrays are slices of larger ones."""
+    meta_schema = SEGMENT_SCHEMA.with_metadata(segment_module._meta(LOG_ID, 5))
+    n = len(boxes)
+    pad = [[0]] * offset
+    cols = _segment_columns(**{name: values * n for name, values in _segment_columns().items()
+                               if name not in ("box_offset", "box_shape")})
+    arrays = []
+    for name, values in cols.items():
+        if name in ("box_offset", "box_shape"):
+            rows = [list(b[0] if name == "box_offset" else b[1]) for b in boxes]
+            arrays.append(pa.array(pad + rows, SEGMENT_SCHEMA.field(name).type).slice(offset))
+        else:
+            arrays.append(pa.array(values, SEGMENT_SCHEMA.field(name).type))
+    batch = pa.record_batch(arrays, schema=SEGMENT_SCHEMA)
+    expected = None
+    for box_offset, box_shape in boxes:
+        try:
+            segment_module._check_box(box_offset, box_shape, 5)
+        except IntegrityError as exc:
+            expected = str(exc)
+            break
+    data = _arrow_file(batch, meta_schema)
+    if expected is None:
+        got = list(iter_segment(data, LOG_ID, 5))
+        assert [(r.box.offset, r.box.shape) for r in got] == [(tuple(o), tuple(s)) for o, s in boxes]
+    else:
+        with pytest.raises(IntegrityError) as caught:
+            list(iter_segment(data, LOG_ID, 5))
+        assert str(caught.value) == expected
+
+
 def test_segment_with_another_schema_rejected():
     schema = pa.schema([pa.field("tensor", pa.utf8(), nullable=False)]).with_metadata(
         segment_module._meta(LOG_ID, 5))
@@ -387,3 +437,36 @@ def test_record_kind_checked():
 
 def test_canonical_params_bytes():
     assert canonical_bytes({"level": 9, "gap_bytes": 1}) == b'{"gap_bytes":1,"level":9}'
+
+
+def test_raw_records_at_any_offset_of_a_segment_decode_to_their_changes():
+    """Payloads are views of the segment's buffer wherever they start (no copy at parse); the
+    raw encoding, which views its payload as words, decodes one at an odd offset into aligned
+    words all the same."""
+    from dcr_log.codec import ChangeSet, decode_changes, get_encoding
+
+    rng = np.random.default_rng(3)
+    changes = []
+    records = []
+    for i, (k, dtype) in enumerate([(3, "<u2"), (5, "<u4"), (2, "<u8"), (7, "<u2")]):
+        n = 64
+        positions = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+        values = rng.integers(1, 1 << 15, k).astype(dtype)
+        params, payload = get_encoding("raw").encode("xor", ChangeSet(n, positions, values))
+        records.append(Record(f"t{i}", "xor", Box((0,), (n,)), "raw", params, k, 0, 0, b"\x01" * (i % 2) + payload))
+        changes.append((n, positions, values))
+    # An odd byte before every other payload, cut off again below: the payloads of one batch
+    # then start at odd offsets of the segment.
+    data = encode_segment(records, LOG_ID, 5)
+    buffer = pa.py_buffer(data)
+    got = list(iter_segment(buffer, LOG_ID, 5))
+    starts = [pa.py_buffer(r.payload).address - buffer.address for r in got]
+    assert all(0 <= s < len(data) for s in starts)  # views of the segment, not copies
+    assert any(s % 8 for s in starts)
+    for rec, (n, positions, values) in zip(got, changes):
+        payload = rec.payload[1:] if rec.tensor in ("t1", "t3") else rec.payload
+        decoded = decode_changes("xor", "raw", rec.params, payload, n, len(positions), values.dtype)
+        assert np.array_equal(decoded.positions, positions)
+        assert decoded.values.tobytes() == values.tobytes()
+        # aligned, as the C gather and scatter take them
+        assert decoded.positions.flags.aligned and decoded.values.flags.aligned

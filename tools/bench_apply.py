@@ -46,6 +46,7 @@ from phases import Phases  # noqa: E402
 from timing import Pairing, fastest, paired  # noqa: E402
 
 from dcr_log import DeltaLog, TensorBits  # noqa: E402
+from dcr_log.format.segment import iter_segment  # noqa: E402
 from dcr_log.receiver import Receiver, batch, checks, write_checkpoint  # noqa: E402
 from dcr_log.receiver import receiver as receiver_module  # noqa: E402
 from dcr_log.receiver.batch import BatchWriter  # noqa: E402
@@ -138,6 +139,20 @@ def bench_checkpoint(log: DeltaLog, base, expected, verify: str, reps: int, work
     return Pairing.join(pairings), float(np.median(journal))
 
 
+def segment_parse_seconds(log: DeltaLog, commit, repeats: int = 15) -> float:
+    """The median seconds to parse a version's segments (read once, parsed ``repeats`` times):
+    the part of an apply's fixed cost that grows with its records."""
+    datas = [log.store.get(ref.key) for ref in commit.segments]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for data in datas:
+            for _rec in iter_segment(data, log.log_id, commit.version):
+                pass
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.25, help="model size in GiB of bf16 (default 0.25)")
@@ -190,6 +205,9 @@ def run(args, work: Path) -> int:
         rate = rate_of(base_flat, new)
         print(f"log {label}: {rate * 100:.2f}% changed, delta {commit.delta_bytes / (1 << 20):.2f} MiB, "
               f"{len(commit.segments)} segments, {commit.stats.records} records")
+        parse_s = segment_parse_seconds(log, commit)
+        print(f"  parsing its segments (iter_segment, median of 15): {parse_s * 1e3:.2f} ms, "
+              f"{parse_s / max(commit.stats.records, 1) * 1e6:.1f} us per record")
         for verify in args.verify.split(","):
             for kind in args.receivers.split(","):
                 if kind == "ckpt":

@@ -39,6 +39,8 @@ class RawEncoding(Encoding):
         if len(payload) != pos_bytes + k * w:
             raise IntegrityError(f"raw payload is {len(payload)} bytes, expected {pos_bytes + k * w}")
         buf = np.frombuffer(payload, dtype=np.uint8)
+        if buf.ctypes.data % 8:  # a payload lies where its segment put it: its words aligned here
+            buf = buf.copy()
         values = buf[pos_bytes:].view(word)
         if kind == "tensor":
             return ChangeSet(n, None, values)

@@ -231,8 +231,9 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
         cols = {name: batch.column(name) for name in segment_schema().names}
         # Every field is declared non-nullable, which Arrow neither enforces on write nor
         # checks in validate: a null would reach the records as None.
-        # (The items of the box lists are checked per row below: ListArray.flatten would
-        # import pyarrow.compute, about 21 ms by python -X importtime; tests/test_api_habits.py.)
+        # (The items of the box lists are checked below, on their buffers: ListArray.flatten
+        # would import pyarrow.compute, about 21 ms by python -X importtime;
+        # tests/test_api_habits.py.)
         for name, column in cols.items():
             if column.null_count:
                 raise IntegrityError(f"segment of version {version}: a null in column {name!r}")
@@ -240,26 +241,41 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
         # record: most of a segment's parse before).
         values = {name: cols[name].to_pylist() for name in _SCALAR_COLUMNS}
         offsets, shapes = values["box_offset"], values["box_shape"]
+        if not _boxes_plain(cols["box_offset"], cols["box_shape"]):
+            for j in range(batch.num_rows):  # the first bad row's error
+                _check_box(offsets[j], shapes[j], version)
         payload = _payload_slices(cols["payload"])
+        tensor, kind, encoding, params = values["tensor"], values["kind"], values["encoding"], values["params"]
+        n_changed, base_digest, target_digest = values["n_changed"], values["base_digest"], values["target_digest"]
         for j in range(batch.num_rows):
-            for name, box_list in (("box_offset", offsets[j]), ("box_shape", shapes[j])):
-                if None in box_list:
-                    raise IntegrityError(f"segment of version {version}: a null in column {name!r}")
-            if len(offsets[j]) != len(shapes[j]):
-                raise IntegrityError(f"segment of version {version}: box rank mismatch")
-            if len(offsets[j]) > L.MAX_RANK or any(d > L.MAX_DIM for d in offsets[j] + shapes[j]):
-                raise IntegrityError(f"segment of version {version}: box beyond the limits")
-            yield Record(
-                tensor=values["tensor"][j],
-                kind=values["kind"][j],
-                box=Box(tuple(offsets[j]), tuple(shapes[j])),
-                encoding=values["encoding"][j],
-                params=_parse_params(values["params"][j]),
-                n_changed=values["n_changed"][j],
-                base_digest=values["base_digest"][j],
-                target_digest=values["target_digest"][j],
-                payload=payload(j),
-            )
+            yield Record(tensor[j], kind[j], Box(tuple(offsets[j]), tuple(shapes[j])), encoding[j],
+                         _parse_params(params[j]), n_changed[j], base_digest[j], target_digest[j], payload(j))
+
+
+def _boxes_plain(offset_column: pa.ListArray, shape_column: pa.ListArray) -> bool:
+    """Whether every row's box passes _check_box, checked on the columns' buffers at once (a
+    check per row was a third of a segment's parse): no null item, offset and shape of the
+    same rank, within the limits. False: some row may fail, checked row by row."""
+    lengths, items = [], []
+    for column in (offset_column, shape_column):
+        if column.values.null_count:
+            return False
+        bounds = column.offsets.to_numpy()
+        lengths.append(np.diff(bounds))
+        items.append(column.values.to_numpy()[bounds[0]:bounds[-1]] if len(bounds) else np.zeros(0, np.uint64))
+    if not np.array_equal(lengths[0], lengths[1]) or (lengths[0].size and lengths[0].max() > L.MAX_RANK):
+        return False
+    return not any(part.size and part.max() > L.MAX_DIM for part in items)
+
+
+def _check_box(offset: list, shape: list, version: int) -> None:
+    for name, box_list in (("box_offset", offset), ("box_shape", shape)):
+        if None in box_list:
+            raise IntegrityError(f"segment of version {version}: a null in column {name!r}")
+    if len(offset) != len(shape):
+        raise IntegrityError(f"segment of version {version}: box rank mismatch")
+    if len(offset) > L.MAX_RANK or any(d > L.MAX_DIM for d in offset + shape):
+        raise IntegrityError(f"segment of version {version}: box beyond the limits")
 
 
 # The columns a record takes as Python values (the payload stays a view of the buffer).
@@ -270,20 +286,12 @@ _SCALAR_COLUMNS = ("tensor", "kind", "box_offset", "box_shape", "encoding", "par
 def _payload_slices(column: pa.Array) -> Callable[[int], memoryview]:
     """Row ``j``'s payload as a view of the column's data buffer (validated): zero-copy, so a
     segment read from a memory map stays there (a scalar's ``as_buffer`` copies the bytes).
-    A payload that does not start on an 8-byte boundary (one of several in a batch: the large
-    ones have batches of their own, whose buffers Arrow aligns) is copied, as the codecs'
-    word and position views want aligned buffers."""
+    A payload need not start on any boundary (the raw encoding, which views it as words,
+    copies one that does not)."""
     _, offsets_buf, data_buf = column.buffers()
-    offsets = np.frombuffer(offsets_buf, dtype=np.int64)[column.offset:column.offset + len(column) + 1]
+    offsets = np.frombuffer(offsets_buf, dtype=np.int64)[column.offset:column.offset + len(column) + 1].tolist()
     data = memoryview(data_buf) if data_buf is not None else memoryview(b"")
-    base = data_buf.address if data_buf is not None else 0
 
     def row(j: int) -> memoryview:
-        start, end = int(offsets[j]), int(offsets[j + 1])
-        view = data[start:end]
-        if (base + start) % 8:
-            copy = np.frombuffer(view, dtype=np.uint8).copy()
-            copy.flags.writeable = False
-            view = copy.data
-        return view
+        return data[offsets[j]:offsets[j + 1]]
     return row

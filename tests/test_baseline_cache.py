@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -257,3 +258,232 @@ def test_roll_forward_holds_each_version_to_the_step_rules(tmp_path):
         LogWriter.open(tmp_path / "log", cache_dir=cache).append(s2)
     with pytest.raises(IntegrityError, match=message):
         DeltaLog.open(tmp_path / "log").materialize(1)  # replay refuses it in the same words
+
+
+# A state of several chunks per tensor (_early_policy), large enough for the pool's threads:
+# an append writes changed words into the baseline chunk by chunk, as each is encoded.
+EARLY_SPEC = {"w": ("BF16", (1024, 1024)), "v": ("F32", (40, 50)), "b": ("BF16", (33,))}
+
+
+def _early_policy():
+    from dcr_log.write.differ import EncodePolicy
+
+    return EncodePolicy(chunk_elements=1 << 16)
+
+
+@pytest.mark.parametrize("how", ["segment-write", "interrupt-encoding", "record-refused", "conflict"])
+def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, how):
+    """An append fails after some of its chunks' changed words went into the baseline (a
+    segment write that fails once every chunk is encoded, an interrupt in the middle of the
+    encoding, another writer's commit of the version): the baseline holds version 0's words
+    again, so the retry of the same state commits version 1 with that state's bits, and the
+    cache is trusted (no replay) when the log is opened again."""
+    from dcr_log.errors import CommitConflict, StoreError
+    from dcr_log.write import differ, uploader
+
+    rng = np.random.default_rng(11)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, EARLY_SPEC)
+    s1 = _step(rng, s0, rate=0.2)
+    s1["v"] = change_words(rng, s0["v"], 0.2)
+    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy())
+    early_writes: list[bool] = []
+    real_diff = differ.Differ.diff_box
+
+    def counted(self, *args, **kwargs):
+        if how == "interrupt-encoding" and sum(early_writes) >= 6:
+            raise KeyboardInterrupt
+        delta = real_diff(self, *args, **kwargs)
+        early_writes.append(delta is not None and delta.advanced)
+        return delta
+
+    with monkeypatch.context() as m:
+        m.setattr(differ.Differ, "diff_box", counted)
+        if how == "segment-write":
+            def fail(self, key, builder):
+                raise StoreError("no space left")
+            m.setattr(uploader.SegmentUploader, "put", fail)
+            expected = StoreError
+        elif how == "interrupt-encoding":
+            expected = KeyboardInterrupt
+        elif how == "record-refused":
+            # The caller stops taking records while later chunks are encoded (and advanced)
+            # on the pool: those are undone too.
+            from dcr_log.format.segment import SegmentBuilder
+
+            taken: list[int] = []
+
+            def refuse(self, record):
+                taken.append(1)
+                if len(taken) == 4:
+                    time.sleep(0.2)  # the chunks in flight finish
+                    raise StoreError("refused")
+            m.setattr(SegmentBuilder, "add", refuse)
+            expected = StoreError
+        else:
+            # Another writer commits version 1 while this one encodes it.
+            other = LogWriter.open(tmp_path / "log")
+            other.append(s0)
+            other.close()
+            expected = CommitConflict
+        with pytest.raises(expected):
+            writer.append(s1)
+    assert sum(early_writes) >= 6  # the failure came after words went into the baseline
+    baseline = writer._writer._baseline
+    assert baseline.version == 0 and sorted(k[0] for k in baseline.arrays) == sorted(s0)
+    for key, words in baseline.arrays.items():
+        assert np.array_equal(words, s0[key[0]].words.reshape(-1)), key
+    if how == "conflict":
+        return  # the log moved on: this writer would have to open it again
+    commit = writer.append(s1)
+    assert commit.version == 1
+    writer.close()
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(1), s1)
+    log.verify(deep=True)
+    with monkeypatch.context() as m:
+        _no_replay(m)
+        s2 = _step(rng, s1)
+        LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s2)
+    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(2), s2)
+
+
+def test_an_append_killed_while_encoding_rebuilds_the_baseline(tmp_path, monkeypatch):
+    """Killed in the middle of an append (here: the encoding interrupted and the undo of its
+    early writes skipped, as a killed process skips it), the cache holds words of neither
+    version: the next writer does not trust it, rebuilds the baseline from the log, and
+    appends the right bits."""
+    from dcr_log.write import differ
+    from dcr_log.write.pending import Pending
+
+    rng = np.random.default_rng(12)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, EARLY_SPEC)
+    s1 = _step(rng, s0, rate=0.2)
+    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy())
+    calls: list[int] = []
+    real_diff = differ.Differ.diff_box
+
+    def killed(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 4:
+            raise KeyboardInterrupt
+        return real_diff(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(differ.Differ, "diff_box", killed)
+        m.setattr(Pending, "abort", lambda self: None)
+        with pytest.raises(KeyboardInterrupt):
+            writer.append(s1)
+    replays: list[int] = []
+    real_materialize = DeltaLog.materialize
+
+    def counted(self, *args, **kwargs):
+        replays.append(1)
+        return real_materialize(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaLog, "materialize", counted)
+    LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s1)
+    assert replays  # the torn cache was not trusted
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(1), s1)
+    log.verify(deep=True)
+
+
+def test_an_interrupt_after_the_commit_moves_the_writer_to_the_version(tmp_path, monkeypatch):
+    """Interrupted once the commit record is written (while the baseline is advanced), the
+    append raises, but the version is the log's: the writer moves to it, loads its baseline
+    again at the next append (its words may be between versions), and that append is right."""
+    from dcr_log.write import baseline as baseline_module
+
+    rng = np.random.default_rng(13)
+    s0 = make_state(rng, EARLY_SPEC)
+    s1 = _step(rng, s0, rate=0.2)
+    s2 = _step(rng, s1, rate=0.2)
+    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=tmp_path / "cache", policy=_early_policy())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(baseline_module.Baseline, "advance", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            writer.append(s1)
+    assert writer.version == 1 and DeltaLog.open(tmp_path / "log").versions() == [0, 1]
+    assert writer.append(s2).version == 2
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(1), s1)
+    assert_same_bits(log.materialize(2), s2)
+
+
+def test_an_append_does_not_read_baseline_files_another_append_is_writing(tmp_path, monkeypatch):
+    """Two writers of one log on one machine, one cache. Writer A created the log and keeps
+    its baseline mapped from the cache; writer B's append has written some of its changed
+    words into those files (and waits). A's append meanwhile does not read them: it rebuilds
+    its baseline from the log and commits version 1 with its own state's bits. B then
+    conflicts and puts its words back, and a third writer resumes from the cache."""
+    import threading
+
+    from dcr_log.errors import CommitConflict
+    from dcr_log.write import differ
+
+    rng = np.random.default_rng(14)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, EARLY_SPEC)
+    sa, sb = _step(rng, s0, rate=0.2), _step(rng, s0, rate=0.2)
+    a = LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy())
+    b = LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy())
+    real_diff = differ.Differ.diff_box
+    advanced = threading.Event()
+    go_on = threading.Event()
+    b_writes: list[bool] = []
+    in_b = threading.Event()  # set while only B encodes
+    in_b.set()
+
+    def paused(self, *args, **kwargs):
+        delta = real_diff(self, *args, **kwargs)
+        if in_b.is_set() and delta is not None and delta.advanced:
+            b_writes.append(True)
+            if len(b_writes) == 3:
+                advanced.set()
+                go_on.wait(30)
+        return delta
+
+    monkeypatch.setattr(differ.Differ, "diff_box", paused)
+    outcome: list[BaseException | None] = []
+
+    def append_b():
+        try:
+            b.append(sb)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=append_b)
+    thread.start()
+    try:
+        assert advanced.wait(30)
+        in_b.clear()  # A's encoding does not pause
+        replays: list[int] = []
+        real_materialize = DeltaLog.materialize
+
+        def counted(self, *args, **kwargs):
+            replays.append(1)
+            return real_materialize(self, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(DeltaLog, "materialize", counted)
+            assert a.append(sa).version == 1
+        assert replays  # A rebuilt its baseline from the log
+    finally:
+        go_on.set()
+        thread.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], CommitConflict), outcome
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(1), sa)
+    log.verify(deep=True)
+    a.close()
+    b.close()
+    s2 = _step(rng, sa)
+    LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s2)
+    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(2), s2)

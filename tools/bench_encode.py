@@ -63,7 +63,7 @@ def append_phases(writer, base_state, new_state, repeats: int) -> None:
 
     targets = [(differ.Differ, "diff_box"), (uploader.SegmentUploader, "put"),
                (uploader.SegmentUploader, "finish"), (sharded.ShardedWriter, "_decide"),
-               (baseline.Baseline, "advance"), (baseline, "_scatter")]
+               (baseline.Baseline, "advance"), (baseline, "scatter_changes")]
     for i in range(repeats):
         with Phases(targets) as phases:
             t0 = time.perf_counter()

@@ -9,15 +9,20 @@ else is rebuilt from the log.
 Cache layout, per log (dcr_log.write.cache: the per-log directory, its cap and eviction) and
 per rank: ``<cache>/<log dir>/r<rank>-<16 hex of the piece set>/`` holding ``meta.json`` and
 ``words-<version>.bin`` (the pieces' words, 64-byte aligned).
-An append advances it in place: ``meta.json`` first records the version being written and
-the pieces' digests after it ("pending"), then the changed words are scattered into the map,
-then ``meta.json`` records the new version. A kill in between leaves words that match one
-of the two digest lists, or neither (then the pieces are rebuilt). Nothing is fsynced: a
-SIGKILL loses no page-cache write, and a power loss is caught by the digest check.
+An append advances it in place. The changed words of the chunks encoded as changed positions
+go into the map as each chunk is encoded (the words they replace are kept in memory and put
+back if the version is not committed: write.pending.Pending); once the version is
+committed, ``meta.json`` records it as "pending" with the pieces' digests after it, the
+remaining changes (whole-box records) are scattered, and ``meta.json`` records the new
+version. A kill leaves words that match one of the two digest lists, or neither (then the
+pieces are rebuilt: a writer killed while encoding rebuilds its baseline from the log).
+Nothing is fsynced: a SIGKILL loses no page-cache write, and a power loss is caught by the
+digest check.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -25,7 +30,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
@@ -92,6 +97,24 @@ class BaselineCache:
     def mark_used(self) -> None:
         mark_used(self.dir, self.url, self.log_id, self.local)
 
+    def hold(self, rank: int) -> IO[bytes] | None:
+        """This rank's hold on the log's cache, kept until the returned file is closed (an
+        exclusive flock on ``r<rank>.lock``), or None where another writer holds it, or the
+        directory cannot be made. Only the holder reads or writes the rank's baseline files:
+        an append writes changed words into them as it encodes, before its version is
+        committed (Pending), which another writer must not take for a version's words."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            f = open(self.dir / f"r{rank}.lock", "ab")
+        except OSError:
+            return None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return None
+        return f
+
     def slot(self, rank: int, keys: list[PieceKey]) -> Path:
         sig = xxhash.xxh3_64_hexdigest(json.dumps(sorted(_key_json(k) for k in keys)).encode())
         return self.dir / f"r{rank}-{sig}"
@@ -148,7 +171,7 @@ class Baseline:
         if gen is None and set(self.arrays) == set(dtypes) == pending.kept:
             if self.slot is not None:
                 _write_meta(self.slot, self, digests, pending_version=version)
-            _scatter(self.arrays, pending.scatters)
+            scatter_changes(self.arrays, pending.scatters)
             out = Baseline(version, self.arrays, dtypes, digests, self.slot, self._file, self._layout)
             if self.slot is not None:
                 _write_meta(self.slot, out, digests)
@@ -158,7 +181,7 @@ class Baseline:
                 if p.key in pending.kept:
                     gen.write(p.key, 0, self.arrays[p.key])
             out = gen.finish(dtypes, digests)
-            _scatter(out.arrays, pending.scatters)
+            scatter_changes(out.arrays, pending.scatters)
             _write_meta(out.slot, out, digests)
             return out
         arrays = {}
@@ -168,7 +191,7 @@ class Baseline:
             else:
                 arr = pending.fresh.get(p.key)
                 arrays[p.key] = buffers.zeros(p.box.size, word_dtype(p.dtype)) if arr is None else arr
-        _scatter(arrays, pending.scatters)
+        scatter_changes(arrays, pending.scatters)
         return Baseline(version, arrays, dtypes, digests)
 
     def _map(self, file: str, layout: list) -> None:
@@ -186,7 +209,7 @@ class Baseline:
 SCATTER_TASK_MIN = 1 << 16
 
 
-def _scatter(arrays: dict, scatters: Mapping) -> None:
+def scatter_changes(arrays: dict, scatters: Mapping) -> None:
     """The committed changes into the baseline's pieces on the shared pool's threads (the C
     scatter releases the GIL). A piece's records cover disjoint boxes, so its large records
     are tasks of their own (one large tensor does not leave the other threads idle); its

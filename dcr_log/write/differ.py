@@ -21,6 +21,7 @@ from dcr_log.coords import Box, box_to_tensor_flat, box_view, row_blocks
 from dcr_log.digest import MASK64, XXH3, DigestScheme
 from dcr_log.format import Record
 from dcr_log.format.commit import ULP_ENCODING
+from dcr_log.log.records import scatter_words
 from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
 from dcr_log.state import TensorBits
 
@@ -217,6 +218,9 @@ class BoxDelta:
     positions: np.ndarray | None
     new_values: np.ndarray
     digest_delta: int | None
+    # diff_box(..., advance=True): the new words are in ``base`` already, ``new_values`` holds
+    # the words they replaced.
+    advanced: bool = False
 
 
 class Differ:
@@ -271,13 +275,15 @@ class Differ:
             yield delta.record
 
     def diff_box(self, name: str, box: Box, shape: tuple[int, ...], base: np.ndarray | None,
-                 new: np.ndarray, kind: str = "xor") -> BoxDelta | None:
+                 new: np.ndarray, kind: str = "xor", advance: bool = False) -> BoxDelta | None:
         """The record taking one box of tensor ``name`` (canonical ``shape``) from ``base`` to
         ``new`` (the box's words, box-local row-major); a ``tensor`` record when ``base`` is
-        None; None when nothing changed."""
+        None; None when nothing changed. ``advance``: a record of changed positions also
+        writes the new words into ``base`` once it is encoded, and gives back the words it
+        replaced (BoxDelta.advanced)."""
         if base is None:
             return self._tensor_record(name, box, shape, new)
-        return self._delta_record(name, box, shape, base, new, kind)
+        return self._delta_record(name, box, shape, base, new, kind, advance)
 
     def _attempt(self, kind: str, changes: ChangeSet, base_values: np.ndarray | None,
                  new_values: np.ndarray, full_xor_source: Callable[[], np.ndarray] | None = None
@@ -294,15 +300,22 @@ class Differ:
         return BoxDelta(rec, None, values, target if self.digests.composable else None)
 
     def _delta_record(self, name: str, box: Box, shape: tuple[int, ...], base_box: np.ndarray,
-                      new_box: np.ndarray, kind: str) -> BoxDelta | None:
+                      new_box: np.ndarray, kind: str, advance: bool = False) -> BoxDelta | None:
         n = new_box.size
         scratch = self._scratch()
+        advance = advance and base_box.flags.c_contiguous and base_box.flags.writeable  # (else a copy)
         positions, base_vals, new_vals, in_scratch = _find_changes_in(base_box, new_box, scratch)
         k = positions.size
         if k == 0:
             return None
-        if in_scratch:  # the record keeps positions and new words; base words die with this call
-            positions, new_vals = positions.copy(), new_vals.copy()
+        if in_scratch:
+            # The delta keeps the positions and the new words (advance: the words they
+            # replace); the others die with this call.
+            positions = positions.copy()
+            if advance:
+                base_vals = base_vals.copy()
+            else:
+                new_vals = new_vals.copy()
         values = np.bitwise_xor(base_vals, new_vals) if kind == "xor" else new_vals
         changes = ChangeSet(n, positions, values)
 
@@ -315,4 +328,9 @@ class Differ:
         base_d, target_d = digests.record(box, shape, positions, base_vals, new_vals)
         rec = Record(name, kind, box, enc, params, k, base_d, target_d, payload)
         delta = (target_d - base_d) & MASK64 if digests.composable else None
+        if advance:
+            out = BoxDelta(rec, positions, base_vals, delta, advanced=True)
+            # Last: every read of the base words is done.
+            scatter_words(base_box.reshape(-1), positions, new_vals)
+            return out
         return BoxDelta(rec, positions, new_vals, delta)

@@ -93,6 +93,7 @@ class ShardedWriter:
         self._differ = Differ(policy, log.digests, features=log.identity.features)
         self._version = version
         self._cache = cache
+        self._append_cache: BaselineCache | None = None  # the cache, while an append holds it
         self._baseline: Baseline | None = None
         self._closed = False
 
@@ -203,6 +204,25 @@ class ShardedWriter:
         A rank's exception, a conflict or a dead rank aborts the step on every rank: nothing is
         committed and the baselines stay as they were.
         """
+        # Only one append at a time uses this rank's baseline files on this machine (it writes
+        # changed words into them as it encodes, before the version is committed): an append
+        # that finds another writer's append holding them does not read them, and rebuilds
+        # its baseline from the log instead.
+        hold = None if self._cache is None else self._cache.hold(self.group.rank)
+        if self._cache is not None and hold is None and self._baseline is not None \
+                and self._baseline.slot is not None:
+            self._baseline = None  # mapped from those files
+        self._append_cache = None if hold is None else self._cache
+        try:
+            return self._append(shards, shapes, kind, progress, files, allow_layout_change, check_replicas)
+        finally:
+            self._append_cache = None
+            if hold is not None:
+                hold.close()
+
+    def _append(self, shards: Mapping[str, Sequence[Shard]], shapes: Mapping[str, Sequence[int]] | None,
+                kind: str, progress: Callable[[int], None] | None, files: Files | None,
+                allow_layout_change: bool, check_replicas: bool) -> CommitRecord:
         if self._closed:
             raise UsageError("this writer is closed: open the log again to append")
         if kind not in ("xor", "overwrite"):
@@ -271,42 +291,53 @@ class ShardedWriter:
         else:
             report, pending, error = (RankReport(ok=False, error=describe(baseline_error)),
                                       Pending(True, set(), None), baseline_error)
-        # The coordinator's files: their objects are created after the segments and before
-        # the commit record (content-addressed: a failed commit leaves only orphans).
-        file_entries = None
-        if g.rank == 0 and self.log.has_files and report.ok:
-            try:
-                file_entries = write_version_files(self.log, version, file_set)
-            except Exception as exc:
-                error = error or exc
-                report = RankReport(ok=False, error=describe(exc))
-        local_error = local_error or error
-
-        # Phase 2: the coordinator commits only if every rank succeeded.
+        committed = False
         try:
-            reports = g.gather(report)
-            decided = self._decide(version, layout, previous, reports, file_entries) if reports is not None else None
-            outcome: CommitOutcome = g.broadcast(decided)
-        except CollectiveFailed as exc:
-            # Another rank may have died after reporting: the commit may exist. Keep our
-            # segments (a commit record may list them) and let the caller reopen.
-            pending.abort()
-            raise AppendAborted(f"version {version} not committed by this group ({exc}); "
-                                "reopen the writer to learn the log's state") from exc
-        if not outcome.ok or outcome.commit is None:
-            pending.abort()
-            if outcome.failure != "unknown":
-                for key in pending.segment_keys:
-                    try:
-                        self.log.store.delete(key)  # referenced by no commit record
-                    except StoreError:
-                        break  # an orphan is harmless (section 12); the cause is raised below
-            if local_error is not None:
-                raise local_error
-            raise outcome.exception()
-        commit = CommitRecord.from_bytes(outcome.commit, expect_version=version)
-        self.log.remember_commit(commit)
-        self._baseline = self._ready_baseline().advance(version, commit, pending, mine)
+            # The coordinator's files: their objects are created after the segments and before
+            # the commit record (content-addressed: a failed commit leaves only orphans).
+            file_entries = None
+            if g.rank == 0 and self.log.has_files and report.ok:
+                try:
+                    file_entries = write_version_files(self.log, version, file_set)
+                except Exception as exc:
+                    error = error or exc
+                    report = RankReport(ok=False, error=describe(exc))
+            local_error = local_error or error
+
+            # Phase 2: the coordinator commits only if every rank succeeded.
+            try:
+                reports = g.gather(report)
+                decided = (None if reports is None
+                           else self._decide(version, layout, previous, reports, file_entries))
+                outcome: CommitOutcome = g.broadcast(decided)
+            except CollectiveFailed as exc:
+                # Another rank may have died after reporting: the commit may exist. Keep our
+                # segments (a commit record may list them) and let the caller reopen.
+                raise AppendAborted(f"version {version} not committed by this group ({exc}); "
+                                    "reopen the writer to learn the log's state") from exc
+            if not outcome.ok or outcome.commit is None:
+                if outcome.failure != "unknown":
+                    for key in pending.segment_keys:
+                        try:
+                            self.log.store.delete(key)  # referenced by no commit record
+                        except StoreError:
+                            break  # an orphan is harmless (section 12); the cause is raised below
+                if local_error is not None:
+                    raise local_error
+                raise outcome.exception()
+            commit = CommitRecord.from_bytes(outcome.commit, expect_version=version)
+            self.log.remember_commit(commit)
+            committed = True
+            self._baseline = self._ready_baseline().advance(version, commit, pending, mine)
+        except BaseException:
+            if committed:
+                # In the log, but the baseline may be between versions: loaded again (and
+                # checked against the log) at the next append.
+                self._baseline = None
+                self._version = version
+            else:
+                self._abandon(pending)
+            raise
         self._version = version
         return commit
 
@@ -326,7 +357,7 @@ class ShardedWriter:
         # Every rank must take the same branch: agree on whether anyone needs to load.
         if all(self.group.all_gather(ready)):
             return
-        self._baseline = load_baseline(self.log, version, needed, self._cache, self.group, layout,
+        self._baseline = load_baseline(self.log, version, needed, self._append_cache, self.group, layout,
                                        current=base if base is not None and base.version == version else None)
 
     def _write_rank(self, version: int, layout: ShardLayout, previous: Mapping[str, TensorInfo],
@@ -337,9 +368,16 @@ class ShardedWriter:
         kept = {p.key for p in mine if _kept(p.name, layout, previous)}
         base = self._ready_baseline()
         generation = None
-        if self._cache is not None and (base.slot is None or not set(base.arrays) == {p.key for p in mine} == kept):
-            generation = Generation(self._cache, self.group.rank, version, {p.key: p.dtype for p in mine})
-        pending = Pending(self.log.digests.composable, kept, generation)
+        cache = self._append_cache
+        if cache is not None and (base.slot is None or not set(base.arrays) == {p.key for p in mine} == kept):
+            generation = Generation(cache, self.group.rank, version, {p.key: p.dtype for p in mine})
+        # The baseline's own pieces, unchanged in layout: each chunk's changed words go into
+        # them as soon as it is encoded, on the thread that just read those lines (a pass of
+        # its own after the commit took a seventh of an append at 10% changed), and come out
+        # again if the version is not committed (Pending.abort). A writer killed meanwhile
+        # finds its cache between versions at the next open, and loads the baseline again.
+        early = base.arrays if generation is None and set(base.arrays) == {p.key for p in mine} == kept else None
+        pending = Pending(self.log.digests.composable, kept, generation, early)
         error = None
         changed = records = 0
         contrib: dict[str, int] = {}
@@ -379,7 +417,10 @@ class ShardedWriter:
                 row, base = piece.row, bases[i]
                 new = piece.words(r0, r1)
                 old = None if base is None else base[r0 * row:r1 * row]
-                delta = self._differ.diff_box(piece.name, piece.sub_box(r0, r1), shape, old, new, piece.kind)
+                delta = self._differ.diff_box(piece.name, piece.sub_box(r0, r1), shape, old, new, piece.kind,
+                                              advance=early is not None and kept)
+                if delta is not None and delta.advanced:
+                    pending.advanced(piece, r0 * row, delta)
                 if generation is not None and not kept:
                     generation.write(piece.key, r0 * row, new)  # on the worker: overlaps encoding
                 elif not kept:
@@ -417,8 +458,20 @@ class ShardedWriter:
             uploads.finish(raise_errors=False)
             error = exc
             report = RankReport(ok=False, error=describe(exc))
+        except BaseException:  # an interrupt: the baseline as it was
+            self._abandon(pending)
+            raise
         pending.segment_keys = uploads.keys
         return report, pending, error
+
+    def _abandon(self, pending: Pending) -> None:
+        """A version not committed: its early writes undone; where that fails (an interrupt
+        while undoing), the baseline is dropped, to be loaded again at the next append."""
+        try:
+            pending.abort()
+        except BaseException:
+            self._baseline = None
+            raise
 
     def _decide(self, version: int, layout: ShardLayout, previous: Mapping[str, TensorInfo],
                 reports: list[RankReport], files: tuple[FileEntry, ...] | None = None) -> CommitOutcome:

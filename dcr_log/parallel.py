@@ -121,16 +121,24 @@ def map_ordered(fn: Callable[[T], R], items: Sequence[T], workers: int,
         return
     pool = shared_pool(workers)
     pending: deque[Future[R]] = deque()
+
+    def oldest() -> R:
+        # Taken off the queue only once it has ended: a wait that is interrupted (a signal's
+        # KeyboardInterrupt) leaves it there for the finally below to wait for.
+        result = pending[0].result()
+        pending.popleft()
+        return result
+
     try:
         for item in items:
             pending.append(pool.submit(fn, item))
             if len(pending) > workers:
-                yield pending.popleft().result()
+                yield oldest()
         while pending:
-            yield pending.popleft().result()
+            yield oldest()
     finally:
-        # Abandoned early (an error, or the consumer stopped): let running items finish so
-        # that no thread still reads the caller's arrays after we return.
+        # Abandoned early (an error, an interrupt, or the consumer stopped): let running items
+        # finish so that no thread still reads or writes the caller's arrays after we return.
         for f in pending:
             f.cancel()
         wait(pending)

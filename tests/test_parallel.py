@@ -222,3 +222,65 @@ def test_a_write_that_misses_its_target_is_caught_by_the_read_back(tmp_path, mon
     for k, v in base.items():
         if k != victim:
             assert np.array_equal(tensors[k].words, v.words), k
+
+
+@pytest.fixture
+def alarm_interrupt():
+    """A KeyboardInterrupt raised in the main thread after the given seconds (as SIGINT's
+    handler raises it), whatever the main thread is waiting on."""
+    import signal
+
+    def on_alarm(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        yield lambda seconds: signal.setitimer(signal.ITIMER_REAL, seconds)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_an_interrupted_wait_lets_the_item_waited_for_finish(alarm_interrupt):
+    """Interrupted while it waits for the oldest item's result, map_ordered still lets that
+    item finish before the interrupt reaches its caller (a rollback must not race a write)."""
+    finished: list[int] = []
+
+    def slow(x: int) -> int:
+        time.sleep(0.4 if x == 0 else 0.0)
+        finished.append(x)
+        return x
+
+    alarm_interrupt(0.1)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in parallel.map_ordered(slow, list(range(6)), 2):
+            pass
+    assert 0 in finished
+
+
+def test_an_interrupted_replay_lets_the_records_in_flight_finish(tmp_path, monkeypatch, alarm_interrupt):
+    """Interrupted while it waits for a group of records (the first, which outlasts the
+    others), apply_version lets the groups in flight finish before the interrupt reaches its
+    caller: nothing writes the state after."""
+    from dcr_log.log import replay
+
+    log, base, _ = _many_records(tmp_path / "log", n=1 << 17, rate=0.005)
+    state = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
+    real_group = replay._apply_group
+    running: list[int] = []
+    ended: list[int] = []
+
+    def slow_group(*args, **kwargs):
+        running.append(1)
+        if len(running) == 1:  # the first group outlasts the others
+            time.sleep(0.4)
+        try:
+            return real_group(*args, **kwargs)
+        finally:
+            ended.append(1)
+
+    monkeypatch.setattr(replay, "_apply_group", slow_group)
+    alarm_interrupt(0.15)
+    with pytest.raises(KeyboardInterrupt):
+        log.apply_version(state, 1)
+    assert running and len(ended) == len(running)

@@ -100,12 +100,17 @@ class _ParallelApply:
         group, self._group, self._group_changes = self._group, [], 0
         self._pending.append(shared_pool(DEFAULT_WORKERS).submit(_apply_group, group, self._digests))
         while len(self._pending) > self._window:
-            self._pending.popleft().result()
+            self._take_oldest()
 
     def _drain(self) -> None:
         self._flush()
         while self._pending:
-            self._pending.popleft().result()
+            self._take_oldest()
+
+    def _take_oldest(self) -> None:
+        # Off the queue only once it has ended: an interrupted wait leaves it for __exit__.
+        self._pending[0].result()
+        self._pending.popleft()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:

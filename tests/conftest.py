@@ -13,6 +13,21 @@ pytest.register_assert_rewrite("helpers", "dcr_log.testing")
 from helpers.seaweed import SeaweedServer  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_baseline_cache_dir(tmp_path_factory):
+    """The same for the module- and session-scoped fixtures, which are set up before any
+    function-scoped one: without it, the logs they write left caches in the home directory."""
+    saved = os.environ.get("DCR_CACHE_DIR")
+    os.environ["DCR_CACHE_DIR"] = str(tmp_path_factory.mktemp("dcr-cache-shared"))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DCR_CACHE_DIR", None)
+        else:
+            os.environ["DCR_CACHE_DIR"] = saved
+
+
 @pytest.fixture(autouse=True)
 def _baseline_cache_dir(tmp_path_factory, monkeypatch):
     """Writers keep their baseline cache in a temporary directory, never in the home directory

@@ -20,3 +20,16 @@ def engine_tmpdir(tmp_path_factory):
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def baseline_cache_dir(tmp_path_factory):
+    """Writers keep their baseline caches under pytest's temporary directory, never in the
+    home directory (the engine jobs inherit the variable)."""
+    old = os.environ.get("DCR_CACHE_DIR")
+    os.environ["DCR_CACHE_DIR"] = str(tmp_path_factory.mktemp("dcr-cache"))
+    yield
+    if old is None:
+        os.environ.pop("DCR_CACHE_DIR", None)
+    else:
+        os.environ["DCR_CACHE_DIR"] = old

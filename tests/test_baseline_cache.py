@@ -268,7 +268,7 @@ EARLY_SPEC = {"w": ("BF16", (1024, 1024)), "v": ("F32", (40, 50)), "b": ("BF16",
 def _early_policy():
     from dcr_log.write.differ import EncodePolicy
 
-    return EncodePolicy(chunk_elements=1 << 16)
+    return EncodePolicy(chunk_elements=1 << 16, workers=2)  # two threads on any machine
 
 
 @pytest.mark.parametrize("how", ["segment-write", "interrupt-encoding", "record-refused", "conflict"])

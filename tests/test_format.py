@@ -470,3 +470,25 @@ def test_raw_records_at_any_offset_of_a_segment_decode_to_their_changes():
         assert decoded.values.tobytes() == values.tobytes()
         # aligned, as the C gather and scatter take them
         assert decoded.positions.flags.aligned and decoded.values.flags.aligned
+
+
+def test_zero_row_batches_are_read_past():
+    """Section 8 allows batches of no rows, here with their list columns' offsets as empty
+    buffers (as a writer may leave them for no rows), before and after a batch of one row."""
+    meta_schema = SEGMENT_SCHEMA.with_metadata(segment_module._meta(LOG_ID, 5))
+    good = pa.record_batch([pa.array(v, SEGMENT_SCHEMA.field(k).type) for k, v in _segment_columns().items()],
+                           schema=SEGMENT_SCHEMA)
+    empty_columns = []
+    for field in SEGMENT_SCHEMA:
+        if pa.types.is_list(field.type):
+            empty_columns.append(pa.Array.from_buffers(field.type, 0, [None, None],
+                                                       children=[pa.array([], field.type.value_type)]))
+        else:
+            empty_columns.append(pa.array([], field.type))
+    empty = pa.record_batch(empty_columns, schema=SEGMENT_SCHEMA)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, meta_schema) as writer:
+        for batch in (empty, good, empty):
+            writer.write_batch(batch)
+    records = list(iter_segment(sink.getvalue().to_pybytes(), LOG_ID, 5))
+    assert [(r.tensor, r.box.offset, r.box.shape, bytes(r.payload)) for r in records] == [("a", (0,), (4,), b"x")]

@@ -241,7 +241,8 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
         # record: most of a segment's parse before).
         values = {name: cols[name].to_pylist() for name in _SCALAR_COLUMNS}
         offsets, shapes = values["box_offset"], values["box_shape"]
-        if not _boxes_plain(cols["box_offset"], cols["box_shape"]):
+        # (A batch of no rows has nothing to check; its list offsets may be an empty buffer.)
+        if batch.num_rows and not _boxes_plain(cols["box_offset"], cols["box_shape"]):
             for j in range(batch.num_rows):  # the first bad row's error
                 _check_box(offsets[j], shapes[j], version)
         payload = _payload_slices(cols["payload"])
@@ -255,14 +256,15 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
 def _boxes_plain(offset_column: pa.ListArray, shape_column: pa.ListArray) -> bool:
     """Whether every row's box passes _check_box, checked on the columns' buffers at once (a
     check per row was a third of a segment's parse): no null item, offset and shape of the
-    same rank, within the limits. False: some row may fail, checked row by row."""
+    same rank, within the limits. False: some row may fail, checked row by row. The columns
+    hold at least one row."""
     lengths, items = [], []
     for column in (offset_column, shape_column):
         if column.values.null_count:
             return False
         bounds = column.offsets.to_numpy()
         lengths.append(np.diff(bounds))
-        items.append(column.values.to_numpy()[bounds[0]:bounds[-1]] if len(bounds) else np.zeros(0, np.uint64))
+        items.append(column.values.to_numpy()[bounds[0]:bounds[-1]])
     if not np.array_equal(lengths[0], lengths[1]) or (lengths[0].size and lengths[0].max() > L.MAX_RANK):
         return False
     return not any(part.size and part.max() > L.MAX_DIM for part in items)

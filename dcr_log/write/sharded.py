@@ -93,7 +93,6 @@ class ShardedWriter:
         self._differ = Differ(policy, log.digests, features=log.identity.features)
         self._version = version
         self._cache = cache
-        self._append_cache: BaselineCache | None = None  # the cache, while an append holds it
         self._baseline: Baseline | None = None
         self._closed = False
 
@@ -212,17 +211,17 @@ class ShardedWriter:
         if self._cache is not None and hold is None and self._baseline is not None \
                 and self._baseline.slot is not None:
             self._baseline = None  # mapped from those files
-        self._append_cache = None if hold is None else self._cache
         try:
-            return self._append(shards, shapes, kind, progress, files, allow_layout_change, check_replicas)
+            return self._append(shards, shapes, kind, progress, files, allow_layout_change, check_replicas,
+                                None if hold is None else self._cache)
         finally:
-            self._append_cache = None
             if hold is not None:
                 hold.close()
 
     def _append(self, shards: Mapping[str, Sequence[Shard]], shapes: Mapping[str, Sequence[int]] | None,
                 kind: str, progress: Callable[[int], None] | None, files: Files | None,
-                allow_layout_change: bool, check_replicas: bool) -> CommitRecord:
+                allow_layout_change: bool, check_replicas: bool, cache: BaselineCache | None) -> CommitRecord:
+        """append's work; ``cache``: the rank's cache, which this append holds (None: not used)."""
         if self._closed:
             raise UsageError("this writer is closed: open the log again to append")
         if kind not in ("xor", "overwrite"):
@@ -277,7 +276,7 @@ class ShardedWriter:
         replicated = replicated_keys(summaries)
         copies = [p for p in pieces if p.key in replicated and p.key not in owned]  # hashed, not written
         try:
-            self._ensure_baseline(layout, previous, mine)
+            self._ensure_baseline(layout, previous, mine, cache)
             baseline_error = None
         except CollectiveFailed as exc:
             raise AppendAborted(f"version {version} not committed: {exc}") from exc
@@ -287,7 +286,7 @@ class ShardedWriter:
         # Phase 1: every rank diffs its pieces and writes its segments.
         if baseline_error is None:
             report, pending, error = self._write_rank(version, layout, previous, mine, progress,
-                                                      replicated, copies)
+                                                      replicated, copies, cache)
         else:
             report, pending, error = (RankReport(ok=False, error=describe(baseline_error)),
                                       Pending(True, set(), None), baseline_error)
@@ -347,7 +346,8 @@ class ShardedWriter:
             raise AssertionError("the baseline is loaded before a version is written")
         return self._baseline
 
-    def _ensure_baseline(self, layout: ShardLayout, previous: Mapping[str, TensorInfo], mine: list[ShardPiece]) -> None:
+    def _ensure_baseline(self, layout: ShardLayout, previous: Mapping[str, TensorInfo], mine: list[ShardPiece],
+                         cache: BaselineCache | None) -> None:
         """Make sure this rank's baseline holds every owned piece of a tensor that keeps its
         dtype and shape, at the current version (collective when it has to load)."""
         version = self._version
@@ -357,18 +357,17 @@ class ShardedWriter:
         # Every rank must take the same branch: agree on whether anyone needs to load.
         if all(self.group.all_gather(ready)):
             return
-        self._baseline = load_baseline(self.log, version, needed, self._append_cache, self.group, layout,
+        self._baseline = load_baseline(self.log, version, needed, cache, self.group, layout,
                                        current=base if base is not None and base.version == version else None)
 
     def _write_rank(self, version: int, layout: ShardLayout, previous: Mapping[str, TensorInfo],
                     mine: list[ShardPiece], progress: Callable[[int], None] | None,
-                    replicated: set[PieceKey], copies: list[ShardPiece],
+                    replicated: set[PieceKey], copies: list[ShardPiece], cache: BaselineCache | None,
                     ) -> tuple[RankReport, Pending, Exception | None]:
         """Diff this rank's pieces, write its segments; never raises (the error is reported)."""
         kept = {p.key for p in mine if _kept(p.name, layout, previous)}
         base = self._ready_baseline()
         generation = None
-        cache = self._append_cache
         if cache is not None and (base.slot is None or not set(base.arrays) == {p.key for p in mine} == kept):
             generation = Generation(cache, self.group.rank, version, {p.key: p.dtype for p in mine})
         # The baseline's own pieces, unchanged in layout: each chunk's changed words go into

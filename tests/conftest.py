@@ -17,15 +17,9 @@ from helpers.seaweed import SeaweedServer  # noqa: E402
 def _session_baseline_cache_dir(tmp_path_factory):
     """The same for the module- and session-scoped fixtures, which are set up before any
     function-scoped one: without it, the logs they write left caches in the home directory."""
-    saved = os.environ.get("DCR_CACHE_DIR")
-    os.environ["DCR_CACHE_DIR"] = str(tmp_path_factory.mktemp("dcr-cache-shared"))
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DCR_CACHE_DIR", str(tmp_path_factory.mktemp("dcr-cache-shared")))
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("DCR_CACHE_DIR", None)
-        else:
-            os.environ["DCR_CACHE_DIR"] = saved
 
 
 @pytest.fixture(autouse=True)

@@ -254,10 +254,11 @@ def iter_segment(data, log_id: str, version: int) -> Iterator[Record]:
 
 
 def _boxes_plain(offset_column: pa.ListArray, shape_column: pa.ListArray) -> bool:
-    """Whether every row's box passes _check_box, checked on the columns' buffers at once (a
-    check per row was a third of a segment's parse): no null item, offset and shape of the
-    same rank, within the limits. False: some row may fail, checked row by row. The columns
-    hold at least one row."""
+    """Whether every row's box passes _check_box, checked on the columns' buffers at once (with
+    the per-row check, and a copy of each unaligned payload, a segment of 89 records parsed in
+    0.46 ms, now 0.21: tools/bench_apply.py --gib 0.5 --reps 1 --receivers numpy --verify none
+    --rates 0.0001,0.01): no null item, offset and shape of the same rank, within the limits.
+    False: some row may fail, checked row by row. The columns hold at least one row."""
     lengths, items = [], []
     for column in (offset_column, shape_column):
         if column.values.null_count:

@@ -372,9 +372,11 @@ class ShardedWriter:
             generation = Generation(cache, self.group.rank, version, {p.key: p.dtype for p in mine})
         # The baseline's own pieces, unchanged in layout: each chunk's changed words go into
         # them as soon as it is encoded, on the thread that just read those lines (a pass of
-        # its own after the commit took a seventh of an append at 10% changed), and come out
-        # again if the version is not committed (Pending.abort). A writer killed meanwhile
-        # finds its cache between versions at the next open, and loads the baseline again.
+        # its own after the commit took 15.9 ms of a 116 ms append at 10% changed of 512 MiB:
+        # tools/bench_encode.py --mib 512 --rates 0.10 --phases 0.10 --repeats 6 --no-create),
+        # and come out again if the version is not committed (Pending.abort). A writer killed
+        # meanwhile finds its cache between versions at the next open, and loads the baseline
+        # again.
         early = base.arrays if generation is None and set(base.arrays) == {p.key for p in mine} == kept else None
         pending = Pending(self.log.digests.composable, kept, generation, early)
         error = None

@@ -4,8 +4,10 @@ planes by shifts, plane-aligned zstd blocks, threaded encoding and threaded repl
 from __future__ import annotations
 
 import hashlib
+import platform
 import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,26 +80,35 @@ def test_find_changes_equals_flatnonzero(find, word, n, base_skew, new_skew, rat
             if find == "native-scalar":
                 positions, base_vals, new_vals = (np.empty(n, np.int64), np.empty(n, word), np.empty(n, word))
                 k = native.changes.find(base, new, word.itemsize, positions, base_vals, new_vals)
-                positions, base_vals, new_vals = positions[:k], base_vals[:k], new_vals[:k]
+                found = [(positions[:k], base_vals[:k], new_vals[:k])]
             else:
-                positions, base_vals, new_vals = (find_changes if find == "native" else
-                                                  differ.find_changes_numpy)(base, new)
-        assert positions.dtype == np.int64 and np.array_equal(positions, expected)
-        assert base_vals.dtype == word and np.array_equal(base_vals, base[expected])
-        assert new_vals.dtype == word and np.array_equal(new_vals, new[expected])
+                found = [(find_changes if find == "native" else differ.find_changes_numpy)(base, new)]
+        if find == "native":
+            # and every vector path this CPU has, each asked for (the default takes the widest)
+            for path in native.changes.FIND_PATHS:
+                room = n + differ.FIND_SLACK
+                positions, base_vals, new_vals = (np.empty(room, np.int64), np.empty(room, word),
+                                                  np.empty(room, word))
+                k = native.changes.find(base, new, word.itemsize, positions, base_vals, new_vals, path)
+                found.append((positions[:k], base_vals[:k], new_vals[:k]))
+        for positions, base_vals, new_vals in found:
+            assert positions.dtype == np.int64 and np.array_equal(positions, expected)
+            assert base_vals.dtype == word and np.array_equal(base_vals, base[expected])
+            assert new_vals.dtype == word and np.array_equal(new_vals, new[expected])
 
 
+@pytest.mark.parametrize("path", native.changes.FIND_PATHS if native.changes is not None else [0])
 @pytest.mark.parametrize("word", [np.dtype("<u2"), np.dtype("<u4")])
-@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 64, 1000, 4096])
-def test_the_vector_change_pass_writes_only_inside_its_slack(word, n):
-    """Every word changed (the most the vector path stores): nothing is written past n +
-    FIND_SLACK entries of any output."""
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 1000, 4096])
+def test_the_vector_change_pass_writes_only_inside_its_slack(word, n, path):
+    """Every word changed (the most the vector paths store): nothing is written past n +
+    FIND_SLACK entries of any output, on each path this CPU has."""
     rng = np.random.default_rng(n)
     base = rng.integers(0, np.iinfo(word).max, n, dtype=word, endpoint=True)
     new = base ^ word.type(1)
     room = n + differ.FIND_SLACK
     outs = [np.full(room + 16, 0x5A, np.int64), np.full(room + 16, 0x5A, word), np.full(room + 16, 0x5A, word)]
-    k = native.changes.find(base, new, word.itemsize, *(o[:room] for o in outs))
+    k = native.changes.find(base, new, word.itemsize, *(o[:room] for o in outs), path)
     assert k == n
     assert np.array_equal(outs[0][:n], np.arange(n)) and np.array_equal(outs[1][:n], base)
     assert np.array_equal(outs[2][:n], new)
@@ -105,8 +116,27 @@ def test_the_vector_change_pass_writes_only_inside_its_slack(word, n):
 
 
 def test_the_change_pass_is_built():
-    """make test builds the C extension; without it appends fall back to numpy, 1.3x slower."""
+    """make test builds the C extension; without it appends fall back to numpy, 1.3x slower.
+    On x86-64 Linux its vector paths are there for the CPU's flags (AVX2: 1, AVX-512 with
+    VBMI2: 2)."""
     assert native.changes is not None
+    assert native.changes.FIND_PATHS[0] == 0
+    flags = cpu_flags()
+    if platform.machine() == "x86_64" and flags:
+        expect = 2 if {"avx512f", "avx512bw", "avx512vl", "avx512_vbmi2"} <= flags else 1 if "avx2" in flags else 0
+        assert native.changes.FIND_PATHS[-1] == expect
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 @pytest.mark.parametrize("planes", [1, 2, 6])

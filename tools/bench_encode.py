@@ -13,6 +13,7 @@ Usage:
 
     python tools/bench_encode.py [--mib 256] [--rates 0.01 0.10] [--repeats 1] [--workers N]
                                  [--json] [--profile RATE] [--phases RATE] [--breakdown RATE] [--gil]
+                                 [--find-path N]
 
 ``--profile RATE`` runs one append at that rate under cProfile and prints the top entries
 (cumulative and own time) instead of timing. ``--phases RATE`` runs ``--repeats`` appends at
@@ -218,6 +219,24 @@ def time_append(writer, base_state, new_state, base, new, xor_out, repeats: int)
     return p.summary()
 
 
+def cap_find_path(path: int) -> None:
+    """Every later call of dcr_log._changes.find takes at most vector path ``path``."""
+    from dcr_log import native
+
+    real = native.changes
+    if real is None:
+        raise SystemExit("--find-path: the C change pass is not built")
+
+    class Capped:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def find(self, *args):
+            return real.find(*args[:6], path)
+
+    native.changes = Capped()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256)
@@ -231,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", type=float, default=None, metavar="RATE")
     ap.add_argument("--gil", action="store_true", help="which calls release the GIL")
     ap.add_argument("--no-create", action="store_true", help="skip timing dense create")
+    ap.add_argument("--find-path", type=int, default=None, metavar="N",
+                    help="cap the change pass's vector path (0 scalar, 1 AVX2, 2 AVX-512; "
+                         "default: the widest the CPU has), to compare them")
     args = ap.parse_args(argv)
+    if args.find_path is not None:
+        cap_find_path(args.find_path)
     if args.gil:
         for name, ms, share in gil_probe():
             print(f"{name:>22}: {ms:7.1f} ms, the probe thread ran {share:4.0%} of its idle rate")

@@ -86,13 +86,13 @@ def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
 
 
 def test_follow_versions_cover_the_journals_first_fill():
-    from dcr_log.receiver.batch import wal_budget, wal_image_bytes
+    from dcr_log.receiver.batch import wal_budget, wal_image_min_bytes
 
     n = 1 << 28  # 512 MiB of bf16
     budget = wal_budget(2 * n)
     for changed in (n // 100, n // 33, n // 20):
         count, fill = bench_side.follow_versions(n, changed, 5)
-        per_version = wal_image_bytes(changed, 2)
+        per_version = wal_image_min_bytes(changed, 2)  # the smallest a version's images can be
         # The fill ends at the first version whose images do not fit beside the earlier ones.
         assert (fill - 1) * per_version > budget >= (fill - 2) * per_version, changed
         assert count == fill + 5

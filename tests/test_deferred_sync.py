@@ -164,6 +164,49 @@ def test_images_restore_only_after_a_restart(tmp_path, monkeypatch, logged):
     assert_same_bits(load_checkpoint(directory), states[5])
 
 
+def test_a_format_2_journal_restores_and_is_upgraded(tmp_path, monkeypatch, logged):
+    """A journal written before images had gaps (format 2: every image's positions 4 bytes
+    each) is restored after a power loss, and its next write makes it format 3."""
+    import lmdb
+
+    from dcr_log.receiver import journal_entries as je
+    from dcr_log.receiver.journal_entries import SumTxn
+
+    log, states = logged
+    model = PowerLossModel(monkeypatch, seed=3)
+    directory = ckpt_receiver(tmp_path, log, states[0])
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=2) == [1, 2]
+    env = lmdb.open(str(directory / ".dcr"), subdir=True)
+    kinds = set()
+    with env.begin(write=True, buffers=True) as raw:
+        txn = SumTxn(raw)
+        for key, value in [(bytes(k), bytes(v)) for k, v in raw.cursor() if bytes(k).startswith(je.WAL_PREFIX)]:
+            image = je.decode_wal_image(key[len(je.WAL_PREFIX):], value)
+            kinds.add(value[2 + len(image.tensor.encode()) + 1])
+            if isinstance(image.where, slice):
+                continue
+            # as format 2 laid it: the u8 kind 4, then the positions as u32
+            name = image.tensor.encode()
+            txn.put(key, struct.pack("<H", len(name)) + name + struct.pack("<BBQ", image.words.itemsize, 4,
+                                                                          image.words.size)
+                    + np.asarray(image.where).astype("<u4").tobytes() + image.words.tobytes())
+        txn.put(je.K_FORMAT, je.FORMAT_2)
+        txn.seal()
+    env.close()
+    assert kinds & {1, 2}  # the rewrite changed images with gaps
+    model.lose_power(directory)
+    model.boot = b"another boot"
+    with reopen(directory) as rx:
+        assert rx.apply(log, to=3) == [3]
+        assert rx.journal.wal_boot() == model.boot
+    assert_same_bits(load_checkpoint(directory), states[3])
+    env = lmdb.open(str(directory / ".dcr"), subdir=True, readonly=True)
+    with env.begin() as txn:
+        assert txn.get(je.K_FORMAT) == je.JOURNAL_FORMAT
+    env.close()
+
+
 def test_without_deferred_sync_every_batch_is_synced(tmp_path, monkeypatch, logged):
     """deferred_sync=False: no image is kept, nothing is left unsynced after a version, and
     images kept by an earlier deferred-sync apply are dropped once synced."""
@@ -275,16 +318,29 @@ def test_a_failed_sync_makes_the_next_start_restore(tmp_path, monkeypatch, logge
     assert_same_bits(load_checkpoint(directory), states[VERSIONS])
 
 
-@settings(max_examples=200, deadline=None)
+def spread_positions(rng: np.random.Generator, count: int, top: int, most_gap: int | None) -> np.ndarray:
+    """``count`` strictly increasing flat positions below ``top``; with ``most_gap``, the gaps
+    between them (position i - position i-1 - 1) at most that, one of them exactly that."""
+    if most_gap is None or count == 0:
+        return np.sort(rng.choice(top, count, replace=False)).astype(np.int64) if count else np.zeros(0, np.int64)
+    gaps = rng.integers(0, most_gap, count, endpoint=True, dtype=np.int64)
+    if count >= 2:
+        gaps[rng.integers(1, count)] = most_gap
+    first = int(rng.integers(0, top))
+    gaps[0] = 0
+    return first + np.cumsum(gaps + 1) - 1
+
+
+@settings(max_examples=300, deadline=None)
 @given(name=st.text(min_size=1, max_size=8), width=st.sampled_from([1, 2, 4, 8]), count=st.integers(0, 40),
-       kind=st.sampled_from(["span", "u4", "u8"]), start=st.integers(0, 1 << 40), lead=st.integers(0, 9),
-       seed=st.integers(0, 2**32 - 1), floats=st.booleans())
-def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, start, lead, seed, floats):
-    """A batch lays its images into a reused buffer: each must be exactly the bytes the
-    image encodes to (whatever an earlier batch left there), and nothing outside it is
-    touched. Words given in a float dtype (NaN payloads, -0.0 among random bits) are kept
-    as bits, not converted."""
-    from dcr_log.receiver.journal_entries import WalImageLayout, decode_wal_image, encode_wal_image
+       kind=st.sampled_from(["span", "u1", "u2", "u4", "u8"]), start=st.integers(0, 1 << 40),
+       lead=st.integers(0, 9), seed=st.integers(0, 2**32 - 1), floats=st.booleans(), edge=st.booleans())
+def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, start, lead, seed, floats, edge):
+    """A batch lays its images into a reused buffer: each must be exactly the bytes
+    RECEIVER.md 5.6 lays out (whatever an earlier batch left there), with the smallest kind
+    that holds its positions, and nothing outside it is touched. Words given in a float
+    dtype (NaN payloads, -0.0 among random bits) are kept as bits, not converted."""
+    from dcr_log.receiver.journal_entries import decode_wal_image, encode_wal_image, wal_image_bound
 
     rng = np.random.default_rng(seed)
     words = rng.integers(0, 1 << 63, count, dtype=np.uint64).astype(f"<u{width}")
@@ -293,34 +349,71 @@ def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, star
         words = words.view(f"<f{width}")
     if kind == "span":
         where: slice | np.ndarray = slice(start, start + count)
+    elif kind in ("u1", "u2"):  # gaps up to the kind's largest, or one past it (edge)
+        most = (1 << (8 if kind == "u1" else 16)) - 1 + edge
+        where = spread_positions(rng, count, 1 << 40, most)
     else:
-        top = (1 << 32) if kind == "u4" else (1 << 48)
-        where = np.sort(rng.choice(top, count, replace=False)).astype(np.int64) if count else np.zeros(0, np.int64)
+        where = spread_positions(rng, count, (1 << 32) if kind == "u4" else (1 << 48), None)
     whole = bytes(encode_wal_image(name, where, words))
     # The bytes RECEIVER.md 5.6 lays out, built here from its words (u16 n, the name, u8 width,
-    # u8 kind, u64 count, the start or the positions, the words): what the journal always held.
+    # u8 kind, u64 count, the positions, the words).
     raw = name.encode()
     if kind == "span":
         kind_byte, located = 0, struct.pack("<Q", start)
     else:
-        kind_byte = 4 if count == 0 or int(where.max()) < (1 << 32) else 8
-        located = where.astype(f"<u{kind_byte}").tobytes()
+        gaps = np.diff(where) - 1
+        if count >= 2 and int(gaps.max()) < (1 << 16):
+            kind_byte = 1 if int(gaps.max()) < (1 << 8) else 2
+            located = struct.pack("<Q", int(where[0])) + gaps.astype(f"<u{kind_byte}").tobytes()
+        else:
+            kind_byte = 4 if count == 0 or int(where.max()) < (1 << 32) else 8
+            located = where.astype(f"<u{kind_byte}").tobytes()
     assert whole == (struct.pack("<H", len(raw)) + raw + struct.pack("<BBQ", width, kind_byte, count) + located
                      + words.tobytes())
-    layout = WalImageLayout(name, where, words)
-    assert layout.size == len(whole)
-    buffer = rng.integers(0, 256, lead + layout.size + 7, dtype=np.uint8)  # an earlier batch's bytes
+    bound = wal_image_bound(name, count, width)
+    assert bound >= len(whole)
+    buffer = rng.integers(0, 256, lead + bound + 7, dtype=np.uint8)  # an earlier batch's bytes
     before = buffer.copy()
-    laid = encode_wal_image(name, where, words, buffer[lead:], layout)
+    laid = encode_wal_image(name, where, words, buffer[lead:lead + bound])
     assert bytes(laid) == whole
-    assert np.array_equal(buffer[:lead], before[:lead]) and np.array_equal(buffer[lead + layout.size:],
-                                                                          before[lead + layout.size:])
+    assert np.array_equal(buffer[:lead], before[:lead]) and np.array_equal(buffer[lead + len(whole):],
+                                                                          before[lead + len(whole):])
     image = decode_wal_image(b"00000001/00000002/00000003", whole)
     assert image.tensor == name and image.words.tobytes() == words.tobytes()
     if kind == "span":
         assert image.where == where
     else:
         assert np.array_equal(np.asarray(image.where, np.int64), where)
+
+
+@pytest.mark.parametrize("damage", ["count past the bytes", "gaps cut short", "gaps of no position",
+                                    "unknown kind", "wrapping gaps"])
+def test_a_damaged_image_with_gaps_is_refused(damage):
+    """Images with gaps (kinds 1 and 2) that do not parse are IntegrityError, not a crash or
+    an allocation of their count; gaps that wrap past 2^64 give a position no tensor holds."""
+    from dcr_log.errors import IntegrityError
+    from dcr_log.receiver.journal_entries import decode_wal_image, encode_wal_image
+
+    where = np.array([5, 9, 10, 300], np.int64)
+    image = bytearray(encode_wal_image("w", where, np.arange(4, dtype=np.uint16)))
+    kind_at = 2 + 1 + 1  # u16 n, the name, u8 width: the kind
+    assert image[kind_at] == 2
+    if damage == "wrapping gaps":
+        image[kind_at + 9:kind_at + 17] = struct.pack("<Q", (1 << 64) - 2)  # the first position
+        got = decode_wal_image(b"00000001/00000002/00000003", bytes(image))
+        assert int(np.asarray(got.where).max()) >= (1 << 64) - 2  # refused by any tensor's size
+        return
+    if damage == "count past the bytes":
+        image[kind_at + 1:kind_at + 9] = struct.pack("<Q", 1 << 60)
+    elif damage == "gaps cut short":
+        del image[-3:]
+    elif damage == "gaps of no position":
+        image[kind_at + 1:kind_at + 9] = struct.pack("<Q", 0)
+        del image[kind_at + 9:]
+    else:
+        image[kind_at] = 3
+    with pytest.raises(IntegrityError):
+        decode_wal_image(b"00000001/00000002/00000003", bytes(image))
 
 
 def test_the_image_buffer_is_kept_for_the_next_version(tmp_path, monkeypatch, logged):

@@ -187,7 +187,7 @@ from timing import Pairing, Sample, paired  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
-from dcr_log.receiver.batch import wal_budget, wal_image_bytes  # noqa: E402
+from dcr_log.receiver.batch import wal_budget, wal_image_bytes, wal_image_min_bytes  # noqa: E402
 from dcr_log.state import to_torch  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
 
@@ -478,10 +478,13 @@ def follow_versions(elements: int, changed: int, repeats: int) -> tuple[int, int
     filling its journal with images until it first drops them: the budget over one version's
     images, plus two; then ``repeats`` more. A bf16 state of ``elements`` words with
     ``changed`` of them per version; nothing to fill when one version's images exceed the
-    budget (its batches are then synced as they are written)."""
-    per_version = wal_image_bytes(changed, 2)
+    budget by the receiver's estimate (its batches are then synced as they are written).
+    The images are counted at their smallest (1-byte gaps), so that the fill surely ends
+    within these versions (time_checkpoint_follow sees where it does)."""
     budget = wal_budget(2 * elements)
-    fill = budget // per_version + 2 if 0 < per_version <= budget else 0
+    if not 0 < wal_image_bytes(changed, 2) <= budget:
+        return repeats, 0
+    fill = budget // wal_image_min_bytes(changed, 2) + 2
     return fill + repeats, fill
 
 

@@ -27,7 +27,8 @@ materialize, and ``open_directory(...).apply(verify=...)`` at a random level. Ta
 - ``commit-json`` / ``identity-json``: a member replaced by a value of another type or size
   (lists, objects, deep nesting, huge and negative numbers, floats, booleans, null, NUL and
   newline strings, long strings), then re-sealed (a buggy or hostile writer);
-- ``journal``: bytes of the receiver's ``data.mdb``, or one of its entries rewritten;
+- ``journal``: bytes of the receiver's ``data.mdb``, one of its entries rewritten, or a damaged
+  deferred-sync image written with the checksum kept right (its parsing must refuse it);
 - ``receiver``: the receiver directory (safetensors header bytes, the index, a file removed).
 
 Every outcome is classified: ``typed`` (a dcr_log.errors.DcrError), ``accepted`` (no error),
@@ -146,6 +147,29 @@ def build_template(root: Path) -> Template:
 
 
 # -- mutations -----------------------------------------------------------------------------------
+
+def _journal_image(rng: random.Random, env, jdir: Path) -> str:
+    """A deferred-sync image, damaged, written with the journal's checksum kept right (so that
+    its parsing, not the checksum, is what must refuse it) in this boot (nothing restored)."""
+    import numpy as np
+
+    from dcr_log.receiver.fs import boot_id
+    from dcr_log.receiver.journal_entries import K_WAL_BOOT, WAL_PREFIX, SumTxn, encode_wal_image
+
+    count = rng.randint(1, 40)
+    spread = rng.choice((1, 200, 60000, 1 << 20))  # gaps of 1 or 2 bytes, or positions of 4
+    positions = np.cumsum(np.array([rng.randrange(spread) + 1 for _ in range(count)], np.int64))
+    words = np.array([rng.randrange(1 << 16) for _ in range(count)], np.uint16)
+    image = mutate_bytes(rng, bytes(encode_wal_image("w", positions, words)))
+    with env.begin(write=True, buffers=True) as raw:
+        txn = SumTxn(raw)
+        txn.put(WAL_PREFIX + b"00000001/00000000/00000000", image)
+        txn.put(K_WAL_BOOT, boot_id())
+        txn.seal()
+    env.close()
+    (jdir / "lock.mdb").unlink(missing_ok=True)
+    return f"journal image {image[:20]!r}"
+
 
 def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
     data = bytearray(data)
@@ -431,6 +455,8 @@ def damage(rng: random.Random, target: str, log: Path, rx: Path) -> str:
         import lmdb
 
         env = lmdb.open(str(jdir), map_size=1 << 26, subdir=True)
+        if rng.random() < 0.3:
+            return _journal_image(rng, env, jdir)
         key = rng.choice((b"current", b"log_id", b"format", b"inflight", b"seg/00000000"))
         value = rng.choice((b"", b"{}", b"[]", b'{"version":"x"}', b'{"state_digest":"zz","version":1}',
                             b'{"version":7}', b'{"done":5,"started_end":2}', b"\xff" * 8,

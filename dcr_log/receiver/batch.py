@@ -29,7 +29,7 @@ from dcr_log.parallel import TASK_CHANGES, map_grouped, start_grouped
 from dcr_log.receiver.checks import sampled
 from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, ApplyContext, GroupDigests
 from dcr_log.receiver.journal import Journal, SegmentProgress
-from dcr_log.receiver.journal_entries import WalImageLayout, encode_wal_image
+from dcr_log.receiver.journal_entries import encode_wal_image, wal_image_bound
 from dcr_log.receiver.segments import SegmentCache
 from dcr_log.receiver.storage import FaultHook, Storage, Where
 from dcr_log.receiver.storage.placed import PlacedStorage
@@ -50,9 +50,14 @@ def wal_budget(storage_bytes: int) -> int:
 
 
 def wal_image_bytes(changes: int, width: int) -> int:
-    """About the bytes of the images of ``changes`` written words of ``width`` bytes (a
-    4-byte position and the word per change)."""
+    """About the most bytes the images of ``changes`` written words of ``width`` bytes take
+    (a 4-byte position and the word per change; gaps take fewer: RECEIVER.md 5.6)."""
     return changes * (4 + width)
+
+
+def wal_image_min_bytes(changes: int, width: int) -> int:
+    """The fewest bytes those images can take (a 1-byte gap and the word per change)."""
+    return changes * (1 + width)
 
 
 # The bytes a batch's deferred-sync images are laid into before the stage transaction copies
@@ -414,8 +419,24 @@ class BatchWriter:
         deferred = self.deferred
         if deferred is None:
             return None, False, None
-        layouts = [WalImageLayout(w.record.tensor, w.where, w.target) for w in work]
-        size = sum(layout.size for layout in layouts)
+        # Laid first, each at its own offset of one borrowed buffer (its bound: an image's
+        # size depends on its positions' gaps), then counted against the budget.
+        bounds = [wal_image_bound(w.record.tensor, w.target.size, w.target.itemsize) for w in work]
+        buffer = borrow_image_buffer(sum(bounds))
+        starts = itertools.accumulate(bounds, initial=0)
+
+        def lay(item: tuple[Write, int, int]) -> memoryview:
+            w, at, bound = item
+            return encode_wal_image(w.record.tensor, w.where, w.target, buffer[at:at + bound])
+
+        # On the pool's threads (the copies release the GIL): laid on this thread, they held
+        # the prefault and the stage back behind them (tools/bench_apply.py --gib 0.5 --reps 9
+        # --verify sample --receivers ckpt, two alternating pairs: 0.054 s at 1% changed
+        # against 0.058-0.059, 0.116-0.122 s at 3% against 0.121-0.128; tools/bench_side.py's
+        # checkpoint columns did not move beyond their spread).
+        laid = list(map_grouped(lay, list(zip(work, starts, bounds)), [w.record.n_changed for w in work],
+                                TASK_CHANGES, APPLY_WORKERS, parallel))
+        size = sum(len(image) for image in laid)
         keep = size <= deferred.budget  # else too large to keep: synced as it is written
         clear = deferred.used > 0 and (not keep or deferred.used + size > deferred.budget)
         if clear:
@@ -424,23 +445,9 @@ class BatchWriter:
             self.storage.sync()
             deferred.used = 0
         if not keep:
+            return_image_buffer(buffer)
             return None, clear, None
         deferred.used += size
-        buffer = borrow_image_buffer(size)
-        starts = itertools.accumulate((layout.size for layout in layouts), initial=0)
-
-        def lay(item: tuple[Write, WalImageLayout, int]) -> memoryview:
-            w, layout, at = item
-            return encode_wal_image(w.record.tensor, w.where, w.target, buffer[at:], layout)
-
-        # On the pool's threads, each image at its own offset (the copies release the GIL):
-        # laid on this thread, they held the prefault and the stage back behind them
-        # (tools/bench_apply.py --gib 0.5 --reps 9 --verify sample --receivers ckpt, two
-        # alternating pairs: 0.054 s at 1% changed against 0.058-0.059, 0.116-0.122 s at 3%
-        # against 0.121-0.128; tools/bench_side.py's checkpoint columns did not move beyond
-        # their spread).
-        laid = map_grouped(lay, list(zip(work, layouts, starts)), [w.record.n_changed for w in work],
-                           TASK_CHANGES, APPLY_WORKERS, parallel)
         images = {w.index: image for w, image in zip(work, laid)}
         return images, clear, buffer
 

@@ -23,9 +23,12 @@ from dcr_log.errors import IntegrityError
 from dcr_log.format import file_name_problem
 from dcr_log.format.tensors import digest_hex
 
-JOURNAL_FORMAT = b"dcr-receiver-journal/2"
-# Written before the journal had a checksum: still read, and upgraded at its next write.
+JOURNAL_FORMAT = b"dcr-receiver-journal/3"
+# Format 2 lacks the deferred-sync images with gaps (kinds 1 and 2), and format 1 the
+# checksum too: both still read, and upgraded at their next write.
+FORMAT_2 = b"dcr-receiver-journal/2"
 LEGACY_FORMAT = b"dcr-receiver-journal/1"
+CHECKSUM_FORMATS = (JOURNAL_FORMAT, FORMAT_2)
 
 K_FORMAT = b"format"
 K_LOG_ID = b"log_id"
@@ -43,11 +46,14 @@ _KEYS = frozenset((K_FORMAT, K_LOG_ID, K_CURRENT, K_INFLIGHT, K_MATERIALIZING, K
                    K_WAL_BOOT))
 _KEY_PATTERN = re.compile(rb"seg/[0-9]{8}|redo/[0-9]{8}/[0-9]{8}|wal/[0-9]{8}/[0-9]{8}/[0-9]{8}")
 # A deferred-sync image (RECEIVER.md, "Deferred sync"): u16 name length, the tensor name
-# (UTF-8), u8 word width, u8 position kind (0: a span from a u64 start; 4 or 8: that many
-# bytes per position), u64 count, the start or the positions, then the words; little-endian.
+# (UTF-8), u8 word width, u8 position kind, u64 count, the positions, then the words;
+# little-endian. Kind 0: a span, one u64 start; 1 or 2: the first position as a u64, then
+# count - 1 gaps of that many bytes (position i = position i-1 + 1 + gap i); 4 or 8: count
+# positions of that many bytes.
 _WAL_HEAD = struct.Struct("<H")
 _WAL_FIELDS = struct.Struct("<BBQ")
 _WIDTHS = (1, 2, 4, 8)
+_KINDS = (0, 1, 2, 4, 8)
 _MASK = (1 << 64) - 1
 
 
@@ -75,42 +81,54 @@ class WalImage:
     words: np.ndarray          # unsigned words of the image's width
 
 
-class WalImageLayout:
-    """Where one image's parts lie (see ``_WAL_HEAD``): its header, then the start (kind 0) or
-    the positions, then the words. ``size`` is its bytes."""
+def wal_image_bound(tensor: str, count: int, width: int) -> int:
+    """The most bytes the image of ``count`` words of ``width`` bytes of ``tensor`` takes
+    (what encode_wal_image's ``out`` must hold)."""
+    return _WAL_HEAD.size + len(tensor.encode()) + _WAL_FIELDS.size + 8 + 8 * count + width * count
 
-    __slots__ = ("head", "kind", "count", "width", "size")
 
-    def __init__(self, tensor: str, where: slice | np.ndarray, words: np.ndarray):
-        name = tensor.encode()
-        count, width = int(words.size), words.itemsize
-        if isinstance(where, slice):
-            kind = 0
-        else:
-            kind = 4 if count == 0 or int(where.max()) < (1 << 32) else 8  # flat positions are >= 0
-        self.head = _WAL_HEAD.pack(len(name)) + name + _WAL_FIELDS.pack(width, kind, count)
-        self.kind, self.count, self.width = kind, count, width
-        self.size = len(self.head) + (8 if kind == 0 else kind * count) + width * count
+def _position_kind(where: np.ndarray) -> tuple[int, np.ndarray | None]:
+    """The kind of an image's flat positions (>= 0), and their gaps for kinds 1 and 2. Gaps
+    (a bf16 record at 1% changed: 2 bytes a position where 4 were, its images a third
+    smaller) need positions strictly increasing, as a record's are."""
+    count = where.size
+    if count >= 2:
+        gaps = np.diff(where)
+        gaps -= 1
+        if int(gaps.min()) >= 0:
+            most = int(gaps.max())
+            if most < (1 << 16):
+                return (1 if most < (1 << 8) else 2), gaps
+    return (4 if count == 0 or int(where.max()) < (1 << 32) else 8), None
 
 
 def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
-                     out: np.ndarray | None = None, layout: WalImageLayout | None = None) -> memoryview:
-    """One written record's image, laid into ``out`` (uint8, at least ``layout.size`` long: a
-    receiver reuses one buffer for its batches' images) or into new memory, as a view."""
-    layout = layout or WalImageLayout(tensor, where, words)
-    buf = np.empty(layout.size, np.uint8) if out is None else out[:layout.size]
-    head, kind, count = layout.head, layout.kind, layout.count
+                     out: np.ndarray | None = None) -> memoryview:
+    """One written record's image, laid into ``out`` (uint8, at least wal_image_bound bytes:
+    a receiver reuses one buffer for its batches' images) or into new memory, as a view of
+    exactly its bytes. The positions take the smallest kind that holds them."""
+    name = tensor.encode()
+    count, width = int(words.size), words.itemsize
+    gaps = None
+    if isinstance(where, slice):
+        kind, located = 0, 8
+    else:
+        kind, gaps = _position_kind(where)
+        located = 8 + kind * (count - 1) if gaps is not None else kind * count
+    head = _WAL_HEAD.pack(len(name)) + name + _WAL_FIELDS.pack(width, kind, count)
+    size = len(head) + located + width * count
+    buf = np.empty(size, np.uint8) if out is None else out[:size]
     at = len(head)
     buf[:at] = np.frombuffer(head, np.uint8)
-    if kind == 0:
-        assert isinstance(where, slice)
+    if isinstance(where, slice):
         buf[at:at + 8] = np.frombuffer(struct.pack("<Q", where.start or 0), np.uint8)
-        at += 8
+    elif gaps is not None:
+        buf[at:at + 8] = np.frombuffer(struct.pack("<Q", int(where[0])), np.uint8)
+        np.copyto(buf[at + 8:at + located].view(f"<u{kind}"), gaps, casting="unsafe")
     else:
-        assert isinstance(where, np.ndarray)
-        np.copyto(buf[at:at + kind * count].view("<u4" if kind == 4 else "<u8"), where, casting="unsafe")
-        at += kind * count
-    word = f"<u{layout.width}"  # the words' bits, whatever their dtype says
+        np.copyto(buf[at:at + located].view("<u4" if kind == 4 else "<u8"), where, casting="unsafe")
+    at += located
+    word = f"<u{width}"  # the words' bits, whatever their dtype says
     np.copyto(buf[at:].view(word), np.ascontiguousarray(words).reshape(-1).view(word))
     return buf.data
 
@@ -125,13 +143,22 @@ def decode_wal_image(key_suffix: bytes, value) -> WalImage:
         at = 2 + n
         width, kind, count = _WAL_FIELDS.unpack_from(buf, at)
         at += _WAL_FIELDS.size
-        if width not in _WIDTHS or kind not in (0, 4, 8):
+        if width not in _WIDTHS or kind not in _KINDS or (kind in (1, 2) and count < 1) or count > len(buf):
             raise ValueError
         where: slice | np.ndarray
         if kind == 0:
             (start,) = struct.unpack_from("<Q", buf, at)
             at += 8
             where = slice(start, start + count)
+        elif kind in (1, 2):
+            (first,) = struct.unpack_from("<Q", buf, at)
+            at += 8
+            steps = np.empty(count, np.uint64)
+            steps[0] = first
+            np.add(np.frombuffer(buf, dtype=f"<u{kind}", count=count - 1, offset=at), 1, out=steps[1:],
+                   dtype=np.uint64, casting="unsafe")
+            where = np.cumsum(steps, out=steps)  # mod 2^64: a wrapped position is past any tensor
+            at += kind * (count - 1)
         else:
             where = np.frombuffer(buf, dtype="<u4" if kind == 4 else "<u8", count=count, offset=at)
             at += kind * count
@@ -281,8 +308,8 @@ class SegmentProgress:
 
 def read_state(txn) -> JournalState:
     fmt = txn.get(K_FORMAT)
-    if fmt is not None and bytes(fmt) not in (JOURNAL_FORMAT, LEGACY_FORMAT):
-        raise IntegrityError(f"journal format {bytes(fmt)!r} is not {JOURNAL_FORMAT!r}")
+    if fmt is not None and bytes(fmt) not in (*CHECKSUM_FORMATS, LEGACY_FORMAT):
+        raise IntegrityError(f"journal format {bytes(fmt)!r} is not {JOURNAL_FORMAT!r} (or an older one)")
     log_id = txn.get(K_LOG_ID)
     current = txn.get(K_CURRENT)
     inflight = txn.get(K_INFLIGHT)
@@ -360,9 +387,9 @@ def verify_entries(txn) -> bool:
         if parsed[1] != txn.id():
             raise IntegrityError(f"its checksum was written by transaction {parsed[1]}, "
                                  f"not by the one LMDB reads ({txn.id()})")
-        if fmt != JOURNAL_FORMAT:
+        if fmt not in CHECKSUM_FORMATS:
             raise IntegrityError(f"format {fmt!r} with a checksum")
-    elif fmt == JOURNAL_FORMAT:
+    elif fmt in CHECKSUM_FORMATS:
         raise IntegrityError("its checksum entry is missing")
     # The structure, as every reader below expects it (a format-1 journal has only this).
     if strange is not None:

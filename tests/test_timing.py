@@ -165,3 +165,19 @@ def test_phases_records_each_call_by_thread_and_puts_the_functions_back(capsys):
     timeline.report(t0, t1, "probe")
     out = capsys.readouterr().out
     assert "caller work" in out and "calls    1" in out and "pool   work" in out and "calls    3" in out
+
+
+def test_reports_name_the_machine_and_its_vector_paths():
+    """Speeds per change differ 2-4x between an AVX-512 and an AVX2-only machine: reports say
+    which ran, and which path the change pass took there."""
+    from dcr_log import native
+
+    info = timing.machine()
+    assert isinstance(info["cpu"], str) and info["cpu"] and info["cpus"] >= 1
+    assert set(info["vector_flags"]) <= set(timing.VECTOR_FLAGS)
+    paths = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
+    assert info["change_pass"] == paths[max(native.changes.FIND_PATHS)]
+    if info["change_pass"] == "AVX-512":
+        assert "avx512_vbmi2" in info["vector_flags"]
+    line = timing.machine_line(info)
+    assert info["cpu"] in line and info["change_pass"] in line

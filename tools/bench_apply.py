@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from phases import Phases  # noqa: E402
-from timing import Pairing, fastest, paired  # noqa: E402
+from timing import Pairing, fastest, machine_line, paired  # noqa: E402
 
 from dcr_log import DeltaLog, TensorBits  # noqa: E402
 from dcr_log.format.segment import iter_segment  # noqa: E402
@@ -181,6 +181,7 @@ def run(args, work: Path) -> int:
     specs = specs_for_params(int(args.gib * (1 << 30) / 2))
     n = sum(math.prod(s.shape) for s in specs)
     model_bytes = 2 * n
+    print(machine_line())
     print(f"model: {len(specs)} bf16 tensors, {model_bytes / (1 << 20):.0f} MiB; "
           f"verify levels {args.verify}; medians of {args.reps}, each apply timed beside one np.copyto")
     rates = [float(r) for r in args.rates.split(",")]

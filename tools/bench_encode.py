@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delta import ROW, as_state, tensor_rows  # noqa: E402
-from timing import Pairing, paired  # noqa: E402
+from timing import Pairing, machine, machine_line, paired  # noqa: E402
 
 from dcr_log import LogWriter  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     policy = EncodePolicy() if args.workers is None else replace(EncodePolicy(), workers=args.workers)
     xor_out = np.zeros_like(base)  # pages faulted in before any timed xor
     work = Path(tempfile.mkdtemp(prefix="bench-encode-"))
-    report: dict = {"mib": args.mib, "elements": int(base.size), "workers": policy.workers, "appends": []}
+    report: dict = {"mib": args.mib, "elements": int(base.size), "workers": policy.workers, "appends": [],
+                    "machine": machine()}
+    say(machine_line(report["machine"]))
     try:
         writer = LogWriter.create(work / "log", base_state, cache_dir=work / "cache", policy=policy)
         if args.profile is not None:

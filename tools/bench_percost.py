@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delta import as_state, tensor_rows  # noqa: E402
 from bench_side import default_cache, elements_for  # noqa: E402
-from timing import Pairing, paired  # noqa: E402
+from timing import Pairing, machine, machine_line, paired  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
 from dcr_log.codec import Attempt, ChangeSet, choose  # noqa: E402
@@ -305,7 +305,8 @@ def run(args, say) -> dict:
                 raise SystemExit(f"the {mode} child failed (exit {proc.returncode})")
             modes[mode] = json.loads(proc.stdout)
     return {"gib": 2 * n / 2**30, "elements": n, "rates": list(args.rates), "lrs": lrs, "repeats": args.repeats,
-            "seed": args.seed, "cpus": len(cpus), "load_average": os.getloadavg()[0], "modes": modes}
+            "seed": args.seed, "cpus": len(cpus), "load_average": os.getloadavg()[0], "machine": machine(),
+            "modes": modes}
 
 
 def print_table(report: dict) -> None:
@@ -347,6 +348,7 @@ def print_table(report: dict) -> None:
                       "stage (ulp keys, gaps and pcodec are the older ulp encoding's, not on the default path); "
                       f"encodings chosen: {one['stage_seconds'][0]['encodings']}")
     console.print(f"{report['cpus']} CPUs, load average {report['load_average']:.2f} at the end")
+    console.print(machine_line(report["machine"]))
 
 
 def main(argv: list[str] | None = None) -> int:

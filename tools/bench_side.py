@@ -183,7 +183,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delta import ROW, as_state, entropy_bound_bits, tensor_rows  # noqa: E402
-from timing import Pairing, Sample, paired  # noqa: E402
+from timing import Pairing, Sample, machine, machine_line, paired  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
@@ -989,7 +989,7 @@ def run(args, work: Path, say) -> dict:
     clear_cache(cache_root)
     peak = peak_totals(args.gib, peak_lr, args.seed, work, say)
     return {"gib": dense_bytes / 2**30, "elements": n, "tensors": len(layout), "repeats": repeats,
-            "seed": args.seed, "zstd_level": ZSTD_LEVEL, "cpus": os.cpu_count(),
+            "seed": args.seed, "zstd_level": ZSTD_LEVEL, "cpus": os.cpu_count(), "machine": machine(),
             "load_average": os.getloadavg()[0],
             "zipnn": {"available": zipnn is not None, "note": zipnn_note},
             "dense_create": dense_create, "factors": factors, "pairs": rows, "peak_memory": peak}
@@ -1089,6 +1089,7 @@ def print_table(report: dict) -> None:
             console.print(f"ZipNN failed on {r['label']}: {r['zipnn_error']}")
     console.print(f"ZipNN: {report['zipnn']['note']}; {report['cpus']} CPUs, load average "
                   f"{report['load_average']:.2f} at the end")
+    console.print(machine_line(report["machine"]))
 
 
 def plot(report: dict, path: Path) -> None:

@@ -147,3 +147,46 @@ def fastest(fn: Callable[[], Any], repeats: int, clock: Clock = CLOCK) -> Sample
     samples = [timed(fn, clock) for _ in range(repeats)]
     best = min(samples, key=lambda t: t.wall)
     return Sample(best.wall, best.cpu)
+
+
+# The vector loops the C kernels pick at run time by the CPU: the change pass and the rANS
+# coder's passes have AVX-512 loops, the change pass and the digests AVX2 ones too. Speeds
+# differ by 2-4x per change between such machines (an AVX-512 Xeon against an AVX2-only
+# EPYC), so every report names the machine it ran on.
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vbmi2", "sha_ni")
+
+
+def machine() -> dict:
+    """The CPU's model, its count, its vector flags that the kernels use, and the change
+    pass's path (dcr_log._changes.FIND_PATHS: 0 scalar, 1 AVX2, 2 AVX-512)."""
+    import os
+    import platform
+
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    try:
+        from dcr_log import native
+
+        path = None if native.changes is None else max(native.changes.FIND_PATHS)
+    except (ImportError, AttributeError):
+        path = None
+    return {"cpu": model, "cpus": os.cpu_count(), "vector_flags": [f for f in VECTOR_FLAGS if f in flags],
+            "change_pass": {None: "not built", 0: "scalar", 1: "AVX2", 2: "AVX-512"}[path]}
+
+
+def machine_line(info: dict | None = None) -> str:
+    info = info or machine()
+    flags = info["vector_flags"]
+    return (f"machine: {info['cpu']}, {info['cpus']} CPUs; vector flags {' '.join(flags) or 'none'}; "
+            f"change pass {info['change_pass']}"
+            + ("" if "avx512f" in flags else " (no AVX-512: the rANS coder's vector passes do not run)"))

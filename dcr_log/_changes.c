@@ -297,6 +297,8 @@ static PyObject *py_find(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     if (width != 1 && width != 2 && width != 4 && width != 8) {
         PyErr_SetString(PyExc_ValueError, "word width must be 1, 2, 4 or 8");
+    } else if (path < FIND_SCALAR) {
+        PyErr_SetString(PyExc_ValueError, "path must be >= 0");
     } else if (a.len != b.len || a.len % width) {
         PyErr_SetString(PyExc_ValueError, "base and new must be the same whole number of words");
     } else if (pos.len < 8 * n || bout.len < width * n || nout.len < width * n) {

@@ -115,6 +115,14 @@ def test_the_vector_change_pass_writes_only_inside_its_slack(word, n, path):
     assert all((o[room:] == 0x5A).all() for o in outs)
 
 
+def test_the_change_pass_refuses_a_negative_path():
+    words = np.zeros(40, np.uint16)
+    outs = [np.empty(40 + differ.FIND_SLACK, np.int64), np.empty(40 + differ.FIND_SLACK, np.uint16),
+            np.empty(40 + differ.FIND_SLACK, np.uint16)]
+    with pytest.raises(ValueError, match="path"):
+        native.changes.find(words, words, 2, *outs, -1)
+
+
 def test_the_change_pass_is_built():
     """make test builds the C extension; without it appends fall back to numpy, 1.3x slower.
     On x86-64 Linux its vector paths are there for the CPU's flags (AVX2: 1, AVX-512 with

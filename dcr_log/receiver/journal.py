@@ -280,7 +280,7 @@ class Journal:
                     txn = SumTxn(raw)
                     fmt = txn.get(K_FORMAT)
                     if fmt is None or bytes(fmt) != JOURNAL_FORMAT:
-                        txn.put(K_FORMAT, JOURNAL_FORMAT)  # new, or format 1: now with a checksum
+                        txn.put(K_FORMAT, JOURNAL_FORMAT)  # new, format 1 (now with a checksum) or 2
                     fn(txn)
                     txn.seal()
                 break

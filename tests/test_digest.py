@@ -164,3 +164,34 @@ def test_tensor_digests_in_spans_equal_each_tensors_own(tmp_path, monkeypatch, k
     else:
         assert spans == []
     assert storage_base.tensor_digests(storage, names, digests, workers=2, parallel=False) == whole
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(word=st.sampled_from(WORDS), n=st.one_of(st.integers(0, 40), st.integers(0, 3000)),
+       start=st.one_of(st.integers(0, 1000), st.integers(2**64 - 3000, 2**64 - 1)),
+       seed=st.integers(0, 2**32 - 1))
+def test_every_run_loop_matches_the_reference(word, n, start, seed):
+    """Each loop a run may be summed with on this CPU (RUN_PATHS: the compiled one; where
+    the CPU has AVX2, the vector-and-scalar one), every word width, lengths around its steps
+    of 11, and starts whose keys wrap past 2^64."""
+    if native.digest is None:
+        pytest.fail("dcr_log._digest is not built (pip install -e . compiles it)")
+    words = np.random.default_rng(seed).integers(0, np.iinfo(word).max, n, dtype=word, endpoint=True)
+    expected = reference(((start + i) & D.MASK64 for i in range(n)), words)
+    for path in native.digest.RUN_PATHS:
+        assert native.digest.sum_range(words, words.itemsize, start, path) == expected, path
+    assert native.digest.sum_range(words, words.itemsize, start) == expected
+
+
+def test_the_vector_and_scalar_run_loop_is_there_with_avx2():
+    if native.digest is None:
+        pytest.fail("dcr_log._digest is not built (pip install -e . compiles it)")
+    flags = set()
+    try:
+        flags = {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split(":")[1].split()}
+    except OSError:
+        pass
+    import platform
+
+    if platform.machine() == "x86_64" and "avx2" in flags:
+        assert native.digest.RUN_PATHS == (0, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.cpu import x86_flags
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -186,12 +187,5 @@ def test_every_run_loop_matches_the_reference(word, n, start, seed):
 def test_the_vector_and_scalar_run_loop_is_there_with_avx2():
     if native.digest is None:
         pytest.fail("dcr_log._digest is not built (pip install -e . compiles it)")
-    flags = set()
-    try:
-        flags = {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split(":")[1].split()}
-    except OSError:
-        pass
-    import platform
-
-    if platform.machine() == "x86_64" and "avx2" in flags:
+    if "avx2" in x86_flags():
         assert native.digest.RUN_PATHS == (0, 1)

@@ -4,16 +4,15 @@ planes by shifts, plane-aligned zstd blocks, threaded encoding and threaded repl
 from __future__ import annotations
 
 import hashlib
-import platform
 import sys
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from helpers.cpu import x86_flags
 
 from dcr_log import DeltaLog, IntegrityError, create_log, native
 from dcr_log.write import differ
@@ -129,22 +128,10 @@ def test_the_change_pass_is_built():
     VBMI2: 2)."""
     assert native.changes is not None
     assert native.changes.FIND_PATHS[0] == 0
-    flags = cpu_flags()
-    if platform.machine() == "x86_64" and flags:
+    flags = x86_flags()
+    if flags:
         expect = 2 if {"avx512f", "avx512bw", "avx512vl", "avx512_vbmi2"} <= flags else 1 if "avx2" in flags else 0
         assert native.changes.FIND_PATHS[-1] == expect
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 @pytest.mark.parametrize("planes", [1, 2, 6])

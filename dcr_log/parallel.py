@@ -111,6 +111,15 @@ def _forget_pools() -> None:
     _POOLS_LOCK = threading.Lock()  # nor a lock another thread held at the fork
 
 
+def take_oldest(pending: deque[Future[R]]) -> R:
+    """The oldest future's result, the future taken off the queue only once it has ended: a
+    wait that is interrupted (a signal's KeyboardInterrupt) leaves it there, for the caller's
+    cleanup to wait for, so that no task outlives a rollback."""
+    result = pending[0].result()
+    pending.popleft()
+    return result
+
+
 def map_ordered(fn: Callable[[T], R], items: Sequence[T], workers: int,
                 parallel: bool = True) -> Generator[R, None, None]:
     """``fn(item)`` for each item, on ``workers`` threads of the shared pool, yielded in order,
@@ -121,21 +130,13 @@ def map_ordered(fn: Callable[[T], R], items: Sequence[T], workers: int,
         return
     pool = shared_pool(workers)
     pending: deque[Future[R]] = deque()
-
-    def oldest() -> R:
-        # Taken off the queue only once it has ended: a wait that is interrupted (a signal's
-        # KeyboardInterrupt) leaves it there for the finally below to wait for.
-        result = pending[0].result()
-        pending.popleft()
-        return result
-
     try:
         for item in items:
             pending.append(pool.submit(fn, item))
             if len(pending) > workers:
-                yield oldest()
+                yield take_oldest(pending)
         while pending:
-            yield oldest()
+            yield take_oldest(pending)
     finally:
         # Abandoned early (an error, an interrupt, or the consumer stopped): let running items
         # finish so that no thread still reads or writes the caller's arrays after we return.

@@ -22,7 +22,7 @@ from dcr_log.format.tensors import state_digest
 from dcr_log.log.records import apply_to_words, decode_record, empty_words
 from dcr_log.log.routes import Step
 from dcr_log.log.steps import StepRules
-from dcr_log.parallel import DEFAULT_WORKERS, TASK_CHANGES, shared_pool, task_grain
+from dcr_log.parallel import DEFAULT_WORKERS, TASK_CHANGES, shared_pool, take_oldest, task_grain
 from dcr_log.state import TensorBits
 
 if TYPE_CHECKING:
@@ -100,17 +100,12 @@ class _ParallelApply:
         group, self._group, self._group_changes = self._group, [], 0
         self._pending.append(shared_pool(DEFAULT_WORKERS).submit(_apply_group, group, self._digests))
         while len(self._pending) > self._window:
-            self._take_oldest()
+            take_oldest(self._pending)  # an interrupted wait leaves it for __exit__
 
     def _drain(self) -> None:
         self._flush()
         while self._pending:
-            self._take_oldest()
-
-    def _take_oldest(self) -> None:
-        # Off the queue only once it has ended: an interrupted wait leaves it for __exit__.
-        self._pending[0].result()
-        self._pending.popleft()
+            take_oldest(self._pending)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:

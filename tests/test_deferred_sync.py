@@ -134,6 +134,57 @@ def test_images_are_dropped_only_once_every_file_is_synced(tmp_path, monkeypatch
     assert_same_bits(load_checkpoint(directory), states[2])
 
 
+@pytest.mark.parametrize("rate", [0.5, 0.2, 0.07, 0.05, 0.02, 0.01, 0.001, 1e-5])
+def test_spread_changes_take_at_most_the_estimated_image_bytes(rate):
+    """The estimate that decides whether a version keeps its images holds for changes at
+    random positions, in records as large as the writer's chunks: gaps of the kind it
+    counts hold the longest gap."""
+    from dcr_log.receiver.journal_entries import encode_wal_image
+
+    rng = np.random.default_rng(int(rate * 1e6))
+    for n in (1 << 12, 1 << 16, 1 << 22):
+        where = np.flatnonzero(rng.random(n) < rate)
+        if where.size < 2:
+            continue
+        words = np.zeros(where.size, np.uint16)
+        taken = len(encode_wal_image("w", where, words)) - len(encode_wal_image("w", where[:0], words[:0]))
+        assert taken - 8 <= batch_module.wal_image_spread_bytes(where.size, n, 2), (n, where.size)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_version_keeps_its_images_by_the_bytes_its_gaps_take(tmp_path, monkeypatch, kept):
+    """A version changing a fifth of its words, spread: its images take 1-byte gaps and the
+    words (3 bytes a change), half what 4-byte positions would. With a budget between the
+    two it keeps them (the files stay unsynced, and a power loss loses nothing); below the
+    smaller, its batches are synced as they are written."""
+    rng = np.random.default_rng(11)
+    state = make_state(rng, {"w": ("BF16", (200, 100))})
+    new = {"w": change_words(rng, state["w"], 0.2)}
+    writer = LogWriter.create(tmp_path / "log", state)
+    changed = writer.append(new).stats.changed_elements
+    log = DeltaLog.open(tmp_path / "log")
+    model = PowerLossModel(monkeypatch, seed=2)
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    write_checkpoint(state, directory)
+    with Receiver.open(directory) as rx:
+        rx.bind(log, 0)
+    model.lose_power(directory)  # bound and on disk
+    budget = changed * (9 if kept else 5) // 2  # the model's quarter (10 KB) is below both
+    monkeypatch.setattr(batch_module, "WAL_MIN_BYTES", budget)
+    with Receiver.open(directory) as rx:
+        assert rx.apply(log) == [1]
+        held = rx.journal.wal_bytes()
+    if kept:
+        assert 0 < held <= budget and model.unsynced_pages(directory) > 0
+    else:
+        assert held == 0 and model.unsynced_pages(directory) == 0
+    model.lose_power(directory)
+    with Receiver.open(directory) as rx:
+        assert rx.apply(log) == []
+    assert_same_bits(load_checkpoint(directory), {"w": new["w"]})
+
+
 def test_images_restore_only_after_a_restart(tmp_path, monkeypatch, logged):
     """In the boot that wrote them the page cache holds the words: opening reads no image.
     After a restart every image is checked and the differing words written back."""

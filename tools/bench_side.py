@@ -187,7 +187,7 @@ from timing import Pairing, Sample, machine, machine_line, paired  # noqa: E402
 
 from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
-from dcr_log.receiver.batch import wal_budget, wal_image_bytes, wal_image_min_bytes  # noqa: E402
+from dcr_log.receiver.batch import wal_budget, wal_image_min_bytes, wal_image_spread_bytes  # noqa: E402
 from dcr_log.state import to_torch  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
 
@@ -482,7 +482,7 @@ def follow_versions(elements: int, changed: int, repeats: int) -> tuple[int, int
     The images are counted at their smallest (1-byte gaps), so that the fill surely ends
     within these versions (time_checkpoint_follow sees where it does)."""
     budget = wal_budget(2 * elements)
-    if not 0 < wal_image_bytes(changed, 2) <= budget:
+    if not 0 < wal_image_spread_bytes(changed, elements, 2) <= budget:
         return repeats, 0
     fill = budget // wal_image_min_bytes(changed, 2) + 2
     return fill + repeats, fill

@@ -532,8 +532,9 @@ class Receiver:
         about the bytes they take with its changes spread evenly (1-byte gaps at 10%
         changed). A version whose images would outgrow the budget alone is synced batch by
         batch instead: at 20% of a bf16 model they are 30% of the file, which a sync writes
-        anyway. (At 10% of 512 MiB, keeping them made a new receiver's apply 1.4x as fast:
-        tools/bench_apply.py --gib 0.5 --receivers ckpt --rates 0.10.)"""
+        anyway. (At 10% of 512 MiB, keeping them made a new receiver's apply 1.3-1.4x as
+        fast: tools/bench_apply.py --gib 0.5 --reps 5 --receivers ckpt --verify sample
+        --rates 0.10,0.07.)"""
         layout = self.storage.layout()
         budget = wal_budget(sum(numel(shape) * DTYPE_WIDTH[dtype] for dtype, shape in layout.values()))
         width = max((DTYPE_WIDTH[t.dtype] for t in commit.tensors), default=1)

@@ -12,6 +12,7 @@ from helpers import change_words, make_state
 
 from dcr_log import LogWriter
 from dcr_log.cli import main
+from dcr_log.write.baseline import BaselineCache
 from dcr_log.write.cache import cached_logs
 
 SPEC = {"w": ("BF16", (32, 17)), "b": ("F32", (9,))}
@@ -78,3 +79,31 @@ def test_cache_rm_and_prune_all(tmp_path, capsys):
     assert rc == 0 and len(rows[0]["removed"]) == 1 and (tmp_path / "y").exists(), err
     rc, rows, err = dcr(capsys, "cache", "prune", "--all", "--cache", cache)
     assert rc == 0 and len(rows[0]["removed"]) == 1 and list(cache.iterdir()) == [], err
+
+
+def test_a_cache_a_writer_holds_is_never_removed(tmp_path, capsys, monkeypatch):
+    """An append holds its log's cache (it reads and writes the baseline files): eviction by
+    another writer, ``prune --all`` and ``rm`` leave that cache whole, and remove it once
+    the hold is gone."""
+    rng = np.random.default_rng(3)
+    cache = tmp_path / "cache"
+    for name in ("x", "y"):
+        LogWriter.create(tmp_path / name, make_state(rng, SPEC), cache_dir=cache).close()
+    x, y = (next(c for c in cached_logs(cache) if c.local == str(tmp_path / name)) for name in ("x", "y"))
+    files = {p: p.read_bytes() for p in y.dir.rglob("*") if p.is_file()}
+    hold = BaselineCache(cache, y.log_id, y.url, tmp_path / "y").hold(0)
+    assert hold is not None
+    rc, rows, err = dcr(capsys, "cache", "prune", "--all", "--cache", cache)
+    assert rc == 0 and rows[0]["removed"] == [str(x.dir)], err
+    assert [c.dir for c in cached_logs(cache)] == [y.dir]
+    rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "y", "--cache", cache)
+    assert rc == 2 and "in use" in json.loads(err)["error"], err
+    monkeypatch.setenv("DCR_CACHE_MAX_BYTES", "1")  # z's create evicts every other cache it may
+    LogWriter.create(tmp_path / "z", make_state(rng, SPEC), cache_dir=cache).close()
+    assert {c.local for c in cached_logs(cache)} == {str(tmp_path / "y"), str(tmp_path / "z")}
+    assert {p: p.read_bytes() for p in y.dir.rglob("*") if p.is_file()} == files
+    hold.close()
+    rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "y", "--cache", cache)
+    assert rc == 0 and rows[0]["removed"] == [str(y.dir)], err
+    assert [c.local for c in cached_logs(cache)] == [str(tmp_path / "z")]
+    assert [p.name for p in cache.iterdir()] == [c.dir.name for c in cached_logs(cache)]  # nothing left aside

@@ -55,7 +55,8 @@ def prune_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", h
               everything: bool = typer.Option(False, "--all", help="remove every cache, not only those of logs gone"),
               as_json: bool = json_option()) -> None:
     """Remove the caches of logs that are gone (a local log deleted or replaced; a cache of an
-    older layout), or with --all every cache. A cache only saves a replay: nothing is lost."""
+    older layout), or with --all every cache. A cache only saves a replay: nothing is lost.
+    One that a writer's append is using is left."""
     from dcr_log.write.cache import prune
 
     root = _root(cache)
@@ -69,19 +70,19 @@ def prune_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", h
 def rm_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory or URL"),
            cache: str | None = typer.Option(None, "--cache", metavar="DIR", help=ROOT_HELP),
            as_json: bool = json_option()) -> None:
-    """Remove LOG's caches (the log itself is not touched)."""
-    import shutil
-
+    """Remove LOG's caches (the log itself is not touched), but not while a writer's append
+    uses one."""
     from dcr_log.store import Store
-    from dcr_log.write.cache import caches_of
+    from dcr_log.write.cache import caches_of, remove_unheld
 
     root = _root(cache)
     url = Store.url_of(log)
-    removed = list(caches_of(root, url))
-    if not removed:
+    found = list(caches_of(root, url))
+    if not found:
         raise UsageError(f"no cache of {url} under {root}")
-    for c in removed:
-        shutil.rmtree(c.dir, ignore_errors=True)
+    removed = [c for c in found if remove_unheld(c.dir)]
+    if not removed:
+        raise UsageError(f"the cache of {url} under {root} is in use by a writer's append: not removed")
     freed = sum(c.bytes for c in removed)
     say_result(as_json, {"log": url, "removed": [str(c.dir) for c in removed], "bytes": freed},
                f"removed the cache of {url} ({freed} bytes)")

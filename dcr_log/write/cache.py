@@ -11,15 +11,19 @@ Bounded: after a writer writes a new baseline file, the least recently used cach
 logs are removed until the root holds at most the cap: ``$DCR_CACHE_MAX_BYTES``, else twice the
 largest cache (each writer keeps one copy of its model, so the default holds the model in use
 and one other). A cache never decides correctness (every word is checked against the log's
-digests before use), so removing one costs only a replay.
+digests before use), so removing one costs only a replay. A cache a writer holds (an append
+in progress reads and writes its files) is never removed: eviction, ``prune`` and ``rm`` pass it
+by.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,9 +126,39 @@ def cap_bytes(logs: list[CachedLog]) -> int:
     return 2 * max((c.bytes for c in logs), default=0)
 
 
+def remove_unheld(log_dir: Path) -> bool:
+    """Remove a log's cache unless a writer holds it (the flock on one of its ranks'
+    ``r<rank>.lock``, BaselineCache.hold); whether it was removed. Every rank's lock is taken
+    while the directory is renamed aside, so a writer that asks for its hold meanwhile goes
+    without the cache, and one that comes after makes a new directory; the renamed one (a
+    dot name, which ``prune`` removes if this is interrupted) is removed after."""
+    locks = []
+    try:
+        for path in sorted(log_dir.glob("r*.lock")):
+            try:
+                lock = open(path, "ab")
+            except OSError:
+                return False
+            locks.append(lock)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # held: an append is using it
+        aside = log_dir.with_name(f".removed-{uuid.uuid4().hex}")
+        try:
+            os.rename(log_dir, aside)
+        except OSError:
+            return False
+    finally:
+        for lock in locks:
+            lock.close()
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
 def evict(root: Path, keep: Path) -> list[CachedLog]:
-    """Remove the least recently used caches (never ``keep``, the one in use) until the root
-    holds at most the cap; returns what was removed."""
+    """Remove the least recently used caches (never ``keep``, the one in use, nor one another
+    writer holds) until the root holds at most the cap; returns what was removed."""
     logs = cached_logs(root)
     cap = cap_bytes(logs)
     total = sum(c.bytes for c in logs)
@@ -132,9 +166,8 @@ def evict(root: Path, keep: Path) -> list[CachedLog]:
     for c in logs:
         if total <= cap:
             break
-        if c.dir == keep:
+        if c.dir == keep or not remove_unheld(c.dir):
             continue
-        shutil.rmtree(c.dir, ignore_errors=True)
         total -= c.bytes
         removed.append(c)
     return removed
@@ -160,11 +193,11 @@ def _log_is_gone(c: CachedLog) -> bool:
 
 
 def prune(root: Path, everything: bool = False) -> list[CachedLog]:
-    """Remove the caches of logs that are gone (or every cache): returns what was removed."""
+    """Remove the caches of logs that are gone (or every cache) but those a writer holds:
+    returns what was removed."""
     removed: list[CachedLog] = []
     for c in cached_logs(root):
-        if everything or _log_is_gone(c):
-            shutil.rmtree(c.dir, ignore_errors=True)
+        if (everything or _log_is_gone(c)) and remove_unheld(c.dir):
             removed.append(c)
     return removed
 

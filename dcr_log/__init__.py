@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports eac
     from dcr_log.errors import (
         AlreadyExists,
         AppendAborted,
+        CacheWarning,
         CollectiveFailed,
         CommitConflict,
         CommitStateUnknown,
@@ -53,7 +54,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports eac
 _ERRORS = (
     "DcrError", "UsageError", "PlacementError", "LayoutError", "IntegrityError", "WrongSize", "LineageError",
     "CommitConflict", "NotFoundError", "ExpiredError", "CommitStateUnknown", "AppendAborted", "CollectiveFailed",
-    "StoreError", "AlreadyExists", "TrustError", "ReplicaMismatch", "Interrupted",
+    "StoreError", "AlreadyExists", "TrustError", "ReplicaMismatch", "Interrupted", "CacheWarning",
 )
 
 # name -> the submodule that defines it
@@ -67,8 +68,8 @@ _LAZY = {
 }
 
 __all__ = [  # sorted; the names of _LAZY (tests/test_api_habits.py checks both ways)
-    "AlreadyExists", "AppendAborted", "CollectiveFailed", "CommitConflict", "CommitStateUnknown", "DcrError",
-    "DeltaLog", "ExpiredError", "Group", "IntegrityError", "Interrupted", "LayoutError", "LineageError",
+    "AlreadyExists", "AppendAborted", "CacheWarning", "CollectiveFailed", "CommitConflict", "CommitStateUnknown",
+    "DcrError", "DeltaLog", "ExpiredError", "Group", "IntegrityError", "Interrupted", "LayoutError", "LineageError",
     "LocalGroup", "LogWriter", "NotFoundError", "PlacementError", "ReplicaMismatch", "SegmentUploader", "Shard",
     "ShardedWriter", "StoreError", "TensorBits", "TorchGroup", "TrustError", "UsageError", "WrongSize", "as_numpy",
     "create_log", "shards_from_module", "state_equal", "to_bits", "to_state",

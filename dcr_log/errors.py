@@ -126,3 +126,8 @@ class AlreadyExists(DcrError):
 class WrongSize(IntegrityError):
     """An object is not of the size its reader was told (a commit record's segment size) or
     exceeds the reader's limit; found from the object's metadata, before its bytes are read."""
+
+
+class CacheWarning(UserWarning):
+    """The writers' baseline cache cannot be used (its directory cannot be made or opened):
+    appends go on without it, each reading its baseline from the log (a replay)."""

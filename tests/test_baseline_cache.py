@@ -487,3 +487,25 @@ def test_an_append_does_not_read_baseline_files_another_append_is_writing(tmp_pa
     s2 = _step(rng, sa)
     LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s2)
     assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(2), s2)
+
+
+def test_a_cache_directory_that_cannot_be_made_is_said(tmp_path):
+    """A cache root under a file: the writer goes on without a cache (each append replays its
+    baseline, to the right bits) and says so with a CacheWarning; dcr says it on one line."""
+    from dcr_log import CacheWarning
+    from dcr_log.checkpoint import save_safetensors
+
+    rng = np.random.default_rng(8)
+    s0 = make_state(rng, SPEC)
+    (tmp_path / "file").write_bytes(b"")
+    cache = tmp_path / "file" / "cache"
+    with pytest.warns(CacheWarning, match="cannot be used"):
+        LogWriter.create(tmp_path / "log", s0, cache_dir=cache).close()
+    s1 = _step(rng, s0)
+    with pytest.warns(CacheWarning, match="read their baseline from the log"):
+        LogWriter.open(tmp_path / "log", cache_dir=cache).append(s1)
+    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(1), s1)
+    save_safetensors(s1, tmp_path / "v1.safetensors")
+    rc, out, err = run_cli("init", tmp_path / "cli", "--from", tmp_path / "v1.safetensors", "--cache", cache)
+    assert rc == 0 and "version 0" in out, err
+    assert err.splitlines() == [err.strip()] and err.startswith("dcr: warning: baseline cache "), err

@@ -11,6 +11,7 @@ import json
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -296,12 +297,19 @@ def signal_outcome(signum: int) -> tuple[int, str | None]:
     return 128 + signum, _interrupted_line(signum)
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library's warning (a baseline cache that cannot be used) on one stderr line."""
+    text = one_line(str(message))
+    err.print(json.dumps({"warning": text}) if _Json.wanted else f"dcr: warning: {text}", markup=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     _LEFT.clear()
     FOLLOW.stop.clear()
     _Outcome.code = None
     _Json.wanted = "--json" in (sys.argv[1:] if argv is None else argv)
-    with _Signals() as signals:
+    with warnings.catch_warnings(), _Signals() as signals:
+        warnings.showwarning = _warning_line
         rc = 0
         try:
             rc = _run(argv)

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,7 @@ from dcr_log.coords import (
     word_dtype,
 )
 from dcr_log.digest import MASK64
-from dcr_log.errors import UsageError
+from dcr_log.errors import CacheWarning, UsageError
 from dcr_log.log.records import decode_record, record_targets, scatter_words
 from dcr_log.log.steps import StepRules
 from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
@@ -106,7 +107,11 @@ class BaselineCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             f = open(self.dir / f"r{rank}.lock", "ab")
-        except OSError:
+        except OSError as exc:
+            # Said, not raised: the append goes on, but every one replays its baseline.
+            warnings.warn(CacheWarning(f"baseline cache {self.dir} cannot be used "
+                                       f"({exc.strerror or exc}): appends read their baseline from the log"),
+                          stacklevel=3)
             return None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

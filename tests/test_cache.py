@@ -94,7 +94,7 @@ def test_a_cache_a_writer_holds_is_never_removed(tmp_path, capsys, monkeypatch):
     hold = BaselineCache(cache, y.log_id, y.url, tmp_path / "y").hold(0)
     assert hold is not None
     rc, rows, err = dcr(capsys, "cache", "prune", "--all", "--cache", cache)
-    assert rc == 0 and rows[0]["removed"] == [str(x.dir)], err
+    assert rc == 0 and rows[0]["removed"] == [str(x.dir)] and rows[0]["in_use"] == [str(y.dir)], err
     assert [c.dir for c in cached_logs(cache)] == [y.dir]
     rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "y", "--cache", cache)
     assert rc == 2 and "in use" in json.loads(err)["error"], err

@@ -60,10 +60,12 @@ def prune_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", h
     from dcr_log.write.cache import prune
 
     root = _root(cache)
-    removed = prune(root, everything)
+    removed, held = prune(root, everything)
     freed = sum(c.bytes for c in removed)
-    say_result(as_json, {"root": str(root), "removed": [str(c.dir) for c in removed], "bytes": freed},
-               f"removed {len(removed)} caches ({freed} bytes) under {root}")
+    left = f"; {len(held)} in use by a writer's append, left" if held else ""
+    say_result(as_json, {"root": str(root), "removed": [str(c.dir) for c in removed], "bytes": freed,
+                         "in_use": [str(c.dir) for c in held]},
+               f"removed {len(removed)} caches ({freed} bytes) under {root}{left}")
 
 
 @command(cache_app, "rm")

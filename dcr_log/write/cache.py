@@ -192,14 +192,15 @@ def _log_is_gone(c: CachedLog) -> bool:
         return False
 
 
-def prune(root: Path, everything: bool = False) -> list[CachedLog]:
+def prune(root: Path, everything: bool = False) -> tuple[list[CachedLog], list[CachedLog]]:
     """Remove the caches of logs that are gone (or every cache) but those a writer holds:
-    returns what was removed."""
+    returns what was removed, and what was left because a writer holds it."""
     removed: list[CachedLog] = []
+    held: list[CachedLog] = []
     for c in cached_logs(root):
-        if (everything or _log_is_gone(c)) and remove_unheld(c.dir):
-            removed.append(c)
-    return removed
+        if everything or _log_is_gone(c):
+            (removed if remove_unheld(c.dir) else held).append(c)
+    return removed, held
 
 
 def caches_of(root: Path, url: str) -> Iterator[CachedLog]:

@@ -147,6 +147,8 @@ def test_spread_changes_take_at_most_the_estimated_image_bytes(rate):
         if where.size < 2:
             continue
         words = np.zeros(where.size, np.uint16)
+        # The image's positions and words (an empty image is its header), less the first
+        # position's 8 bytes, which the estimate leaves out.
         taken = len(encode_wal_image("w", where, words)) - len(encode_wal_image("w", where[:0], words[:0]))
         assert taken - 8 <= batch_module.wal_image_spread_bytes(where.size, n, 2), (n, where.size)
 

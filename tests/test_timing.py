@@ -170,14 +170,16 @@ def test_phases_records_each_call_by_thread_and_puts_the_functions_back(capsys):
 def test_reports_name_the_machine_and_its_vector_paths():
     """Speeds per change differ 2-4x between an AVX-512 and an AVX2-only machine: reports say
     which ran, and which path the change pass took there."""
-    from dcr_log import native
+    from dcr_log import _rans, native
 
     info = timing.machine()
     assert isinstance(info["cpu"], str) and info["cpu"] and info["cpus"] >= 1
     assert set(info["vector_flags"]) <= set(timing.VECTOR_FLAGS)
     paths = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
     assert info["change_pass"] == paths[max(native.changes.FIND_PATHS)]
+    assert info["rans_coder"] == paths[max(_rans.CODER_PATHS)]
     if info["change_pass"] == "AVX-512":
         assert "avx512_vbmi2" in info["vector_flags"]
     line = timing.machine_line(info)
-    assert info["cpu"] in line and info["change_pass"] in line
+    assert info["cpu"] in line and f"change pass {info['change_pass']}" in line
+    assert f"rANS coder {info['rans_coder']}" in line

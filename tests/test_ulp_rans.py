@@ -7,7 +7,10 @@ coder written from the spec (tools/rans_spec.py), byte for byte and check for ch
 - damaged payloads (a bit flipped, bytes cut, added or replaced): the C decoder accepts
   exactly those the spec's decoder accepts, with the same values; it never writes outside
   its outputs (the outputs are guarded);
-- one test per reader check, each on a payload that breaks only that rule.
+- one test per reader check, each on a payload that breaks only that rule;
+- every one of these on each path of the C coder that the CPU can take (scalar, AVX2,
+  AVX-512: dcr_log._rans.CODER_PATHS), which write the same payloads and read the same
+  values.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.cpu import x86_flags
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -31,28 +35,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import rans_spec  # noqa: E402
 
 WIDTHS = (1, 2, 4, 8)
+PATHS = _rans.CODER_PATHS  # 0 scalar, 1 AVX2, 2 AVX-512: those this CPU has
 
 
 def word(width: int) -> np.dtype:
     return np.dtype(f"<u{width}")
 
 
-def c_encode(positions: np.ndarray, base: np.ndarray, new: np.ndarray) -> bytes:
+def c_encode(positions: np.ndarray, base: np.ndarray, new: np.ndarray, path: int = PATHS[-1]) -> bytes:
+    """The payload, the same on every path (checked here)."""
     k = positions.size
     out = np.empty(_rans.bound(k), np.uint8)
     scratch = np.empty(_rans.scratch(k), np.uint8)
-    size = _rans.encode(positions.astype(np.int64), base, new, base.itemsize, out, scratch)
-    return out[:size].tobytes()
+    payloads = set()
+    for p in PATHS if path is None else (path,):
+        payloads.add(out[:_rans.encode(positions.astype(np.int64), base, new, base.itemsize, out, scratch,
+                                       p)].tobytes())
+    assert len(payloads) == 1
+    return payloads.pop()
 
 
-def c_decode(payload: bytes, n: int, k: int, width: int):
+def c_decode_path(payload: bytes, n: int, k: int, width: int, path: int):
     """(code, positions, distances); the outputs sit between guard words that must survive."""
     guard = 0x5A
     pos = np.full(k + 2, guard, np.int64)
     dist = np.full(k + 16, guard, word(width))
-    code = _rans.decode(payload, n, k, width, pos[1:-1], dist[8:-8])
+    code = _rans.decode(payload, n, k, width, pos[1:-1], dist[8:-8], path)
     assert (pos[[0, -1]] == guard).all() and (dist[:8] == guard).all() and (dist[-8:] == guard).all()
     return code, pos[1:-1], dist[8:-8]
+
+
+def c_decode(payload: bytes, n: int, k: int, width: int):
+    """c_decode_path on every path: the same code, and on success the same values."""
+    results = [c_decode_path(payload, n, k, width, path) for path in PATHS]
+    code, pos, dist = results[-1]
+    for other_code, other_pos, other_dist in results[:-1]:
+        assert other_code == code
+        if code == 0:
+            assert np.array_equal(other_pos, pos) and np.array_equal(other_dist, dist)
+    return code, pos, dist
 
 
 def spec_decode(payload: bytes, n: int, k: int, width: int):
@@ -106,7 +127,7 @@ def records(draw, max_k: int = 200):
 @given(records())
 def test_c_and_spec_coders_agree_byte_for_byte(record):
     n, positions, base, new, width = record
-    payload = c_encode(positions, base, new)
+    payload = c_encode(positions, base, new, None)
     spec = rans_spec.encode(positions.tolist(), base.astype(np.uint64).tolist(), new.astype(np.uint64).tolist(),
                             width)
     assert payload == spec
@@ -121,10 +142,10 @@ def test_c_and_spec_coders_agree_byte_for_byte(record):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(records(max_k=4000), st.integers(0, 5), st.integers(0, 1 << 30), st.integers(0, 1 << 30))
 def test_long_records_agree_intact_and_damaged(record, how, where, value):
-    """Records of thousands of changes: the C coder's vector passes (where the CPU has
-    AVX-512; their blocks of 8 changes, and the scalar blocks beside them) against the spec's."""
+    """Records of thousands of changes: the C coder's vector passes (those the CPU has; their
+    blocks of 4 or 8 changes, and the scalar blocks beside them) against the spec's."""
     n, positions, base, new, width = record
-    payload = c_encode(positions, base, new)
+    payload = c_encode(positions, base, new, None)
     spec = rans_spec.encode(positions.tolist(), base.astype(np.uint64).tolist(), new.astype(np.uint64).tolist(),
                             width)
     assert payload == spec
@@ -169,7 +190,7 @@ def test_damaged_payloads_are_refused_exactly_as_the_spec_says(record, how, wher
     read the same positions and distances from it (a flipped extra bit is still a valid
     payload: the record's digests catch it, as for every encoding)."""
     n, positions, base, new, width = record
-    damaged = _mutate(c_encode(positions, base, new), how, where, value)
+    damaged = _mutate(c_encode(positions, base, new, None), how, where, value)
     k = positions.size
     code, pos, dist = c_decode(damaged, n, k, width)
     spec = spec_decode(damaged, n, k, width)
@@ -194,7 +215,7 @@ def _sample(width: int = 2, k: int = 50, n: int = 4000, seed: int = 1):
     positions = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
     base = rng.integers(0x3C00, 0x3E00, k).astype(word(width))
     d = rng.choice([-2, -1, 1, 1, 2, 700], k).astype(np.int64)
-    new = step_from(base, (d % (1 << (8 * width))).astype(word(width)))
+    new = step_from(base, (d.astype(object) % (1 << (8 * width))).astype(np.uint64).astype(word(width)))
     return n, positions, base, new
 
 
@@ -215,6 +236,7 @@ def _refused(payload: bytes, n: int, k: int, width: int = 2, match: str | None =
     with pytest.raises(IntegrityError, match=match):
         decode_changes("xor", "ulp-rans", {}, payload, n, k, word(width))
     assert spec_decode(payload, n, k, width) is None
+    assert c_decode(payload, n, k, width)[0] != 0  # on every path
 
 
 def test_a_valid_sample_reads_back():
@@ -298,6 +320,12 @@ def test_refuses_gaps_past_the_box():
     last = int(positions[-1])
     _refused(payload, last, positions.size, match="beyond the box")  # the last position is n
     assert decode_changes("xor", "ulp-rans", {}, payload, last + 1, positions.size, word(2)).k == positions.size
+    # A record of thousands: the first position past the box lies in a vector block (the
+    # blocks near the stream's end take the scalar pass), its gap still within the box.
+    n, positions, base, new = _sample(k=3000, n=40000)
+    payload = c_encode(positions, base, new)
+    for cut in (1000, 1001, 1002, 1003):
+        _refused(payload, int(positions[cut]), positions.size, match="beyond the box")
 
 
 def test_refuses_a_distance_wider_than_the_word():
@@ -311,6 +339,29 @@ def test_refuses_a_distance_wider_than_the_word():
                                                                                           np.uint8)))
     got = decode_changes("xor", "ulp-rans", {}, one, 40, positions.size, word(1))
     assert (got.values == 0x80).all()  # -128: the widest 1-byte distance reads back
+    # One distance past a 2-byte word among thousands (in a vector block: the blocks near the
+    # stream's end take the scalar pass).
+    n, positions, base, new = _sample(width=4, k=3000, n=40000)
+    new[1000] = step_from(base[1000:1001], np.array([1 << 20], np.uint32))[0]
+    _refused(c_encode(positions, base, new), n, positions.size, width=2, match="does not fit the word")
+
+
+def test_refuses_a_position_past_the_box_whose_sum_wraps_back():
+    """Positions past the box (each gap within it) in vector blocks, after which the sums wrap
+    past 2^64 back into the box: only those blocks' position checks can refuse them. (The
+    vector passes take gaps of up to 53 extra bits: 257 gaps of 2^56 - 1 go past 2^64.)"""
+    n = (1 << 63) - 1  # the largest box a reader takes
+    positions = [10 * i for i in range(1000)]
+    for _ in range(257):
+        positions.append(positions[-1] + (1 << 56))
+    assert positions[-1] % (1 << 64) < n < max(positions[:-1])
+    positions += [positions[-1] + 10 * (i + 1) for i in range(2000)]
+    k = len(positions)
+    rng = np.random.default_rng(5)
+    base = rng.integers(0x3C00, 0x3E00, k).astype(np.uint16)
+    new = step_from(base, np.full(k, 1, np.uint16))
+    payload = rans_spec.encode(positions, base.tolist(), new.tolist(), 2)
+    _refused(payload, n, k, match="beyond the box")
 
 
 def test_refuses_params_and_an_overwrite_record():
@@ -329,14 +380,64 @@ def test_refuses_fewer_changes_than_the_payload_holds():
     _refused(payload, n, positions.size + 1)
 
 
-def test_writer_refuses_what_is_not_a_change_set():
-    n, positions, base, new = _sample()
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_writer_refuses_what_is_not_a_change_set(path, width):
+    """On every path, wherever in a vector block the fault lies: positions out of order, one
+    repeated, a negative first one, or a position whose words are equal."""
+    n, positions, base, new = _sample(width)
+    for at in (0, 1, 2, 3, 5, 8, 13, 47):
+        wrong = positions.copy()
+        wrong[at], wrong[at + 1] = wrong[at + 1], wrong[at]
+        with pytest.raises(ValueError, match="increasing"):
+            c_encode(wrong, base, new, path)
+        wrong = positions.copy()
+        wrong[at + 1] = wrong[at]
+        with pytest.raises(ValueError, match="increasing"):
+            c_encode(wrong, base, new, path)
+        same = new.copy()
+        same[at] = base[at]
+        with pytest.raises(ValueError, match="equal"):
+            c_encode(positions, base, same, path)
+    wrong = positions.copy()
+    wrong[0] = -1
     with pytest.raises(ValueError, match="increasing"):
-        c_encode(positions[::-1].copy(), base, new)
-    same = new.copy()
-    same[3] = base[3]
-    with pytest.raises(ValueError, match="equal"):
-        c_encode(positions, base, same)
+        c_encode(wrong, base, new, path)
+    with pytest.raises(ValueError, match="path"):
+        c_encode(positions, base, new, -1)
+    with pytest.raises(ValueError, match="path"):
+        _rans.decode(c_encode(positions, base, new), n, positions.size, width, np.empty(positions.size, np.int64),
+                     np.empty(positions.size, word(width)), -1)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_far_gaps_and_long_extra_bits_agree_with_the_spec(width):
+    """The blocks the AVX2 pass hands to the scalar steps: gaps of 2^52 and more (beyond what
+    its bit lengths are exact for), and changes of more than 56 extra bits (a far gap and a
+    far distance), each beside ordinary changes in the same block of 4."""
+    rng = np.random.default_rng(width)
+    bits = 8 * width
+    gaps = rng.choice([0, 1, 5, 300, (1 << 40) + 7, (1 << 52) - 2, (1 << 52) - 1, 1 << 52, (1 << 53) + 3], 64)
+    positions = np.cumsum(gaps + 1) - 1
+    k = positions.size
+    base = rng.integers(0, 1 << bits, k, dtype=np.uint64).astype(word(width))
+    d = rng.choice([1, -1, 3, (1 << (bits - 2)) - 1, -(1 << (bits - 2))], k)
+    new = step_from(base, (d.astype(object) % (1 << bits)).astype(np.uint64).astype(word(width)))
+    payload = c_encode(positions, base, new, None)
+    assert payload == rans_spec.encode(positions.tolist(), base.astype(np.uint64).tolist(),
+                                       new.astype(np.uint64).tolist(), width)
+    code, pos, dist = c_decode(payload, int(positions[-1]) + 1, k, width)
+    assert code == 0 and np.array_equal(pos, positions) and np.array_equal(dist, ulp_distance(base, new))
+
+
+def test_the_coder_paths_are_there_for_the_cpu():
+    """On x86-64 the coder's vector passes are built, and picked for the CPU's flags: AVX2
+    (with BMI2) 1, AVX-512 (F, BW, VL, DQ, CD) 2."""
+    assert PATHS[0] == 0 and list(PATHS) == list(range(len(PATHS)))
+    flags = x86_flags()
+    if flags:
+        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "bmi2"} <= flags
+        assert PATHS[-1] == (2 if avx512 else 1 if {"avx2", "bmi2"} <= flags else 0)
 
 
 def test_a_bin_of_frequency_one():

@@ -10,6 +10,10 @@ pair, default 4 Mi, one record's box), in one process:
   ``ulp-rans``, and ``ulp`` at each of ``--levels`` (pcodec levels), with the encode and
   decode speed of both ulp encodings in M changes/s (one thread, the fastest of
   ``--repeats``: no baseline);
+- the ulp-rans C coder alone on each vector path this CPU has (dcr_log._rans.CODER_PATHS:
+  AVX2, AVX-512), each call paired with one on the scalar path: ns per change of both and
+  the median pair's speed-up, after checking that every path writes the same payload and
+  reads the same changes back;
 - the pcodec files against the empirical entropy of what they hold (gaps, distances);
 - where the ``constriction`` package is installed (it is not a dependency), a static rANS
   coder of ulp's symbols (gap and zigzagged distance, each as one categorical), for
@@ -86,6 +90,38 @@ def rans_row(gaps: np.ndarray, distances: np.ndarray, k: int, repeats: int) -> d
     return {"bits_per_change": words.nbytes * 8 / k, "decode_msym_s": 2 * k / seconds / 1e6}
 
 
+RANS_PATH_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
+
+
+def rans_path_rows(positions: np.ndarray, base: np.ndarray, new: np.ndarray, n: int, repeats: int) -> dict:
+    """The C coder's vector paths against its scalar one on one record (tables included)."""
+    from dcr_log import _rans
+
+    k, width = positions.size, base.itemsize
+    out = np.empty(_rans.bound(k), np.uint8)
+    scratch = np.empty(_rans.scratch(k), np.uint8)
+    pos, dist = np.empty(k, np.int64), np.empty(k, base.dtype)
+    payloads = {}
+    for path in _rans.CODER_PATHS:
+        payloads[path] = out[:_rans.encode(positions, base, new, width, out, scratch, path)].tobytes()
+        if _rans.decode(payloads[path], n, k, width, pos, dist, path) != 0 or not np.array_equal(pos, positions):
+            raise SystemExit(f"the {RANS_PATH_NAMES[path]} path does not read its payload back")
+    if len(set(payloads.values())) != 1:
+        raise SystemExit("the coder's paths wrote different payloads")
+    payload = payloads[0]
+    rows = {}
+    for path in _rans.CODER_PATHS[1:]:
+        enc = paired(lambda path=path: _rans.encode(positions, base, new, width, out, scratch, path),
+                     lambda: _rans.encode(positions, base, new, width, out, scratch, 0), repeats)
+        dec = paired(lambda path=path: _rans.decode(payload, n, k, width, pos, dist, path),
+                     lambda: _rans.decode(payload, n, k, width, pos, dist, 0), repeats)
+        rows[RANS_PATH_NAMES[path]] = {
+            "encode_ns": enc.op_wall / k * 1e9, "scalar_encode_ns": enc.baseline_wall / k * 1e9,
+            "encode_speedup": 1 / enc.ratio, "decode_ns": dec.op_wall / k * 1e9,
+            "scalar_decode_ns": dec.baseline_wall / k * 1e9, "decode_speedup": 1 / dec.ratio}
+    return rows
+
+
 def codec_rows(rates: list[float], n: int, levels: list[int], repeats: int, seed: int) -> list[dict]:
     pair = adam_step_pair(n, seed, tuple(lr_for_rate(r) for r in rates))
     base, rows = pair[0], []
@@ -120,6 +156,7 @@ def codec_rows(rates: list[float], n: int, levels: list[int], repeats: int, seed
         decode_s = fastest(lambda: rans.decode("xor", params, payload, n, k, np.dtype("<u2")), repeats).wall
         row["ulp_rans"] = {"bits_per_change": len(payload) * 8 / k,
                            "encode_mchg_s": k / encode_s / 1e6, "decode_mchg_s": k / decode_s / 1e6}
+        row["ulp_rans_paths"] = rans_path_rows(positions, b, v, n, repeats)
         row["constriction"] = rans_row(gaps, distances, k, repeats)
         rows.append(row)
     return rows
@@ -186,6 +223,10 @@ def print_report(report: dict) -> None:
         u = r["ulp_rans"]
         print(f"  ulp-rans: {u['bits_per_change']:.2f}; encode {u['encode_mchg_s']:.0f}, decode "
               f"{u['decode_mchg_s']:.0f} M changes/s")
+        for name, p in r["ulp_rans_paths"].items():
+            print(f"  ulp-rans C coder, {name} against scalar: encode {p['encode_ns']:.2f} against "
+                  f"{p['scalar_encode_ns']:.2f} ns a change ({p['encode_speedup']:.2f} x), decode "
+                  f"{p['decode_ns']:.2f} against {p['scalar_decode_ns']:.2f} ({p['decode_speedup']:.2f} x)")
         if r["constriction"]:
             print(f"  rANS (constriction): {r['constriction']['bits_per_change']:.2f} bits/change, decode "
                   f"{r['constriction']['decode_msym_s']:.0f} M symbols/s")

@@ -149,16 +149,17 @@ def fastest(fn: Callable[[], Any], repeats: int, clock: Clock = CLOCK) -> Sample
     return Sample(best.wall, best.cpu)
 
 
-# The vector loops the C kernels pick at run time by the CPU: the change pass and the rANS
-# coder's passes have AVX-512 loops, the change pass and the digests AVX2 ones too. Speeds
-# differ by 2-4x per change between such machines (an AVX-512 Xeon against an AVX2-only
-# EPYC), so every report names the machine it ran on.
+# The vector loops the C kernels pick at run time by the CPU: the change pass, the rANS
+# coder's passes and the digests have AVX2 and AVX-512 loops. Speeds differ by 2-4x per
+# change between such machines (an AVX-512 Xeon against an AVX2-only EPYC), so every report
+# names the machine it ran on.
 VECTOR_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vbmi2", "sha_ni")
 
 
 def machine() -> dict:
-    """The CPU's model, its count, its vector flags that the kernels use, and the change
-    pass's path (dcr_log._changes.FIND_PATHS: 0 scalar, 1 AVX2, 2 AVX-512)."""
+    """The CPU's model, its count, its vector flags that the kernels use, and the paths of the
+    change pass and the rANS coder (dcr_log._changes.FIND_PATHS, dcr_log._rans.CODER_PATHS:
+    0 scalar, 1 AVX2, 2 AVX-512)."""
     import os
     import platform
 
@@ -180,13 +181,19 @@ def machine() -> dict:
         path = None if native.changes is None else max(native.changes.FIND_PATHS)
     except (ImportError, AttributeError):
         path = None
+    try:
+        from dcr_log import _rans
+
+        coder = max(_rans.CODER_PATHS)
+    except (ImportError, AttributeError):
+        coder = None
+    names = {None: "not built", 0: "scalar", 1: "AVX2", 2: "AVX-512"}
     return {"cpu": model, "cpus": os.cpu_count(), "vector_flags": [f for f in VECTOR_FLAGS if f in flags],
-            "change_pass": {None: "not built", 0: "scalar", 1: "AVX2", 2: "AVX-512"}[path]}
+            "change_pass": names[path], "rans_coder": names[coder]}
 
 
 def machine_line(info: dict | None = None) -> str:
     info = info or machine()
     flags = info["vector_flags"]
     return (f"machine: {info['cpu']}, {info['cpus']} CPUs; vector flags {' '.join(flags) or 'none'}; "
-            f"change pass {info['change_pass']}"
-            + ("" if "avx512f" in flags else " (no AVX-512: the rANS coder's vector passes do not run)"))
+            f"change pass {info['change_pass']}, rANS coder {info.get('rans_coder', 'not reported')}")

@@ -331,17 +331,15 @@ static void flush_pending(unsigned char *out, size_t *len, uint64_t acc, unsigne
     }
 }
 
-/* Pass 1 for one word type, change by change: the bins into gbin, dbin, the extra bits into
- * out (its length comes back). Stops at the first error. */
-#define PASS1(T)                                                                     \
-    ARCH_CLONES static int pass1_##T(const int64_t *pos, const unsigned char *b,     \
-                         const unsigned char *w, Py_ssize_t k, unsigned char *gbin,  \
-                         unsigned char *dbin, unsigned char *out, size_t *out_len) { \
-        int64_t prev = -1;                                                           \
-        size_t len = 0;                                                              \
-        uint64_t acc = 0;                                                            \
-        unsigned fill = 0;                                                           \
-        for (Py_ssize_t i = 0; i < k; i++) {                                         \
+/* Pass 1's changes i .. k - 1, one at a time, then the bit writer's last bits: the whole of
+ * the scalar pass, the last changes of the vector ones. Stops at the first error. */
+#define PASS1_REST(T)                                                                \
+    static inline int pass1_rest_##T(const int64_t *pos, const unsigned char *b,     \
+                                     const unsigned char *w, Py_ssize_t i, Py_ssize_t k, \
+                                     unsigned char *gbin, unsigned char *dbin, unsigned char *out, \
+                                     size_t len, uint64_t acc, unsigned fill, size_t *out_len) { \
+        int64_t prev = i ? pos[i - 1] : -1;                                          \
+        for (; i < k; i++) {                                                         \
             int rc = pass1_one_##T(pos[i], &prev, b + sizeof(T) * i, w + sizeof(T) * i, \
                                    gbin + i, dbin + i, out, &len, &acc, &fill);      \
             if (rc != OK)                                                            \
@@ -350,6 +348,20 @@ static void flush_pending(unsigned char *out, size_t *len, uint64_t acc, unsigne
         flush_pending(out, &len, acc, fill);                                         \
         *out_len = len;                                                              \
         return OK;                                                                   \
+    }
+
+PASS1_REST(uint8_t)
+PASS1_REST(uint16_t)
+PASS1_REST(uint32_t)
+PASS1_REST(uint64_t)
+
+/* Pass 1 for one word type, change by change: the bins into gbin, dbin, the extra bits into
+ * out (its length comes back). Stops at the first error. */
+#define PASS1(T)                                                                     \
+    ARCH_CLONES static int pass1_##T(const int64_t *pos, const unsigned char *b,     \
+                         const unsigned char *w, Py_ssize_t k, unsigned char *gbin,  \
+                         unsigned char *dbin, unsigned char *out, size_t *out_len) { \
+        return pass1_rest_##T(pos, b, w, 0, k, gbin, dbin, out, 0, 0, 0, out_len);   \
     }
 
 PASS1(uint8_t)
@@ -446,16 +458,7 @@ static void histogram(const unsigned char *bins, Py_ssize_t k, uint64_t *count) 
         if (unchanged)                                                               \
             return E_UNCHANGED;                                                      \
         /* the last changes, one at a time (the scalar pass's steps) */              \
-        int64_t prevp = i ? pos[i - 1] : -1;                                         \
-        for (; i < k; i++) {                                                         \
-            int rc = pass1_one_##T(pos[i], &prevp, b + sizeof(T) * i, w + sizeof(T) * i, gbin + i, dbin + i, \
-                                   out, &len, &acc, &fill);                          \
-            if (rc != OK)                                                            \
-                return rc;                                                           \
-        }                                                                            \
-        flush_pending(out, &len, acc, fill);                                         \
-        *out_len = len;                                                              \
-        return OK;                                                                   \
+        return pass1_rest_##T(pos, b, w, i, k, gbin, dbin, out, len, acc, fill, out_len); \
     }
 
 #define LOAD8_U16(p) _mm512_cvtepu16_epi64(_mm_loadu_si128((const __m128i *)(const void *)(p)))
@@ -557,16 +560,7 @@ AVX2_TARGET static inline __m256i scan4(__m256i x) {
                 }                                                                    \
             }                                                                        \
         }                                                                            \
-        int64_t prevp = i ? pos[i - 1] : -1;                                         \
-        for (; i < k; i++) {                                                         \
-            int rc = pass1_one_##T(pos[i], &prevp, b + sizeof(T) * i, w + sizeof(T) * i, gbin + i, dbin + i, \
-                                   out, &len, &acc, &fill);                          \
-            if (rc != OK)                                                            \
-                return rc;                                                           \
-        }                                                                            \
-        flush_pending(out, &len, acc, fill);                                         \
-        *out_len = len;                                                              \
-        return OK;                                                                   \
+        return pass1_rest_##T(pos, b, w, i, k, gbin, dbin, out, len, acc, fill, out_len); \
     }
 
 #define LOAD4_U16(p) _mm256_cvtepu16_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(p)))

@@ -8,9 +8,9 @@
  * changes at a time, with AVX2 4: on bf16 Adam steps at 1-10% changed, on a Zen 3 EPYC,
  * encode took 7.0-7.6 ns a change against the scalar passes' 8.7-9.3 (1.19-1.23x), decode
  * 7.5-7.6 against 8.2-8.3 (1.08-1.10x) (tools/bench_codec.py --rates 0.01 0.03 0.10
- * --repeats 15, its coder rows). Against pcodec (the `ulp` encoding's coder, which searches its bins per
- * file) on bf16 Adam steps: 1% smaller, a quarter of the CPU to encode, about as much to
- * decode (tools/bench_codec.py --levels 8).
+ * --repeats 15, its coder rows). Against pcodec (the `ulp` encoding's coder, which searches
+ * its bins per file) on bf16 Adam steps: 1% smaller, a quarter of the CPU to encode, about
+ * as much to decode (tools/bench_codec.py --levels 8).
  *
  * Decoding checks everything it reads: a payload that is not what the spec allows is
  * refused with an error code (IntegrityError in dcr_log.codec.ulp_rans), and every write

@@ -169,7 +169,7 @@ def test_phases_records_each_call_by_thread_and_puts_the_functions_back(capsys):
 
 def test_reports_name_the_machine_and_its_vector_paths():
     """Speeds per change differ 2-4x between an AVX-512 and an AVX2-only machine: reports say
-    which ran, and which path the change pass took there."""
+    which ran, and which paths the change pass and the rANS coder took there."""
     from dcr_log import _rans, native
 
     info = timing.machine()

@@ -156,7 +156,8 @@ def test_small_receiver_timing_applies_and_checks_each_version(tmp_path):
 
 def test_bench_codec_reports_what_the_codec_comments_quote(capsys):
     """tools/bench_codec.py on a small pair: ulp below sparse and below the bound at 1%, level 8
-    below level 2, distances of lower entropy than xor words, every timing positive."""
+    below level 2, distances of lower entropy than xor words, a row for each of the coder's
+    vector paths, every timing positive."""
     import bench_codec
 
     assert bench_codec.main(["--rates", "0.01", "--elements", str(1 << 20), "--levels", "2", "8",
@@ -170,6 +171,12 @@ def test_bench_codec_reports_what_the_codec_comments_quote(capsys):
     rans = row["ulp_rans"]
     assert rans["bits_per_change"] < row["sparse_bits"] and rans["bits_per_change"] < row["bound_bits"]
     assert rans["encode_mchg_s"] > 0 and rans["decode_mchg_s"] > 0
+    # the coder's vector paths against the scalar one, one row per vector path this CPU has
+    from dcr_log import _rans
+
+    paths = row["ulp_rans_paths"]
+    assert sorted(paths) == sorted(bench_codec.RANS_PATH_NAMES[p] for p in _rans.CODER_PATHS[1:])
+    assert all(t > 0 for p in paths.values() for t in p.values())
     assert row["distance_entropy"] < row["xor_entropy"] and row["unit_steps"] > 0.5
     kernels = report["kernels"]
     timings = [kernels["xor_ms"], *kernels["ulp_step_1pct"].values(), *kernels["fresh_fill"].values()]

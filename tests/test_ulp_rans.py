@@ -42,8 +42,8 @@ def word(width: int) -> np.dtype:
     return np.dtype(f"<u{width}")
 
 
-def c_encode(positions: np.ndarray, base: np.ndarray, new: np.ndarray, path: int = PATHS[-1]) -> bytes:
-    """The payload, the same on every path (checked here)."""
+def c_encode(positions: np.ndarray, base: np.ndarray, new: np.ndarray, path: int | None = PATHS[-1]) -> bytes:
+    """The payload on ``path``, or on every path (None), checked to be the same on each."""
     k = positions.size
     out = np.empty(_rans.bound(k), np.uint8)
     scratch = np.empty(_rans.scratch(k), np.uint8)

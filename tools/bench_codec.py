@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import Pairing, fastest, paired  # noqa: E402
 
-from dcr_log import buffers  # noqa: E402
+from dcr_log import _rans, buffers  # noqa: E402
 from dcr_log.codec.base import ChangeSet  # noqa: E402
 from dcr_log.codec.sparse import SparseEncoding  # noqa: E402
 from dcr_log.codec.ulp import UlpEncoding, step_from, step_from_numpy, ulp_distance  # noqa: E402
@@ -95,8 +95,6 @@ RANS_PATH_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
 
 def rans_path_rows(positions: np.ndarray, base: np.ndarray, new: np.ndarray, n: int, repeats: int) -> dict:
     """The C coder's vector paths against its scalar one on one record (tables included)."""
-    from dcr_log import _rans
-
     k, width = positions.size, base.itemsize
     out = np.empty(_rans.bound(k), np.uint8)
     scratch = np.empty(_rans.scratch(k), np.uint8)

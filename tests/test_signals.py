@@ -282,6 +282,31 @@ def test_signal_after_a_failure_adds_no_line(case):
     assert err.startswith("dcr: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("sig", SIGS)
+def test_a_signal_lost_before_the_follow_starts_still_stops_it(case, sig, capsys):
+    """A signal's Interrupted raised where Python cannot raise it (an import's weakref
+    callback) is lost; a follow that starts after it stops at once, as if signalled while
+    following, instead of running until a second signal."""
+    tmp, states = case
+    setup = f"""
+        import time
+        import dcr_log.receiver
+        real = dcr_log.receiver.open_directory
+        def opened(*args, **kwargs):
+            try:
+                os.kill(os.getpid(), signal.{signal.Signals(sig).name})
+                time.sleep(5)
+                raise AssertionError("signal not delivered")
+            except KeyboardInterrupt:
+                pass  # lost
+            return real(*args, **kwargs)
+        dcr_log.receiver.open_directory = opened
+    """
+    rc, out, err = run_entry(tmp, setup, ["apply", tmp / "log", "--receiver", tmp / "rx", "--follow",
+                                          "--interval", "0.05"])
+    _receiver_consistent(tmp, states, interrupted_line(rc, err, sig), capsys)
+
+
 HEAVY = ("numpy", "pyarrow", "typer", "rich", "dcr_log.log", "dcr_log.cli")
 
 

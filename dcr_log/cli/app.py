@@ -241,8 +241,10 @@ class _Signals:
             return  # a second signal while the first one is reported: that report stands
         if first:
             self.signum = signum
-        if first and FOLLOW.active:
+            # A follow, running or still to start, stops: the Interrupted below can be lost
+            # where Python cannot raise it (_unraisable), and a follow would never end.
             FOLLOW.stop.set()
+        if first and FOLLOW.active:
             return
         raise Interrupted(signum)
 

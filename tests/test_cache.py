@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import change_words, make_state
 
-from dcr_log import LogWriter
+from dcr_log import CacheWarning, LogWriter
 from dcr_log.cli import main
 from dcr_log.write.baseline import BaselineCache
 from dcr_log.write.cache import cached_logs
@@ -107,3 +107,43 @@ def test_a_cache_a_writer_holds_is_never_removed(tmp_path, capsys, monkeypatch):
     assert rc == 0 and rows[0]["removed"] == [str(y.dir)], err
     assert [c.local for c in cached_logs(cache)] == [str(tmp_path / "z")]
     assert [p.name for p in cache.iterdir()] == [c.dir.name for c in cached_logs(cache)]  # nothing left aside
+
+
+def test_a_cache_that_cannot_be_removed_is_not_called_in_use(tmp_path, capsys, monkeypatch):
+    """A cache whose lock file cannot be opened (here a directory in its place, which stops
+    root too) or whose directory cannot be moved aside is reported with its cause and exit 6,
+    not as a writer's hold; prune removes the others; eviction warns and leaves it."""
+    rng = np.random.default_rng(5)
+    cache = tmp_path / "cache"
+    for name in ("x", "y"):
+        LogWriter.create(tmp_path / name, make_state(rng, SPEC), cache_dir=cache).close()
+    x, y = (next(c for c in cached_logs(cache) if c.local == str(tmp_path / name)) for name in ("x", "y"))
+    lock = y.dir / "r0.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "y", "--cache", cache)
+    error = json.loads(err)["error"]
+    assert rc == 6 and "r0.lock" in error and "in use" not in error, err
+    rc, rows, err = dcr(capsys, "cache", "prune", "--all", "--cache", cache)
+    assert rc == 6 and rows[0]["removed"] == [str(x.dir)] and rows[0]["in_use"] == [], (rows, err)
+    assert [f["directory"] for f in rows[0]["failed"]] == [str(y.dir)]
+    assert "1 caches could not be removed" in json.loads(err)["error"]
+    assert [c.dir for c in cached_logs(cache)] == [y.dir]
+
+    lock.rmdir()  # now the rename fails (injected: root may rename anything here)
+    import dcr_log.write.cache as cache_module
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied", str(src))
+
+    monkeypatch.setattr(cache_module.os, "rename", refuse)
+    rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "y", "--cache", cache)
+    error = json.loads(err)["error"]
+    assert rc == 6 and "moving it aside" in error and "permission denied" in error, err
+    monkeypatch.setenv("DCR_CACHE_MAX_BYTES", "1")  # z's create would evict y
+    with pytest.warns(CacheWarning, match="permission denied"):
+        LogWriter.create(tmp_path / "z", make_state(rng, SPEC), cache_dir=cache).close()
+    assert {c.local for c in cached_logs(cache)} == {str(tmp_path / "y"), str(tmp_path / "z")}
+    monkeypatch.undo()
+    rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "y", "--cache", cache)
+    assert rc == 0 and rows[0]["removed"] == [str(y.dir)], err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from dcr_log.cli.app import DcrGroup, command, json_option, out, say_result
-from dcr_log.errors import UsageError
+from dcr_log.errors import StoreError, UsageError
 
 cache_app = typer.Typer(cls=DcrGroup, no_args_is_help=True,
                         help="The writers' baseline caches on this machine: list, prune, remove.")
@@ -60,12 +60,17 @@ def prune_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", h
     from dcr_log.write.cache import prune
 
     root = _root(cache)
-    removed, held = prune(root, everything)
+    removed, held, failed = prune(root, everything)
     freed = sum(c.bytes for c in removed)
     left = f"; {len(held)} in use by a writer's append, left" if held else ""
-    say_result(as_json, {"root": str(root), "removed": [str(c.dir) for c in removed], "bytes": freed,
-                         "in_use": [str(c.dir) for c in held]},
-               f"removed {len(removed)} caches ({freed} bytes) under {root}{left}")
+    report = {"root": str(root), "removed": [str(c.dir) for c in removed], "bytes": freed,
+              "in_use": [str(c.dir) for c in held],
+              "failed": [{"directory": str(c.dir), "error": str(e)} for c, e in failed]}
+    line = f"removed {len(removed)} caches ({freed} bytes) under {root}{left}"
+    say_result(as_json, report, line)
+    if failed:  # what was removed stays removed; the exit code and the error line say what was not
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        raise StoreError(f"{len(failed)} caches could not be removed: {failed[0][1]}{more}")
 
 
 @command(cache_app, "rm")
@@ -82,7 +87,7 @@ def rm_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory or 
     found = list(caches_of(root, url))
     if not found:
         raise UsageError(f"no cache of {url} under {root}")
-    removed = [c for c in found if remove_unheld(c.dir)]
+    removed = [c for c in found if remove_unheld(c.dir)]  # StoreError: cannot be removed, and why
     if not removed:
         raise UsageError(f"the cache of {url} under {root} is in use by a writer's append: not removed")
     freed = sum(c.bytes for c in removed)

@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 
 import xxhash
 
-from dcr_log.errors import UsageError
+from dcr_log.errors import CacheWarning, StoreError, UsageError, os_error
 
 LOG_FILE = "log.json"
 MAX_BYTES_ENV = "DCR_CACHE_MAX_BYTES"
@@ -128,27 +129,34 @@ def cap_bytes(logs: list[CachedLog]) -> int:
 
 def remove_unheld(log_dir: Path) -> bool:
     """Remove a log's cache unless a writer holds it (the flock on one of its ranks'
-    ``r<rank>.lock``, BaselineCache.hold); whether it was removed. Every rank's lock is taken
-    while the directory is renamed aside, so a writer that asks for its hold meanwhile goes
-    without the cache, and one that comes after makes a new directory; the renamed one (a
-    dot name, which ``prune`` removes if this is interrupted) is removed after."""
+    ``r<rank>.lock``, BaselineCache.hold): True when it is gone, False when a writer holds it.
+    Every rank's lock is taken while the directory is renamed aside, so a writer that asks for
+    its hold meanwhile goes without the cache, and one that comes after makes a new directory;
+    the renamed one (a dot name, which ``prune`` removes if this is interrupted) is removed
+    after. Raises StoreError when it cannot be removed for another reason (a lock file that
+    cannot be opened or locked, a directory that cannot be renamed), so that such a failure
+    is not reported as a writer's hold."""
     locks = []
     try:
         for path in sorted(log_dir.glob("r*.lock")):
             try:
                 lock = open(path, "ab")
-            except OSError:
-                return False
+            except OSError as e:
+                raise os_error(e, f"cache {log_dir}: opening its lock {path.name}") from None
             locks.append(lock)
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except BlockingIOError:
                 return False  # held: an append is using it
+            except OSError as e:
+                raise os_error(e, f"cache {log_dir}: locking {path.name}") from None
         aside = log_dir.with_name(f".removed-{uuid.uuid4().hex}")
         try:
             os.rename(log_dir, aside)
-        except OSError:
-            return False
+        except FileNotFoundError:
+            return True  # removed meanwhile (another prune)
+        except OSError as e:
+            raise os_error(e, f"cache {log_dir}: moving it aside to remove it") from None
     finally:
         for lock in locks:
             lock.close()
@@ -166,7 +174,13 @@ def evict(root: Path, keep: Path) -> list[CachedLog]:
     for c in logs:
         if total <= cap:
             break
-        if c.dir == keep or not remove_unheld(c.dir):
+        if c.dir == keep:
+            continue
+        try:
+            if not remove_unheld(c.dir):
+                continue
+        except StoreError as e:  # eviction only keeps the cap: not the evicting write's error
+            warnings.warn(CacheWarning(f"{e}; left in place"), stacklevel=2)
             continue
         total -= c.bytes
         removed.append(c)
@@ -192,15 +206,21 @@ def _log_is_gone(c: CachedLog) -> bool:
         return False
 
 
-def prune(root: Path, everything: bool = False) -> tuple[list[CachedLog], list[CachedLog]]:
+def prune(root: Path, everything: bool = False
+          ) -> tuple[list[CachedLog], list[CachedLog], list[tuple[CachedLog, StoreError]]]:
     """Remove the caches of logs that are gone (or every cache) but those a writer holds:
-    returns what was removed, and what was left because a writer holds it."""
+    returns what was removed, what was left because a writer holds it, and what could not be
+    removed, with why."""
     removed: list[CachedLog] = []
     held: list[CachedLog] = []
+    failed: list[tuple[CachedLog, StoreError]] = []
     for c in cached_logs(root):
         if everything or _log_is_gone(c):
-            (removed if remove_unheld(c.dir) else held).append(c)
-    return removed, held
+            try:
+                (removed if remove_unheld(c.dir) else held).append(c)
+            except StoreError as e:
+                failed.append((c, e))
+    return removed, held, failed
 
 
 def caches_of(root: Path, url: str) -> Iterator[CachedLog]:

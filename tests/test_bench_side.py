@@ -244,6 +244,8 @@ def test_bench_pagecache_ways_keep_the_checkpoints_bytes(tmp_path):
     result = bench_pagecache.run(2, 1, tmp_path / "run")
     assert list(result["populate_ms"]) == list(bench_pagecache.WAYS)
     assert all(ms > 0 for ms in result["populate_ms"].values())
+    assert list(result["drop_populate_ms"]) == list(bench_pagecache.WAYS)
+    assert all(ms > 0 for ms in result["drop_populate_ms"].values())
     assert list((tmp_path / "run").iterdir()) == []
 
 
@@ -259,3 +261,20 @@ def test_bench_apply_rates(capsys):
     assert len(changed) == 2 and 0.05 < changed[0] < 0.2 and 4 < changed[1] < 6, out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["numpy"]]
     assert [r[1] for r in rows] == ["0.1%", "5%"] and all(float(r[3]) > 0 for r in rows), out
+
+
+def test_bench_apply_checkpoint_written_in_pieces(tmp_path, capsys):
+    """tools/bench_apply.py --ckpt-writes: the checkpoint written again in pieces holds the same
+    bytes, and the checkpoint receiver's applies on it are checked by the tool and reported."""
+    import bench_apply
+
+    path = tmp_path / "f.bin"
+    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    bench_apply.rewrite_in_pieces(path, 3000)
+    assert path.read_bytes() == data
+    assert bench_apply.main(["--gib", "0.01", "--reps", "1", "--receivers", "ckpt", "--verify", "sample",
+                             "--rates", "0.01", "--ckpt-writes", "0.25"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["ckpt"]]
+    assert [r[1] for r in rows] == ["1%"] and float(rows[0][3]) > 0, out

@@ -445,3 +445,36 @@ def test_populate_write_dirties_the_range_and_changes_no_byte(tmp_path):
         with pytest.raises(ValueError):
             native.changes.populate_write(mm, start, length)
     del mm
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_a_fresh_populate_keeps_every_byte_written_through_the_map(tmp_path):
+    """populate_write(..., fresh=True) drops the range's page-table entries before faulting it
+    in (pages that reads mapped read-only): on a shared file map the bytes written through the
+    map before it, not yet synced, are still what the map and the file read, and the range is
+    mapped for writing (dirty) after a sync left it clean."""
+    import os
+
+    assert native.changes is not None
+    page = os.sysconf("SC_PAGE_SIZE")
+    data = np.random.default_rng(4).integers(0, 256, 64 * page, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data.tobytes())
+    mm = np.memmap(path, dtype=np.uint8, mode="r+")
+    int(mm[::page].sum())  # every page mapped read-only, as pass one's gathers leave them
+    written = data.copy()
+    written[3 * page + 7: 40 * page: 97] ^= 0x5A  # unsynced writes through the map, inside the range
+    mm[:] = written
+    assert native.changes.populate_write(mm, 2 * page + 1, 50 * page, True) is True
+    assert np.array_equal(np.asarray(mm), written)
+    with open(path, "rb") as f:
+        assert f.read() == written.tobytes()  # the page cache holds them: nothing was dropped
+    mm.flush()  # clean: only a write fault or the populate dirties a page again
+    assert native.changes.populate_write(mm, 2 * page + 1, 50 * page, True) is True
+    dirty = _mapping_kib(mm.ctypes.data, "Shared_Dirty") + _mapping_kib(mm.ctypes.data, "Private_Dirty")
+    assert dirty >= 50 * page // 1024
+    mm[5 * page] ^= 1  # and the map writes on
+    mm.flush()
+    with open(path, "rb") as f:
+        assert f.read(5 * page + 1)[-1] == written[5 * page] ^ 1
+    del mm

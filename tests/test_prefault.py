@@ -61,3 +61,47 @@ def test_pages_are_faulted_in_beside_the_stage(tmp_path, monkeypatch, rate, pref
         assert threading.current_thread().name not in {t for e, t in events if e == "prepare"}
     else:
         assert "prepare" not in kinds
+
+
+def test_pages_an_earlier_apply_left_writable_are_walked_not_dropped(tmp_path, monkeypatch):
+    """The prefault drops a record's page-table entries before faulting its pages in for
+    writing (``fresh``) on a receiver's first apply; on the next one, while its files are
+    unsynced and younger than the kernel's dirty expiry, it does not (their pages are still
+    mapped for writing); once the files are synced, or past the expiry, it does again. The
+    bits are the log's after every apply."""
+    from dcr_log import native
+    from dcr_log.receiver.storage import checkpoint
+    from dcr_log.write import LogWriter
+
+    log, base, new = flip_log(tmp_path / "log", tensors=2, n=1 << 22, rate=0.01, seed=8)
+    with LogWriter.open(tmp_path / "log", cache_dir=False) as writer:
+        for state in (base, new, base):
+            writer.append(state)
+    (tmp_path / "ckpt").mkdir()
+    write_checkpoint(base, tmp_path / "ckpt")
+    assert native.changes is not None
+    real = native.changes.populate_write
+    fresh_calls: list[bool] = []
+
+    def populate_write(buffer, start, length, fresh=False):
+        fresh_calls.append(fresh)
+        return real(buffer, start, length, fresh)
+
+    monkeypatch.setattr(native.changes, "populate_write", populate_write)
+    records = len([r for r in log.records(1) if r.kind == "xor"])
+    with Receiver.open(tmp_path / "ckpt") as rx:
+        rx.bind(log, 0, verify="none")
+        dropped = []
+        for version, expected in ((1, new), (2, base), ("sync", None), (3, new), ("expire", None), (4, base)):
+            if version == "sync":
+                rx.storage.sync()
+                continue
+            if version == "expire":
+                monkeypatch.setattr(checkpoint, "_dirty_expiry", lambda: 0.0)
+                continue
+            fresh_calls.clear()
+            assert rx.apply(log, to=version) == [version]
+            for k, v in expected.items():
+                assert np.array_equal(rx.storage.words(k), v.words), (version, k)
+            dropped.append(fresh_calls.count(True))
+    assert dropped == [records, 0, records, records] and records > 1, dropped

@@ -6,7 +6,7 @@ transactions, synced, over the whole apply).
 
     python tools/bench_apply.py [--gib 0.25] [--reps 3] [--verify none,sample,full] [--dir DIR]
                                 [--receivers numpy,torch,ckpt] [--phases] [--task-changes N]
-                                [--rates 0.01,0.03]
+                                [--rates 0.01,0.03] [--ckpt-writes MIB]
 
 The steps come from dcr_log.synthetic (Adam on an fp32 master, stored as bf16): one log per
 rate holding version 0 (the base) and version 1 (one step). Each timed apply takes a receiver
@@ -25,6 +25,10 @@ parallel.map_grouped). ``--rates``: the fractions of changed words, one log each
 (0.0001: 27 thousand changes in 512 MiB) shows what an apply costs whatever it changes (the
 lineage checks, the segment's read, each record's decode and classification, the journal's
 transactions, verify's tensor digests) beside copyto's time.
+``--ckpt-writes MIB``: each checkpoint file, once written, is written again in writes of MIB
+MiB and synced, as a download or a copy tool writes it: the size of the page-cache folios the
+kernel keeps its pages in follows the writes, and with them what faulting the pages in for
+writing costs (tools/bench_pagecache.py).
 """
 
 from __future__ import annotations
@@ -119,13 +123,31 @@ def bench_memory(kind: str, log: DeltaLog, base, expected, verify: str, reps: in
     return Pairing.join(pairings), float(np.median(journal))
 
 
-def bench_checkpoint(log: DeltaLog, base, expected, verify: str, reps: int, work: Path, copyto):
+def rewrite_in_pieces(path: Path, piece: int) -> None:
+    """The file's bytes written again into a new file at ``path`` in writes of ``piece``
+    bytes, then synced."""
+    data = memoryview(path.read_bytes())
+    path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for at in range(0, len(data), piece):
+            os.write(fd, data[at:at + piece])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bench_checkpoint(log: DeltaLog, base, expected, verify: str, reps: int, work: Path, copyto,
+                     writes_mib: float | None = None):
     pairings: list[Pairing] = []
     journal: list[float] = []
     for r in range(reps):
         directory = work / f"ckpt-{verify}-{r}"
         directory.mkdir()
         write_checkpoint(base, directory)
+        if writes_mib is not None:
+            for path in directory.glob("*.safetensors"):
+                rewrite_in_pieces(path, max(1, int(writes_mib * (1 << 20))))
         with Receiver.open(directory) as rx:
             rx.bind(log, 0, verify="none")
             # On disk and clean, as a receiver's checkpoint is between steps: pages dirty from
@@ -165,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated fractions of changed words, a log each (default 0.01,0.03)")
     ap.add_argument("--task-changes", type=int, default=None, metavar="N",
                     help="changes a pool task gathers (default parallel.TASK_CHANGES; 1: a task per record)")
+    ap.add_argument("--ckpt-writes", type=float, default=None, metavar="MIB",
+                    help="write each checkpoint file again in writes of MIB MiB (as a download writes it)")
     args = ap.parse_args(argv)
     if args.task_changes is not None:  # the receivers' modules took the default at import
         batch.TASK_CHANGES = checks.TASK_CHANGES = args.task_changes
@@ -212,7 +236,8 @@ def run(args, work: Path) -> int:
         for verify in args.verify.split(","):
             for kind in args.receivers.split(","):
                 if kind == "ckpt":
-                    pairing, journal = bench_checkpoint(log, base, expected, verify, args.reps, work, copyto)
+                    pairing, journal = bench_checkpoint(log, base, expected, verify, args.reps, work, copyto,
+                                                        args.ckpt_writes)
                 else:
                     pairing, journal = bench_memory(kind, log, base, expected, verify, args.reps, work, copyto,
                                                     args.phases)

@@ -22,7 +22,11 @@ five ways:
   reboot).
 
 Each is mapped, read once (the receiver's pass one gathers from every page), synced
-(``os.sync``: the pages clean) and then faulted in for writing; medians of ``--repeats``.
+(``os.sync``: the pages clean) and then faulted in for writing, two ways, each on a fresh
+checkpoint: ``populate``, the one call on the pages as the reads left them mapped (read-only),
+and ``drop + populate``, the same call after ``MADV_DONTNEED`` drops the range's page-table
+entries (what prepare_write does: ``populate_write(..., fresh=True)``); medians of
+``--repeats``.
 Linux only (``MADV_POPULATE_WRITE``, 5.14 or later); the figures depend on the kernel and the
 file system.
 """
@@ -117,9 +121,10 @@ WAYS: dict[str, Callable[[Path], None]] = {
 }
 
 
-def populate_seconds(path: Path, start: int, end: int) -> float:
+def populate_seconds(path: Path, start: int, end: int, fresh: bool) -> float:
     """Map the file, read a byte of every page, ``os.sync``, then time one
-    MADV_POPULATE_WRITE of bytes ``start`` to ``end`` (the tensors)."""
+    MADV_POPULATE_WRITE of bytes ``start`` to ``end`` (the tensors), after MADV_DONTNEED of
+    the same range where ``fresh``."""
     fd = os.open(path, os.O_RDWR)
     try:
         mm = mmap.mmap(fd, os.fstat(fd).st_size)
@@ -128,7 +133,7 @@ def populate_seconds(path: Path, start: int, end: int) -> float:
             int(words[start:end:4096].sum())  # every page read, as pass one's gathers read them
             os.sync()
             t0 = time.perf_counter()
-            done = native.changes.populate_write(words, start, end - start)
+            done = native.changes.populate_write(words, start, end - start, fresh)
             seconds = time.perf_counter() - t0
             del words
         finally:
@@ -142,24 +147,28 @@ def populate_seconds(path: Path, start: int, end: int) -> float:
 
 def run(mib: int, repeats: int, work: Path) -> dict:
     state = state_of(mib)
-    rows = {}
+    rows: dict[str, float] = {}
+    dropped: dict[str, float] = {}
     for way, prepare in WAYS.items():
-        times = []
+        times: dict[bool, list[float]] = {False: [], True: []}
         for r in range(repeats):
-            directory = work / f"ckpt-{len(rows)}-{r}"
-            directory.mkdir()
-            write_checkpoint(state, directory)
-            locations = checkpoint_files(directory)
-            (path,) = {loc.file for loc in locations.values()}
-            start = min(loc.start for loc in locations.values())
-            end = max(loc.end for loc in locations.values())
-            prepare(path)
-            times.append(populate_seconds(path, start, end))
-            shutil.rmtree(directory)
-        rows[way] = statistics.median(times)
+            for fresh in (False, True):  # alternating, each on a checkpoint of its own
+                directory = work / f"ckpt-{len(rows)}-{r}-{int(fresh)}"
+                directory.mkdir()
+                write_checkpoint(state, directory)
+                locations = checkpoint_files(directory)
+                (path,) = {loc.file for loc in locations.values()}
+                start = min(loc.start for loc in locations.values())
+                end = max(loc.end for loc in locations.values())
+                prepare(path)
+                times[fresh].append(populate_seconds(path, start, end, fresh))
+                shutil.rmtree(directory)
+        rows[way] = statistics.median(times[False])
+        dropped[way] = statistics.median(times[True])
     nbytes = sum(b.words.nbytes for b in state.values())
     return {"mib": nbytes / (1 << 20), "tensors": len(state), "repeats": repeats,
             "populate_ms": {k: 1e3 * v for k, v in rows.items()},
+            "drop_populate_ms": {k: 1e3 * v for k, v in dropped.items()},
             "to_one_write": {k: v / rows["one write"] for k, v in rows.items()}}
 
 
@@ -182,8 +191,10 @@ def main() -> int:
         return 0
     print(f"{result['mib']:.0f} MiB of bf16 in {result['tensors']} tensors; medians of {result['repeats']}: "
           "MADV_POPULATE_WRITE of the tensors' pages after os.sync")
+    print(f"  {'':18s} {'populate':>11s}  {'(x one write)':>13s}  {'drop + populate':>15s}")
     for way, ms in result["populate_ms"].items():
-        print(f"  {way:18s} {ms:8.1f} ms  {result['to_one_write'][way]:5.2f} x one write")
+        print(f"  {way:18s} {ms:8.1f} ms  {result['to_one_write'][way]:13.2f}  "
+              f"{result['drop_populate_ms'][way]:12.1f} ms")
     return 0
 
 

@@ -127,7 +127,7 @@ def test_a_cache_that_cannot_be_removed_is_not_called_in_use(tmp_path, capsys, m
     rc, rows, err = dcr(capsys, "cache", "prune", "--all", "--cache", cache)
     assert rc == 6 and rows[0]["removed"] == [str(x.dir)] and rows[0]["in_use"] == [], (rows, err)
     assert [f["directory"] for f in rows[0]["failed"]] == [str(y.dir)]
-    assert "1 caches could not be removed" in json.loads(err)["error"]
+    assert "error: 1 cache could not be removed: cache " in json.loads(err)["error"]
     assert [c.dir for c in cached_logs(cache)] == [y.dir]
 
     lock.rmdir()  # now the rename fails (injected: root may rename anything here)

@@ -50,6 +50,10 @@ def ls_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", help
               markup=False)
 
 
+def _caches(n: int) -> str:
+    return f"{n} cache" if n == 1 else f"{n} caches"
+
+
 @command(cache_app, "prune")
 def prune_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", help=ROOT_HELP),
               everything: bool = typer.Option(False, "--all", help="remove every cache, not only those of logs gone"),
@@ -66,11 +70,11 @@ def prune_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", h
     report = {"root": str(root), "removed": [str(c.dir) for c in removed], "bytes": freed,
               "in_use": [str(c.dir) for c in held],
               "failed": [{"directory": str(c.dir), "error": str(e)} for c, e in failed]}
-    line = f"removed {len(removed)} caches ({freed} bytes) under {root}{left}"
+    line = f"removed {_caches(len(removed))} ({freed} bytes) under {root}{left}"
     say_result(as_json, report, line)
     if failed:  # what was removed stays removed; the exit code and the error line say what was not
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-        raise StoreError(f"{len(failed)} caches could not be removed: {failed[0][1]}{more}")
+        raise StoreError(f"{_caches(len(failed))} could not be removed: {failed[0][1]}{more}")
 
 
 @command(cache_app, "rm")

@@ -614,21 +614,21 @@ static PyObject *py_planes(PyObject *self, PyObject *args) {
 #endif
 #endif
 
-/* populate_write(buffer, start, length[, fresh]) -> bool: fault buffer[start:start + length]
- * in for writing in one call (MADV_POPULATE_WRITE), the GIL released: Python's mmap.madvise
- * holds it, so the write pass's threads took turns at their faults. False where the kernel or
+/* populate_write(buffer, start, length) -> bool: fault buffer[start:start + length] in for
+ * writing in one call (MADV_POPULATE_WRITE), the GIL released: Python's mmap.madvise holds
+ * it, so the write pass's threads took turns at their faults. False where the kernel or
  * the platform has no such advice (the writes fault the pages in then).
  *
- * fresh: drop the range's page-table entries first (MADV_DONTNEED). Pages that reads mapped
- * read-only take a write-protect fault each, 4 KiB at a time; unmapped, they are mapped for
- * writing a folio at a time (tools/bench_pagecache.py). ONLY for a shared file mapping: its
- * pages, and whatever was written to them, stay in the page cache; on private or anonymous
- * memory the drop discards the contents. */
-static PyObject *py_populate_write(PyObject *self, PyObject *args) {
+ * drop_pages(buffer, start, length) -> bool: drop the page-table entries of the pages that
+ * hold buffer[start:start + length] (MADV_DONTNEED). Pages that reads mapped read-only take
+ * a write-protect fault each when written, 4 KiB at a time; unmapped, populate_write maps
+ * them for writing a folio at a time (tools/bench_pagecache.py). ONLY for a shared file
+ * mapping: its pages, and whatever was written to them, stay in the page cache; on private
+ * or anonymous memory the drop discards the contents. */
+static PyObject *page_advice(PyObject *args, int advice) {
     Py_buffer b;
     Py_ssize_t start, length;
-    int fresh = 0;
-    if (!PyArg_ParseTuple(args, "w*nn|p", &b, &start, &length, &fresh))
+    if (!PyArg_ParseTuple(args, "w*nn", &b, &start, &length))
         return NULL;
     PyObject *result = NULL;
     if (start < 0 || length < 0 || start > b.len || length > b.len - start) {
@@ -640,15 +640,31 @@ static PyObject *py_populate_write(PyObject *self, PyObject *args) {
         uintptr_t lo = (uintptr_t)b.buf + (uintptr_t)start, hi = lo + (uintptr_t)length;
         lo -= lo % page; /* the page that holds the first byte (madvise takes whole pages) */
         Py_BEGIN_ALLOW_THREADS
-        if (length > 0 && fresh)
-            madvise((void *)lo, hi - lo, MADV_DONTNEED); /* (a failure leaves the slower faults) */
-        ok = length == 0 || madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE) == 0;
+        ok = length == 0 || madvise((void *)lo, hi - lo, advice) == 0;
         Py_END_ALLOW_THREADS
+#else
+        (void)advice;
 #endif
         result = PyBool_FromLong(ok);
     }
     PyBuffer_Release(&b);
     return result;
+}
+
+static PyObject *py_populate_write(PyObject *self, PyObject *args) {
+#ifdef __linux__
+    return page_advice(args, MADV_POPULATE_WRITE);
+#else
+    return page_advice(args, 0);
+#endif
+}
+
+static PyObject *py_drop_pages(PyObject *self, PyObject *args) {
+#ifdef __linux__
+    return page_advice(args, MADV_DONTNEED);
+#else
+    return page_advice(args, 0);
+#endif
 }
 
 static PyMethodDef methods[] = {
@@ -659,6 +675,7 @@ static PyMethodDef methods[] = {
     {"ulp_prepare", py_ulp_prepare, METH_VARARGS, "the ulp encoding's gaps and distances of a record's changes"},
     {"planes", py_planes, METH_VARARGS, "the byte planes of words, into out"},
     {"populate_write", py_populate_write, METH_VARARGS, "fault a buffer's pages in for writing, the GIL released"},
+    {"drop_pages", py_drop_pages, METH_VARARGS, "drop a shared file map's page-table entries, the GIL released"},
     {NULL, NULL, 0, NULL},
 };
 

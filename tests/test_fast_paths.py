@@ -448,11 +448,12 @@ def test_populate_write_dirties_the_range_and_changes_no_byte(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
-def test_a_fresh_populate_keeps_every_byte_written_through_the_map(tmp_path):
-    """populate_write(..., fresh=True) drops the range's page-table entries before faulting it
-    in (pages that reads mapped read-only): on a shared file map the bytes written through the
-    map before it, not yet synced, are still what the map and the file read, and the range is
-    mapped for writing (dirty) after a sync left it clean."""
+def test_dropped_pages_keep_every_byte_written_through_the_map(tmp_path):
+    """drop_pages drops a range's page-table entries (pages that reads mapped read-only), as
+    the checkpoint storage does before faulting them in for writing: on a shared file map the
+    bytes written through the map before it, not yet synced, are still what the map and the
+    file read; after a sync left the range clean, drop and populate_write leave it mapped for
+    writing (dirty); a range outside the buffer is refused."""
     import os
 
     assert native.changes is not None
@@ -465,16 +466,20 @@ def test_a_fresh_populate_keeps_every_byte_written_through_the_map(tmp_path):
     written = data.copy()
     written[3 * page + 7: 40 * page: 97] ^= 0x5A  # unsynced writes through the map, inside the range
     mm[:] = written
-    assert native.changes.populate_write(mm, 2 * page + 1, 50 * page, True) is True
+    assert native.changes.drop_pages(mm, 2 * page + 1, 50 * page) is True
     assert np.array_equal(np.asarray(mm), written)
     with open(path, "rb") as f:
         assert f.read() == written.tobytes()  # the page cache holds them: nothing was dropped
     mm.flush()  # clean: only a write fault or the populate dirties a page again
-    assert native.changes.populate_write(mm, 2 * page + 1, 50 * page, True) is True
+    assert native.changes.drop_pages(mm, 2 * page + 1, 50 * page) is True
+    assert native.changes.populate_write(mm, 2 * page + 1, 50 * page) is True
     dirty = _mapping_kib(mm.ctypes.data, "Shared_Dirty") + _mapping_kib(mm.ctypes.data, "Private_Dirty")
     assert dirty >= 50 * page // 1024
     mm[5 * page] ^= 1  # and the map writes on
     mm.flush()
     with open(path, "rb") as f:
         assert f.read(5 * page + 1)[-1] == written[5 * page] ^ 1
+    for start, length in ((-1, 10), (0, 64 * page + 1), (64 * page, 1)):
+        with pytest.raises(ValueError):
+            native.changes.drop_pages(mm, start, length)
     del mm

@@ -25,8 +25,8 @@ Each is mapped, read once (the receiver's pass one gathers from every page), syn
 (``os.sync``: the pages clean) and then faulted in for writing, two ways, each on a fresh
 checkpoint: ``populate``, the one call on the pages as the reads left them mapped (read-only),
 and ``drop + populate``, the same call after ``MADV_DONTNEED`` drops the range's page-table
-entries (what prepare_write does: ``populate_write(..., fresh=True)``); medians of
-``--repeats``.
+entries (``drop_pages``, as CheckpointStorage.begin_writes does before the prefault), both
+timed; medians of ``--repeats``.
 Linux only (``MADV_POPULATE_WRITE``, 5.14 or later); the figures depend on the kernel and the
 file system.
 """
@@ -124,7 +124,7 @@ WAYS: dict[str, Callable[[Path], None]] = {
 def populate_seconds(path: Path, start: int, end: int, fresh: bool) -> float:
     """Map the file, read a byte of every page, ``os.sync``, then time one
     MADV_POPULATE_WRITE of bytes ``start`` to ``end`` (the tensors), after MADV_DONTNEED of
-    the same range where ``fresh``."""
+    the same range where ``fresh`` (timed with it)."""
     fd = os.open(path, os.O_RDWR)
     try:
         mm = mmap.mmap(fd, os.fstat(fd).st_size)
@@ -133,7 +133,9 @@ def populate_seconds(path: Path, start: int, end: int, fresh: bool) -> float:
             int(words[start:end:4096].sum())  # every page read, as pass one's gathers read them
             os.sync()
             t0 = time.perf_counter()
-            done = native.changes.populate_write(words, start, end - start, fresh)
+            if fresh:
+                native.changes.drop_pages(words, start, end - start)
+            done = native.changes.populate_write(words, start, end - start)
             seconds = time.perf_counter() - t0
             del words
         finally:

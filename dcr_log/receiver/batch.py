@@ -357,6 +357,7 @@ class BatchWriter:
         images: dict[int, memoryview] | None = None  # deferred sync: the batch's images
         if durable and work:
             images, clear, buffer = self._wal_images(work, parallel)
+            storage.begin_writes([w.place for w in work])  # (after _wal_images' sync, if any)
             prefaulting: list[Future] = []
             image_bytes = sum(wal_image_bytes(w.target.size, w.target.itemsize) for w in work)
             if parallel and PREFAULT_SPAN_TO_IMAGES * image_bytes <= sum(map(_span_bytes, work)):

@@ -13,7 +13,7 @@ A ``where`` is what ``dcr_log.delta.flat_positions`` returns: int64 flat indices
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,11 @@ class Storage(ABC):
     @abstractmethod
     def write(self, place: Any, values: np.ndarray) -> None:
         """Store ``values`` (unsigned words) at ``place``."""
+
+    def begin_writes(self, places: Sequence[Any]) -> None:
+        """Before a batch's writes to these places (and before prepare_write), on the calling
+        thread, changing no byte (a checkpoint's page-table entries dropped, so that its pages
+        are faulted in for writing a folio at a time). Nothing to do by default."""
 
     def prepare_write(self, place: Any, count: int) -> None:
         """Ready what a write of ``count`` words at ``place`` will touch, changing no byte

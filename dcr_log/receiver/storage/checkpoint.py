@@ -10,6 +10,7 @@ import json
 import mmap
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,6 @@ class CheckpointStorage(Storage):
         self.files_dir = self.directory
         self._maps: dict[Path, np.memmap] = {}
         self._dirty: set[Path] = set()
-        self._prepared: set[int] = set()  # id() of the places prepare_write faulted in, until written
         self._writing: set[tuple[Path, int]] = set()  # (file, tensor start) written since flush
         self._written_at: dict[tuple[Path, int], float] = {}  # ... by earlier applies, until synced
         self._open()
@@ -120,7 +120,7 @@ class CheckpointStorage(Storage):
                 raise IntegrityError(f"{f1}: tensors {n1!r} and {n2!r} share bytes")
         self._written_at = {}  # new maps: nothing mapped yet
         try:
-            # Shared maps (r+): _populate's drop of page-table entries relies on it.
+            # Shared maps (r+): begin_writes' drop of page-table entries relies on it.
             self._maps = {p: np.memmap(p, dtype=np.uint8, mode="r+") for p in self.files}
         except OSError as exc:
             raise os_error(exc, f"cannot open {self.directory} for writing") from None
@@ -152,25 +152,12 @@ class CheckpointStorage(Storage):
         words, where, _, _ = place
         return np.array(words[where]) if isinstance(where, slice) else gather_words(words, where)
 
-    def _populate(self, file: Path, start: int, where, count: int, width: int, fresh: bool) -> None:
+    def _populate(self, file: Path, start: int, where, count: int, width: int) -> None:
         """Fault the pages a dense scatter will dirty in one call (MADV_POPULATE_WRITE)
         instead of one write fault per page: at 1% changed every page of a bf16 tensor
         is written, and the faults cost more than the scatter itself. No byte changes; a
         second call on pages already faulted in only walks their page tables, so write calls
-        it again after prepare_write.
-
-        ``fresh``: the range's page-table entries are dropped first (MADV_DONTNEED; the maps
-        are shared file maps, so no byte is lost). Clean pages that pass one's reads mapped
-        read-only cost the kernel one write-protect fault a page, where unmapped pages are
-        mapped a folio at a time. 512 MiB read, synced and then faulted in, by
-        tools/bench_pagecache.py --repeats 3: 12.1 ms against 36.7 as write_checkpoint wrote
-        it, 34.9 against 713.8 written in 1 MiB writes (as a download writes), 52.7 against
-        214.1 copied. A whole apply of 1% of 512 MiB, tools/bench_apply.py --gib 0.5 --reps 5
-        --receivers ckpt --verify sample --rates 0.01,0.03 --ckpt-writes 1: 0.172-0.176 s
-        against 0.475-0.483 (0.32 s of CPU against 0.90); as write_checkpoint wrote it (no
-        --ckpt-writes, --reps 7), 0.16-0.17 s of CPU against 0.20-0.23, its wall time within
-        the spread (the journal's sync of the images is the longer stretch there). Not where
-        an earlier apply left the pages mapped for writing (_fresh): those are walked."""
+        it again after prepare_write."""
         if isinstance(where, slice) or count == 0:
             return
         lo = start + int(where[0]) * width
@@ -180,18 +167,43 @@ class CheckpointStorage(Storage):
             return  # sparse: most pages stay clean, let the faults pick them
         kernels = native.changes
         if kernels is not None:  # the GIL released: the write pass's threads fault side by side
-            kernels.populate_write(self._maps[file], lo, hi - lo, fresh)
+            kernels.populate_write(self._maps[file], lo, hi - lo)
             return
         try:
-            mm = self._maps[file]._mmap  # type: ignore[attr-defined]  # numpy's private mmap; AttributeError handled
-            if fresh:
-                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-            mm.madvise(_MADV_POPULATE_WRITE, lo, hi - lo)
+            self._maps[file]._mmap.madvise(  # type: ignore[attr-defined]  # numpy's private mmap; AttributeError handled
+                _MADV_POPULATE_WRITE, lo, hi - lo)
         except (AttributeError, OSError, ValueError):
             pass  # an older kernel (before 5.14) or another platform: the faults do it
 
+    def begin_writes(self, places: Sequence[Any]) -> None:
+        """Drop the page-table entries of the tensors these places write (MADV_DONTNEED, one
+        call a tensor; the maps are shared file maps, so no byte is lost), unless an earlier
+        apply left them writable (_fresh). Pass one's reads mapped their clean pages
+        read-only, and upgrading those costs the kernel one write-protect fault a 4 KiB page;
+        unmapped, the prefault maps them a folio at a time. 512 MiB read, synced and then
+        faulted in, by tools/bench_pagecache.py --repeats 3: 12.1 ms against 36.7 as
+        write_checkpoint wrote it, 34.9 against 713.8 written in 1 MiB writes (as a download
+        writes), 52.7 against 214.1 copied. A tensor at a time, first, not each record's range
+        just before its prefault: an apply of 1% of 512 MiB on a file written in 1 MiB writes
+        took 0.125-0.146 s against 0.172-0.183 s (tools/bench_apply.py --gib 0.5 --reps 5
+        --receivers ckpt --verify sample --rates 0.01,0.03 --ckpt-writes 1, the two paired)."""
+        kernels = native.changes
+        tensors = {(file, start): words.nbytes for words, _, file, start in places}
+        for (file, start), nbytes in tensors.items():
+            if not nbytes or not self._fresh(file, start):
+                continue
+            if kernels is not None:
+                kernels.drop_pages(self._maps[file], start, nbytes)
+                continue
+            try:
+                lo = start - start % _PAGE
+                self._maps[file]._mmap.madvise(  # type: ignore[attr-defined]  # as in _populate
+                    mmap.MADV_DONTNEED, lo, start + nbytes - lo)
+            except (AttributeError, OSError, ValueError):
+                pass  # the writes upgrade the pages one fault at a time instead
+
     def _fresh(self, file: Path, start: int) -> bool:
-        """Whether the tensor at ``start`` of ``file`` is faulted in fresh for writing: unless
+        """Whether begin_writes drops the page-table entries of the tensor at ``start`` of ``file``: unless
         an earlier apply wrote it, its file was not synced since, and that was less than the
         kernel's dirty expiry ago (its writeback has not cleaned the pages yet). Those pages
         are still mapped for writing; dropped, they would be mapped again for nothing: a
@@ -204,17 +216,13 @@ class CheckpointStorage(Storage):
 
     def prepare_write(self, place, count: int) -> None:
         words, where, file, start = place
-        self._populate(file, start, where, count, words.itemsize, self._fresh(file, start))
-        self._prepared.add(id(place))
+        self._populate(file, start, where, count, words.itemsize)
 
     def write(self, place, values: np.ndarray) -> None:
         words, where, file, start = place
         self._dirty.add(file)
         self._writing.add((file, start))
-        # Not fresh where prepare_write faulted this place in: its pages are writable now.
-        fresh = id(place) not in self._prepared and self._fresh(file, start)
-        self._prepared.discard(id(place))
-        self._populate(file, start, where, values.size, words.itemsize, fresh)
+        self._populate(file, start, where, values.size, words.itemsize)
         if self.fault is not None and values.size > 1:
             # Fault injection: the "torn" point lies between the two halves of one write.
             half = values.size // 2
@@ -230,7 +238,6 @@ class CheckpointStorage(Storage):
         scatter_words(words, where, values)
 
     def flush(self) -> None:
-        self._prepared.clear()  # (places prepared and never written: only the speed depends on it)
         now = time.monotonic()
         self._written_at.update(dict.fromkeys(self._writing, now))
         self._writing.clear()

@@ -612,6 +612,11 @@ static PyObject *py_planes(PyObject *self, PyObject *args) {
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
+#else /* (page_advice answers False without calling madvise) */
+#undef MADV_POPULATE_WRITE
+#undef MADV_DONTNEED
+#define MADV_POPULATE_WRITE 0
+#define MADV_DONTNEED 0
 #endif
 
 /* populate_write(buffer, start, length) -> bool: fault buffer[start:start + length] in for
@@ -651,21 +656,8 @@ static PyObject *page_advice(PyObject *args, int advice) {
     return result;
 }
 
-static PyObject *py_populate_write(PyObject *self, PyObject *args) {
-#ifdef __linux__
-    return page_advice(args, MADV_POPULATE_WRITE);
-#else
-    return page_advice(args, 0);
-#endif
-}
-
-static PyObject *py_drop_pages(PyObject *self, PyObject *args) {
-#ifdef __linux__
-    return page_advice(args, MADV_DONTNEED);
-#else
-    return page_advice(args, 0);
-#endif
-}
+static PyObject *py_populate_write(PyObject *self, PyObject *args) { return page_advice(args, MADV_POPULATE_WRITE); }
+static PyObject *py_drop_pages(PyObject *self, PyObject *args) { return page_advice(args, MADV_DONTNEED); }
 
 static PyMethodDef methods[] = {
     {"gather", py_gather, METH_VARARGS, "words at int64 positions, into out"},

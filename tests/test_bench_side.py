@@ -267,11 +267,12 @@ def test_bench_apply_checkpoint_written_in_pieces(tmp_path, capsys):
     """tools/bench_apply.py --ckpt-writes: the checkpoint written again in pieces holds the same
     bytes, and the checkpoint receiver's applies on it are checked by the tool and reported."""
     import bench_apply
+    import bench_pagecache
 
     path = tmp_path / "f.bin"
     data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
     path.write_bytes(data)
-    bench_apply.rewrite_in_pieces(path, 3000)
+    bench_pagecache.rewrite_in_pieces(path, 3000)
     assert path.read_bytes() == data
     assert bench_apply.main(["--gib", "0.01", "--reps", "1", "--receivers", "ckpt", "--verify", "sample",
                              "--rates", "0.01", "--ckpt-writes", "0.25"]) == 0

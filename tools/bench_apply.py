@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_pagecache import rewrite_in_pieces  # noqa: E402
 from phases import Phases  # noqa: E402
 from timing import Pairing, fastest, machine_line, paired  # noqa: E402
 
@@ -121,20 +122,6 @@ def bench_memory(kind: str, log: DeltaLog, base, expected, verify: str, reps: in
                 t1 = time.perf_counter()
         timeline.report(t0, t1, f"{kind} receiver, verify {verify}: one more apply")
     return Pairing.join(pairings), float(np.median(journal))
-
-
-def rewrite_in_pieces(path: Path, piece: int) -> None:
-    """The file's bytes written again into a new file at ``path`` in writes of ``piece``
-    bytes, then synced."""
-    data = memoryview(path.read_bytes())
-    path.unlink()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        for at in range(0, len(data), piece):
-            os.write(fd, data[at:at + piece])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def bench_checkpoint(log: DeltaLog, base, expected, verify: str, reps: int, work: Path, copyto,

@@ -74,7 +74,7 @@ def state_of(mib: int, seed: int = 1) -> dict[str, TensorBits]:
     return state
 
 
-def _rewrite(path: Path, piece: int | None) -> None:
+def rewrite_in_pieces(path: Path, piece: int | None) -> None:
     """The file's bytes written again into a new file at ``path``: in one write, or in
     writes of ``piece`` bytes."""
     data = path.read_bytes()
@@ -114,8 +114,8 @@ def _read_back(path: Path) -> None:
 
 WAYS: dict[str, Callable[[Path], None]] = {
     "write_checkpoint": lambda path: None,
-    "one write": lambda path: _rewrite(path, None),
-    "1 MiB writes": lambda path: _rewrite(path, 1 << 20),
+    "one write": lambda path: rewrite_in_pieces(path, None),
+    "1 MiB writes": lambda path: rewrite_in_pieces(path, 1 << 20),
     "copied": _copied,
     "read back": _read_back,
 }

@@ -203,12 +203,11 @@ class CheckpointStorage(Storage):
                 pass  # the writes upgrade the pages one fault at a time instead
 
     def _fresh(self, file: Path, start: int) -> bool:
-        """Whether begin_writes drops the page-table entries of the tensor at ``start`` of ``file``: unless
-        an earlier apply wrote it, its file was not synced since, and that was less than the
-        kernel's dirty expiry ago (its writeback has not cleaned the pages yet). Those pages
-        are still mapped for writing; dropped, they would be mapped again for nothing: a
-        receiver following versions back to back was 8% slower when every place was fresh (a
-        one-off loop of 12 versions at 1% of 512 MiB), and is as fast as before with this
+        """Whether begin_writes drops the page-table entries of the tensor at ``start`` of
+        ``file``: unless an earlier apply wrote it, its file was not synced since, and that was
+        less than the kernel's dirty expiry ago (its writeback has not cleaned the pages yet). Those pages
+        are still mapped for writing; dropped, they would be mapped again for nothing. So a
+        receiver following versions back to back is as fast as without any drop
         (tools/bench_side.py --gib 0.5 --rates 0.01 --repeats 3 --no-minilm, its checkpoint
         following column: 0.353 and 0.366 of copyto's speed against 0.358 and 0.326)."""
         written = self._written_at.get((file, start))

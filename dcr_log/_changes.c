@@ -659,6 +659,47 @@ static PyObject *page_advice(PyObject *args, int advice) {
 static PyObject *py_populate_write(PyObject *self, PyObject *args) { return page_advice(args, MADV_POPULATE_WRITE); }
 static PyObject *py_drop_pages(PyObject *self, PyObject *args) { return page_advice(args, MADV_DONTNEED); }
 
+/* dirty_pages(fd, start, length) -> int | None: how many of the file's pages in
+ * [start, start + length) the page cache holds dirty (cachestat, Linux 6.5; one walk of the
+ * cache's folios, 0.1 ms for 512 MiB). Writeback write-protects each page it cleans, so
+ * pages a map wrote that are still dirty are still mapped for writing. None where the
+ * kernel or the platform has no such call. */
+#if defined(__linux__)
+#include <errno.h>
+#include <sys/syscall.h>
+#ifndef __NR_cachestat
+#define __NR_cachestat 451 /* the same number on every architecture */
+#endif
+struct cachestat_range_ { uint64_t off, len; };
+struct cachestat_ { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; };
+#endif
+
+static PyObject *py_dirty_pages(PyObject *self, PyObject *args) {
+    int fd;
+    long long start, length;
+    if (!PyArg_ParseTuple(args, "iLL", &fd, &start, &length))
+        return NULL;
+    if (start < 0 || length < 0) {
+        PyErr_SetString(PyExc_ValueError, "a range starts and lasts at least 0 bytes");
+        return NULL;
+    }
+#if defined(__linux__)
+    struct cachestat_range_ range = {(uint64_t)start, (uint64_t)length};
+    struct cachestat_ stat;
+    long rc;
+    if (length == 0)
+        return PyLong_FromLong(0); /* (a length of 0 asks cachestat for the whole file) */
+    Py_BEGIN_ALLOW_THREADS
+    rc = syscall(__NR_cachestat, fd, &range, &stat, 0);
+    Py_END_ALLOW_THREADS
+    if (rc == 0)
+        return PyLong_FromUnsignedLongLong(stat.nr_dirty);
+    if (errno != ENOSYS && errno != EPERM && errno != EOPNOTSUPP)
+        return PyErr_SetFromErrno(PyExc_OSError);
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"gather", py_gather, METH_VARARGS, "words at int64 positions, into out"},
     {"scatter", py_scatter, METH_VARARGS, "values into words at int64 positions"},
@@ -668,6 +709,7 @@ static PyMethodDef methods[] = {
     {"planes", py_planes, METH_VARARGS, "the byte planes of words, into out"},
     {"populate_write", py_populate_write, METH_VARARGS, "fault a buffer's pages in for writing, the GIL released"},
     {"drop_pages", py_drop_pages, METH_VARARGS, "drop a shared file map's page-table entries, the GIL released"},
+    {"dirty_pages", py_dirty_pages, METH_VARARGS, "how many of a file range's pages the page cache holds dirty"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,7 +4,6 @@ through memory maps (msync before each journal marker), the layout is rewritten 
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import mmap
@@ -16,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dcr_log import native
+from dcr_log import native, pages
 from dcr_log.checkpoint import INDEX_NAME, TensorLocation, read_header, save_safetensors
 from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
 from dcr_log.errors import IntegrityError, NotFoundError, os_error
@@ -62,16 +61,6 @@ _PAGE = mmap.PAGESIZE
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
-
-
-@functools.cache
-def _dirty_expiry() -> float:
-    """Seconds after which the kernel's writeback takes dirty pages (Linux's
-    vm.dirty_expire_centisecs; 30 elsewhere or where it cannot be read)."""
-    try:
-        return int(Path("/proc/sys/vm/dirty_expire_centisecs").read_text()) / 100
-    except (OSError, ValueError):
-        return 30.0
 
 
 class CheckpointStorage(Storage):
@@ -190,7 +179,7 @@ class CheckpointStorage(Storage):
         kernels = native.changes
         tensors = {(file, start): words.nbytes for words, _, file, start in places}
         for (file, start), nbytes in tensors.items():
-            if not nbytes or not self._fresh(file, start):
+            if not nbytes or not self._fresh(file, start, nbytes):
                 continue
             if kernels is not None:
                 kernels.drop_pages(self._maps[file], start, nbytes)
@@ -202,16 +191,17 @@ class CheckpointStorage(Storage):
             except (AttributeError, OSError, ValueError):
                 pass  # the writes upgrade the pages one fault at a time instead
 
-    def _fresh(self, file: Path, start: int) -> bool:
+    def _fresh(self, file: Path, start: int, nbytes: int) -> bool:
         """Whether begin_writes drops the page-table entries of the tensor at ``start`` of
-        ``file``: unless an earlier apply wrote it, its file was not synced since, and that was
-        less than the kernel's dirty expiry ago (its writeback has not cleaned the pages yet). Those pages
-        are still mapped for writing; dropped, they would be mapped again for nothing. So a
-        receiver following versions back to back is as fast as without any drop
-        (tools/bench_side.py --gib 0.5 --rates 0.01 --repeats 3 --no-minilm, its checkpoint
-        following column: 0.353 and 0.366 of copyto's speed against 0.358 and 0.326)."""
+        ``file``: unless an earlier apply wrote it, its file was not synced since, and its
+        pages are still dirty (pages.still_writable: writeback has not cleaned them, which
+        write-protects them). Those pages are still mapped for writing; dropped, they would
+        be mapped again for nothing. So a receiver following versions back to back is as
+        fast as without any drop (tools/bench_side.py --gib 0.5 --rates 0.01 --repeats 3
+        --no-minilm, its checkpoint following column: 0.353 and 0.366 of copyto's speed
+        against 0.358 and 0.326)."""
         written = self._written_at.get((file, start))
-        return written is None or time.monotonic() - written > _dirty_expiry()
+        return written is None or not pages.still_writable(file, start, nbytes, written)
 
     def prepare_write(self, place, count: int) -> None:
         words, where, file, start = place

@@ -1,5 +1,5 @@
 """Page-table advice for the shared file maps that are written in place: a checkpoint
-receiver's safetensors files.
+receiver's safetensors files and a writer's baseline cache.
 
 Once the kernel's writeback has cleaned such a map's pages, a read maps them read-only, and
 each 4 KiB page written after that takes a write-protect fault of its own (on ext4, a walk
@@ -14,6 +14,8 @@ import mmap
 import os
 import time
 from pathlib import Path
+
+import numpy as np
 
 from dcr_log import native
 
@@ -58,3 +60,20 @@ def still_writable(path: Path, start: int, length: int, written_at: float) -> bo
                 return 4 * dirty >= 3 * -(-(start + length - first) // PAGE_BYTES)
     return time.monotonic() - written_at <= dirty_expiry()
 
+
+def remap_for_writing(words: np.ndarray) -> bool:
+    """Drop the page-table entries of ``words`` (MADV_DONTNEED), then fault its pages in for
+    writing (MADV_POPULATE_WRITE), each with the GIL released. ONLY for words in a shared
+    file map (a numpy memmap opened ``r+`` or ``w+``, or a view of one; anything else is a
+    ValueError): there the page cache keeps every byte; on private or anonymous memory the
+    drop would discard them. No byte changes. False where the C kernels or the kernel's
+    advice are missing (the writes then fault the pages in one at a time, as without this)."""
+    if words.nbytes == 0:
+        return False  # (numpy gives an empty slice of a memmap as a plain array)
+    if not (isinstance(words, np.memmap) and words.mode in ("r+", "w+")):
+        raise ValueError("only the words of a shared file map can be dropped and faulted in again")
+    kernels = native.changes
+    if kernels is None:
+        return False
+    raw = words.reshape(-1).view(np.uint8)
+    return bool(kernels.drop_pages(raw, 0, raw.nbytes)) and bool(kernels.populate_write(raw, 0, raw.nbytes))

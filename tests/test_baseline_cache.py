@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_same_bits, copy_state, make_state, change_words, run_cli
+from helpers import DirtyCount, assert_same_bits, change_words, copy_state, make_state, run_cli
 from dcr_log import DeltaLog, IntegrityError, LogWriter
 from dcr_log.digest import SUM
 from dcr_log.format import version_key
@@ -509,3 +509,54 @@ def test_a_cache_directory_that_cannot_be_made_is_said(tmp_path):
     rc, out, err = run_cli("init", tmp_path / "cli", "--from", tmp_path / "v1.safetensors", "--cache", cache)
     assert rc == 0 and "version 0" in out, err
     assert err.splitlines() == [err.strip()] and err.startswith("dcr: warning: baseline cache "), err
+
+
+
+@pytest.mark.parametrize("dirty_count", ["kernel", "counted", "none"])
+def test_an_append_maps_its_cache_for_writing_once_writeback_cleaned_it(tmp_path, monkeypatch, dirty_count):
+    """Before its find pass an append drops each piece's page-table entries and faults them
+    in again for writing (pages.remap_for_writing) where writeback may have cleaned the
+    cache: in a new process (LogWriter.open), and once the pages are clean
+    (helpers.DirtyCount: the kernel's count, a count the test sets, or the dirty expiry).
+    Not right after another append of the same writer (its pages still dirty and mapped for
+    writing), and not after a version that changed fewer than one word on eight pages. Every
+    version replays bit-exact: the words under the map stay the cache's."""
+    from dcr_log import pages
+
+    count = DirtyCount(monkeypatch, dirty_count, tmp_path)
+    remapped: list[int] = []
+    real = pages.remap_for_writing
+
+    def remap(words):
+        remapped.append(words.nbytes)
+        return real(words)
+
+    monkeypatch.setattr(pages, "remap_for_writing", remap)
+    rng = np.random.default_rng(5)
+    states = [make_state(rng, {"a": ("BF16", (1024, 1024)), "b": ("F32", (256, 1024))})]  # 512 and 256 pages
+    step = lambda: {name: change_words(rng, bits, 0.01) for name, bits in states[0].items()}  # noqa: E731
+    one_word = copy_state(states[0])
+    one_word["a"].words.reshape(-1)[12345] ^= 1
+    cache = tmp_path / "cache"
+    LogWriter.create(tmp_path / "log", states[0], cache_dir=cache).close()
+    remaps = []
+    with LogWriter.open(tmp_path / "log", cache_dir=cache) as writer:
+        for state, clean in ((step(), False), (states[0], False), (step(), True), (states[0], False),
+                             (one_word, True), (states[0], True)):
+            if clean:
+                count.clean()
+            remapped.clear()
+            writer.append(state)
+            count.written()
+            states.append(state)
+            remaps.append(sorted(remapped))
+    pieces = sorted(v.words.nbytes for v in states[0].values())
+    # A new process; back to back; cleaned; back to back; cleaned; cleaned, after a version
+    # one word away from its parent.
+    if dirty_count == "kernel":  # (another test's sync may clean the pages at any time)
+        assert remaps[0] == remaps[2] == remaps[4] == pieces and remaps[5] == [], remaps
+    else:
+        assert remaps == [pieces, [], pieces, [], pieces, []], remaps
+    log = DeltaLog.open(tmp_path / "log")
+    for v, s in enumerate(states):
+        assert_same_bits(log.materialize(v), s)

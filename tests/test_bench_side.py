@@ -43,7 +43,7 @@ def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
         assert pair["changed_elements"] == round(pair["changed_rate"] * pair["elements"])
         assert pair["nemo_to_dcr"] > 1
         t = pair["throughput"]
-        for op in ("xor", "copyto", "append", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first", "rx_torch",
+        for op in ("xor", "copyto", "append", "append_synced", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first", "rx_torch",
                    "rx_ckpt", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode"):
             assert t["seconds"][op] > 0 and t["to_xor"][op] > 0, op
         assert t["to_xor"]["xor"] == 1
@@ -53,7 +53,7 @@ def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
         # Speed ratios, not time ratios: copyto (one read, one write) is faster than xor (two
         # reads, one write), and each ratio follows from the medians' direction.
         assert (t["to_xor"]["copyto"] > 1) == (t["seconds"]["copyto"] < t["seconds"]["xor"])
-        for op in ("append", "replay"):
+        for op in ("append", "append_synced", "replay"):
             assert abs(t["to_copyto"][op] * t["to_xor"]["copyto"] - t["to_xor"][op]) < 1e-9 * t["to_xor"][op]
         # The changes of an optimizer step are spread over every tensor, not clustered.
         sp = pair["spread"]
@@ -279,3 +279,21 @@ def test_bench_apply_checkpoint_written_in_pieces(tmp_path, capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["ckpt"]]
     assert [r[1] for r in rows] == ["1%"] and float(rows[0][3]) > 0, out
+
+
+def test_bench_encode_synced_appends_on_both_layouts(capsys):
+    """tools/bench_encode.py --sync --layout: appends timed after a sync on the transformer
+    layout and the Llama-shaped one, each near its rate and with its CPU per change."""
+    import bench_encode
+
+    for layout in ("transformer", "rows"):
+        assert bench_encode.main(["--mib", "8", "--rates", "0.01", "--repeats", "2", "--sync", "--no-create",
+                                  "--layout", layout, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        (append,) = report["appends"]
+        assert 0.005 * report["elements"] < append["changed"] < 0.02 * report["elements"], append
+        assert append["op_s"] > 0 and append["cpu_ns_per_change"] > 0, append
+    base, _, specs = bench_encode.build(8, [0.01], 0, "transformer")
+    state = bench_encode.as_state(base, specs)
+    assert sum(v.words.size for v in state.values()) == base.size
+    assert any(v.shape[-1] * 2 % 4096 for v in state.values() if len(v.shape) == 2)  # rows across pages

@@ -522,3 +522,40 @@ def test_dirty_pages_counts_the_pages_writeback_has_not_cleaned(tmp_path):
     with pytest.raises(OSError):
         native.changes.dirty_pages(-1, 0, page)
 
+
+def test_remap_for_writing_keeps_every_byte_and_refuses_memory_it_could_lose(tmp_path):
+    """pages.remap_for_writing drops a shared file map's page-table entries and faults its
+    pages in for writing, as a writer does to its baseline cache: the bytes written through
+    the map and not synced are still what the map and the file read, and every page of the
+    words is mapped dirty after. Anonymous memory and a copy-on-write map, where the drop
+    would lose what was written, are refused before any advice is given."""
+    import os
+
+    from dcr_log import pages
+
+    assert native.changes is not None
+    page = os.sysconf("SC_PAGE_SIZE")
+    data = np.random.default_rng(6).integers(0, 1 << 16, 32 * page, dtype=np.uint16)
+    path = tmp_path / "words.bin"
+    path.write_bytes(data.tobytes())
+    mm = np.memmap(path, dtype=np.uint8, mode="r+")
+    words = mm[64:64 + 60 * page].view(np.uint16)  # as a piece lies in the cache file
+    written = data.view(np.uint8)[64:64 + 60 * page].view(np.uint16).copy()
+    written[::37] ^= 0x1234
+    words[:] = written
+    mm.flush()
+    int(np.asarray(words[::page]).sum())  # clean, and mapped read-only by the read
+    words[5 * page // 2] ^= 1  # one unsynced write
+    written[5 * page // 2] ^= 1
+    assert pages.remap_for_writing(words) is True
+    assert np.array_equal(np.asarray(words), written)
+    with open(path, "rb") as f:
+        assert f.read()[64:64 + 60 * page] == written.tobytes()
+    dirty = _mapping_kib(mm.ctypes.data, "Shared_Dirty") + _mapping_kib(mm.ctypes.data, "Private_Dirty")
+    assert dirty >= 59 * page // 1024
+    for other in (np.zeros(4 * page, np.uint16), np.memmap(path, dtype=np.uint16, mode="c")):
+        other[:] = 7
+        with pytest.raises(ValueError):
+            pages.remap_for_writing(other)
+        assert (np.asarray(other) == 7).all()
+    del mm, words

@@ -3,7 +3,8 @@
 ``np.bitwise_xor(base, new, out=prealloc)`` on the same flat arrays (tools/timing.py).
 
 The state is a ``--mib`` MiB bf16 Adam-like step (dcr_log.synthetic.adam_step_pair) cut into
-Llama-shaped tensors (tools/bench_delta.py), one new state per ``--rates`` target rate. Appends
+Llama-shaped tensors (tools/bench_delta.py; ``--layout transformer``: dcr_log.synthetic's
+transformer, whose rows are not whole pages), one new state per ``--rates`` target rate. Appends
 alternate new, base, new, ... so every timed append moves the same changes. Reported per
 operation: its speed as a fraction of xor's (the median of xor wall / op wall over the pairs),
 op seconds and CPU seconds (all threads), and for appends the CPU nanoseconds per changed
@@ -13,7 +14,7 @@ Usage:
 
     python tools/bench_encode.py [--mib 256] [--rates 0.01 0.10] [--repeats 1] [--workers N]
                                  [--json] [--profile RATE] [--phases RATE] [--breakdown RATE] [--gil]
-                                 [--find-path N]
+                                 [--find-path N] [--sync] [--layout rows|transformer]
 
 ``--profile RATE`` runs one append at that rate under cProfile and prints the top entries
 (cumulative and own time) instead of timing. ``--phases RATE`` runs ``--repeats`` appends at
@@ -27,7 +28,10 @@ files). ``--gil`` runs each heavy call of the write path (change finding, the ul
 coder, the ulp pass, pcodec, digests, byte planes, zstd, pwrite, sha256) on the main thread
 while a probe thread counts Python loop iterations, and prints how much of its idle-time
 rate the probe kept: near 0 means the call holds the GIL (a pure Python loop is shown for
-reference).
+reference). ``--sync`` runs an untimed ``os.sync`` before each timed append and each xor: the
+writer then meets its baseline cache's pages clean, and write-protected by the writeback that
+cleaned them, as a trainer does whose steps are farther apart than the kernel's dirty expiry
+(30 s by default); back to back, an append finds them still dirty.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import math
+import os
 import pstats
 import shutil
 import sys
@@ -46,11 +52,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_delta import ROW, as_state, tensor_rows  # noqa: E402
+from bench_delta import ROW, tensor_rows  # noqa: E402
+from bench_delta import as_state as rows_state  # noqa: E402
 from timing import Pairing, machine, machine_line, paired  # noqa: E402
 
 from dcr_log import LogWriter  # noqa: E402
-from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
+from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, specs_for_params  # noqa: E402
 from dcr_log.write.differ import EncodePolicy  # noqa: E402
 
 
@@ -73,11 +80,24 @@ def append_phases(writer, base_state, new_state, repeats: int) -> None:
     phases.report(t0, t1, f"append {i + 1} of {repeats}")
 
 
-def build(mib: int, rates: list[float], seed: int):
-    n = max(ROW, mib * (1 << 20) // 2 // ROW * ROW)
-    layout = tensor_rows(n)
+def build(mib: int, rates: list[float], seed: int, layout_kind: str = "rows"):
+    """The base, one new state per rate, and the layout that cuts them into tensors:
+    ``rows``, Llama-shaped matrices of 4096 columns (tools/bench_delta.py); ``transformer``,
+    dcr_log.synthetic's transformer of that size, whose odd widths (a hidden size of 1904
+    at 512 MiB) put its rows across page boundaries."""
+    if layout_kind == "transformer":
+        layout = specs_for_params(mib * (1 << 20) // 2)
+        n = sum(math.prod(spec.shape) for spec in layout)
+    else:
+        n = max(ROW, mib * (1 << 20) // 2 // ROW * ROW)
+        layout = tensor_rows(n)
     flat = adam_step_pair(n, seed, tuple(lr_for_rate(r) for r in rates))
     return flat[0], flat[1:], layout
+
+
+def as_state(words: np.ndarray, layout) -> dict:
+    """Views of the flat words as the layout's tensors (no copy)."""
+    return carve(words, layout) if layout and not isinstance(layout[0], tuple) else rows_state(words, layout)
 
 
 def gil_probe(n: int = 1 << 24) -> list[tuple[str, float, float]]:
@@ -200,9 +220,10 @@ def breakdown(base: np.ndarray, new: np.ndarray, chunk: int) -> dict:
         for name, dt in stages.items()}}
 
 
-def time_append(writer, base_state, new_state, base, new, xor_out, repeats: int) -> dict:
+def time_append(writer, base_state, new_state, base, new, xor_out, repeats: int, sync: bool = False) -> dict:
     """Appends alternating new, base, new, ... (each moves the same changes), each paired with
-    one xor of the flat arrays; the writer is left at base."""
+    one xor of the flat arrays; the writer is left at base. ``sync``: an untimed ``os.sync``
+    before each append and before each xor."""
     states = [new_state, base_state]
     turn = [0]
 
@@ -213,7 +234,7 @@ def time_append(writer, base_state, new_state, base, new, xor_out, repeats: int)
     def xor():
         np.bitwise_xor(base, new, out=xor_out)
 
-    p = paired(append, xor, repeats)
+    p = paired(append, xor, repeats, before=os.sync if sync else None)
     if turn[0] % 2:
         writer.append(base_state)
     return p.summary()
@@ -250,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", type=float, default=None, metavar="RATE")
     ap.add_argument("--gil", action="store_true", help="which calls release the GIL")
     ap.add_argument("--no-create", action="store_true", help="skip timing dense create")
+    ap.add_argument("--layout", choices=("rows", "transformer"), default="rows",
+                    help="how the state is cut into tensors (see build)")
+    ap.add_argument("--sync", action="store_true",
+                    help="os.sync before each timed append and xor (untimed): the baseline cache's pages clean")
     ap.add_argument("--find-path", type=int, default=None, metavar="N",
                     help="cap the change pass's vector path (0 scalar, 1 AVX2, 2 AVX-512; "
                          "default: the widest the CPU has), to compare them")
@@ -263,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     single = next((r for r in (args.profile, args.breakdown, args.phases) if r is not None), None)
     rates = [single] if single is not None else args.rates
     say = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    base, news, layout = build(args.mib, rates, args.seed)
+    base, news, layout = build(args.mib, rates, args.seed, args.layout)
     if args.breakdown is not None:
         report = breakdown(base, news[0], EncodePolicy().chunk_elements)
         print(json.dumps(report) if args.json else "\n".join(
@@ -295,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for rate, new in zip(rates, news):
             k = int(np.count_nonzero(base != new))
-            s = time_append(writer, base_state, as_state(new, layout), base, new, xor_out, args.repeats)
+            s = time_append(writer, base_state, as_state(new, layout), base, new, xor_out, args.repeats, args.sync)
             s.update(rate=rate, changed=k, cpu_ns_per_change=s["op_cpu_s"] / k * 1e9,
                      speed_vs_xor=1 / s["ratio"])
             report["appends"].append(s)

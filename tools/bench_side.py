@@ -41,8 +41,13 @@ are medians. The ratio to copyto is the ratio to xor divided by copyto's own (co
 xor in the same minute, per rate):
 
 - append: ``writer.append``, alternating new, base, new, ... so that every timed append
-  moves the same changes; replay: ``DeltaLog.apply_version`` of each of those versions onto a
-  state holding its parent (checked bit-exact after every one);
+  moves the same changes; ``append_synced``: the same with an untimed ``os.sync`` before each
+  append and before its xor, as a trainer meets its baseline cache when its steps are farther
+  apart than the kernel's dirty expiry (30 s by default): the cache's pages on disk and clean,
+  and write-protected by the writeback that cleaned them (back to back, as ``append`` is
+  timed, an append finds them still dirty and mapped for writing);
+  replay: ``DeltaLog.apply_version`` of each of those versions onto a state holding its parent
+  (checked bit-exact after every one);
 - dense create (once, not per rate: it does not depend on the rate): ``LogWriter.create`` of the
   base into a fresh directory, its baseline cache built (checked: at least the model's bytes);
   the log and the cache are removed untimed after each, so each is a first create; an untimed
@@ -912,6 +917,13 @@ def run(args, work: Path, say) -> dict:
         if repeats % 2 == 1:  # leave the writer and the replayed state at base for the next rate
             writer.append(base_state)
             reader.apply_version(replay_state, writer.version)
+        synced = []
+        for i in range(repeats + repeats % 2):  # to new and back: the writer and the replayed state end at base
+            target = pair.new_state if i % 2 == 0 else base_state
+            appended = paired(lambda: writer.append(target), xor, 1, before=os.sync)
+            if i < repeats:
+                synced.append(appended)
+            reader.apply_version(replay_state, writer.version)
         count, _ = follow_versions(n, k, repeats)
         follow = range(writer.version + 1, writer.version + 1 + count)
         for i in range(count + count % 2):  # untimed; the writer and the replayed state end at base
@@ -927,7 +939,8 @@ def run(args, work: Path, say) -> dict:
                 cache_pairs.append(paired(lambda: writer.append(target), lambda: uncached.append(target), 1))
                 reader.apply_version(replay_state, writer.version)
         fresh = paired(lambda: np.bitwise_xor(base, new), xor, repeats)
-        versus_xor = {"append": Pairing.join(appends), "replay": Pairing.join(replays), "rx_numpy": rx["numpy"],
+        versus_xor = {"append": Pairing.join(appends), "append_synced": Pairing.join(synced),
+                      "replay": Pairing.join(replays), "rx_numpy": rx["numpy"],
                       "rx_numpy_idle": rx["numpy_idle"], "rx_numpy_first": rx["numpy_first"],
                       "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"], "rx_ckpt_follow": rx["ckpt_follow"],
                       "rx_ckpt_sync": rx["ckpt_sync"], "nemo_encode": nemo}
@@ -1014,10 +1027,10 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    ops = ("append", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first", "rx_torch", "rx_ckpt",
-           "rx_ckpt_fill", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode")
-    op_heads = ("append", "replay", "rx np", "rx np idle", "rx np first", "rx torch", "rx ckpt", "rx ckpt fill",
-                "rx ckpt follow", "rx ckpt sync", "NeMo enc")
+    ops = ("append", "append_synced", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first", "rx_torch",
+           "rx_ckpt", "rx_ckpt_fill", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode")
+    op_heads = ("append", "append synced", "replay", "rx np", "rx np idle", "rx np first", "rx torch", "rx ckpt",
+                "rx ckpt fill", "rx ckpt follow", "rx ckpt sync", "NeMo enc")
     table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
                   "NeMo/dcr", "xor GB/s", *op_heads,
                   title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "

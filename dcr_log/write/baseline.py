@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -36,7 +37,7 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from dcr_log import buffers
+from dcr_log import buffers, pages
 from dcr_log.coords import (
     DTYPE_WIDTH,
     Box,
@@ -149,10 +150,32 @@ class Baseline:
     slot: Path | None = None  # the cache slot whose file maps ``arrays``, if any
     _file: str = ""
     _layout: list = field(default_factory=list)  # (key, byte offset) in the slot's file
+    _written_at: float | None = None  # when an append last scattered into the map (monotonic)
 
     @staticmethod
     def empty(version: int) -> Baseline:
         return Baseline(version, {}, {}, {})
+
+    def ready_for_writes(self, density: float) -> None:
+        """Before an append scatters its changes into the mapped cache: each piece's pages
+        dropped from the page table and faulted in again for writing (pages.remap_for_writing).
+        The find pass reads every page first, and once writeback has cleaned them (in a new
+        process, as ``dcr append`` is, or after the dirty expiry or a sync) each page a
+        scatter reached took a write-protect fault of its own. Skipped where this process's
+        last append wrote the map and its pages are still dirty (pages.still_writable), and
+        for pieces where ``density`` (the changed fraction of the last version) puts fewer
+        than one change on eight pages: the prefault dirties every page, and most of those
+        would have stayed clean."""
+        if self.slot is None:
+            return
+        if self._written_at is not None and self._layout:
+            first = min(at for _, at in self._layout)
+            end = max(at + self.arrays[key].nbytes for key, at in self._layout)
+            if pages.still_writable(self.slot / self._file, first, end - first, self._written_at):
+                return
+        for words in self.arrays.values():
+            if density * (pages.PAGE_BYTES // words.itemsize) * 8 >= 1:
+                pages.remap_for_writing(words)
 
     def has(self, key: PieceKey) -> bool:
         return key in self.arrays
@@ -177,7 +200,8 @@ class Baseline:
             if self.slot is not None:
                 _write_meta(self.slot, self, digests, pending_version=version)
             scatter_changes(self.arrays, pending.scatters)
-            out = Baseline(version, self.arrays, dtypes, digests, self.slot, self._file, self._layout)
+            out = Baseline(version, self.arrays, dtypes, digests, self.slot, self._file, self._layout,
+                           time.monotonic() if self.slot is not None else None)
             if self.slot is not None:
                 _write_meta(self.slot, out, digests)
             return out

@@ -378,6 +378,9 @@ class ShardedWriter:
         # meanwhile finds its cache between versions at the next open, and loads the baseline
         # again.
         early = base.arrays if generation is None and set(base.arrays) == {p.key for p in mine} == kept else None
+        if early is not None and self._version >= 0:
+            stats = self.log.commit(self._version).stats
+            base.ready_for_writes(stats.changed_elements / max(stats.total_elements, 1))
         pending = Pending(self.log.digests.composable, kept, generation, early)
         error = None
         changed = records = 0

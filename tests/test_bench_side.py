@@ -43,8 +43,8 @@ def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
         assert pair["changed_elements"] == round(pair["changed_rate"] * pair["elements"])
         assert pair["nemo_to_dcr"] > 1
         t = pair["throughput"]
-        for op in ("xor", "copyto", "append", "append_synced", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first", "rx_torch",
-                   "rx_ckpt", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode"):
+        for op in ("xor", "copyto", "append", "append_synced", "replay", "rx_numpy", "rx_numpy_idle",
+                   "rx_numpy_first", "rx_torch", "rx_ckpt", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode"):
             assert t["seconds"][op] > 0 and t["to_xor"][op] > 0, op
         assert t["to_xor"]["xor"] == 1
         # The following receiver's journal fills with images first (a version's images lie

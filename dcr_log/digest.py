@@ -27,6 +27,7 @@ import xxhash
 
 from dcr_log import native
 from dcr_log.coords import Box, box_to_tensor_flat, numel
+from dcr_log.parallel import map_grouped
 
 SUM_DIGESTS = "sum-digests"
 MASK64 = (1 << 64) - 1
@@ -315,6 +316,43 @@ class SumDigests(DigestScheme):
 
     def empty(self) -> int:
         return 0
+
+
+# Words of a box digested as one piece where the scheme composes (box_digests).
+DIGEST_SPAN = 1 << 21
+
+
+def box_digests(scheme: DigestScheme, boxes: list[tuple[Box, tuple[int, ...], np.ndarray]],
+                workers: int, parallel: bool = True) -> list[int]:
+    """The digest of each ``(box, tensor shape, the box's words in box-local row-major
+    order)``, on ``workers`` threads of the shared pool (the C digests release the GIL).
+    Where the scheme composes, a row block in spans of DIGEST_SPAN words whose digests add
+    up to the box's (a row block's box-local order is the tensor's flat order from its
+    first word): a few large boxes then take every thread, not one each."""
+    spans: list[tuple[int, int, int]] = []  # (box, first word, end); end -1: the box whole
+    weights: list[int] = []
+    for i, (box, shape, words) in enumerate(boxes):
+        n = words.size
+        if scheme.composable and n > 0 and box.is_row_block(tuple(int(d) for d in shape)):
+            for lo in range(0, n, DIGEST_SPAN):
+                spans.append((i, lo, min(lo + DIGEST_SPAN, n)))
+                weights.append(min(DIGEST_SPAN, n - lo))
+        else:
+            spans.append((i, 0, -1))
+            weights.append(n)
+
+    def one(span: tuple[int, int, int]) -> int:
+        i, lo, hi = span
+        box, shape, words = boxes[i]
+        if hi < 0:
+            return scheme.box(box, shape, words)
+        start = box.flat_start(tuple(int(d) for d in shape))
+        return scheme.at(slice(start + lo, start + hi), words.reshape(-1)[lo:hi])
+
+    totals = [scheme.empty()] * len(boxes)
+    for (i, _, hi), part in zip(spans, map_grouped(one, spans, weights, 4 * DIGEST_SPAN, workers, parallel)):
+        totals[i] = part if hi < 0 else (totals[i] + part) & MASK64
+    return totals
 
 
 def xxh3_words(words: np.ndarray) -> int:

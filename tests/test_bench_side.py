@@ -297,3 +297,26 @@ def test_bench_encode_synced_appends_on_both_layouts(capsys):
     state = bench_encode.as_state(base, specs)
     assert sum(v.words.size for v in state.values()) == base.size
     assert any(v.shape[-1] * 2 % 4096 for v in state.values() if len(v.shape) == 2)  # rows across pages
+
+
+def test_bench_encode_reopens_the_writer_for_each_append(capsys, monkeypatch):
+    """tools/bench_encode.py --reopen: each timed append by a writer opened for it (its
+    baseline from the cache), closed after; the changes are the rate's."""
+    import bench_encode
+
+    from dcr_log import LogWriter
+
+    opened = []
+    real_open = LogWriter.open
+
+    def open_(*args, **kwargs):
+        opened.append(args[0])
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(LogWriter, "open", open_)
+    assert bench_encode.main(["--mib", "8", "--rates", "0.01", "--repeats", "3", "--reopen", "--no-create",
+                              "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (append,) = report["appends"]
+    assert 0.005 * report["elements"] < append["changed"] < 0.02 * report["elements"], append
+    assert len(opened) == 4  # three timed appends, and one more back to the base

@@ -79,6 +79,41 @@ def test_boxes_that_tile_a_tensor_add_up(impl, word):
     assert D.add(*(D.sum_box(b, shape, _box_words(full, shape, b)) for b in parts)) == total
 
 
+
+@pytest.mark.parametrize("scheme", ["sum", "xxh3"])
+def test_box_digests_on_the_pool_equal_each_boxs_own(monkeypatch, scheme):
+    """digest.box_digests: each box's digest as the scheme gives it whole, whether the box
+    is a row block cut into spans (its flat start added: a sub-block from row 6, or mid-row
+    blocks of an FSDP-style flat cut) or digested whole (a column split, a 0-d tensor, an
+    empty box); xxh3 boxes never in spans."""
+    import threading
+
+    rng = np.random.default_rng(9)
+    shape = (13, 5, 31)
+    full = rng.integers(0, 1 << 16, numel(shape), dtype=np.uint16)
+    boxes = [Box((6, 0, 0), (7, 5, 31)), Box((0, 0, 0), (13, 5, 11)), Box((0, 0, 0), (0, 5, 31)),
+             *flat_range_boxes(shape, 3 * 5 * 31 + 7, 9 * 5 * 31 + 2)]
+    items = [(b, shape, _box_words(full, shape, b)) for b in boxes]
+    items.append((Box((), ()), (), np.array([4321], dtype=np.uint16)))
+    digests = D.SumDigests() if scheme == "sum" else D.XXH3
+    whole = [digests.box(b, s, w) for b, s, w in items]
+    monkeypatch.setattr(D, "DIGEST_SPAN", 16)
+    spans: list[tuple[int, str]] = []
+    real_at = type(digests).at
+
+    def at(self, flat, words):
+        spans.append((flat.stop - flat.start, threading.current_thread().name))
+        return real_at(self, flat, words)
+
+    monkeypatch.setattr(type(digests), "at", at)
+    assert D.box_digests(digests, items, workers=2) == whole
+    assert D.box_digests(digests, items, workers=2, parallel=False) == whole
+    if scheme == "sum":
+        assert spans and max(n for n, _ in spans) == 16
+        assert {t for _, t in spans} != {threading.current_thread().name}  # on the pool
+    else:
+        assert spans == []
+
 def test_a_record_moves_the_digest_by_target_minus_base(impl):
     rng = np.random.default_rng(4)
     base = rng.integers(0, 2**16, 50_000, dtype=np.uint16)
@@ -149,7 +184,7 @@ def test_tensor_digests_in_spans_equal_each_tensors_own(tmp_path, monkeypatch, k
     digests = D.SumDigests() if scheme == "sum" else D.XXH3
     names = list(shapes)
     whole = [storage.tensor_digest(n, digests) for n in names]
-    monkeypatch.setattr(storage_base, "DIGEST_SPAN", 7)
+    monkeypatch.setattr(D, "DIGEST_SPAN", 7)
     spans: list[tuple[int, str]] = []
     real_at = type(digests).at
 

@@ -14,7 +14,7 @@ Usage:
 
     python tools/bench_encode.py [--mib 256] [--rates 0.01 0.10] [--repeats 1] [--workers N]
                                  [--json] [--profile RATE] [--phases RATE] [--breakdown RATE] [--gil]
-                                 [--find-path N] [--sync] [--layout rows|transformer]
+                                 [--find-path N] [--sync] [--layout rows|transformer] [--reopen]
 
 ``--profile RATE`` runs one append at that rate under cProfile and prints the top entries
 (cumulative and own time) instead of timing. ``--phases RATE`` runs ``--repeats`` appends at
@@ -31,13 +31,17 @@ rate the probe kept: near 0 means the call holds the GIL (a pure Python loop is 
 reference). ``--sync`` runs an untimed ``os.sync`` before each timed append and each xor: the
 writer then meets its baseline cache's pages clean, and write-protected by the writeback that
 cleaned them, as a trainer does whose steps are farther apart than the kernel's dirty expiry
-(30 s by default); back to back, an append finds them still dirty.
+(30 s by default); back to back, an append finds them still dirty. ``--reopen`` times each
+append together with the ``LogWriter.open`` before it and the close after it, as each new
+``dcr append`` process opens the log: the baseline mapped anew from the cache and every cached
+word checked against its digest before it is trusted.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import math
 import os
@@ -220,15 +224,22 @@ def breakdown(base: np.ndarray, new: np.ndarray, chunk: int) -> dict:
         for name, dt in stages.items()}}
 
 
-def time_append(writer, base_state, new_state, base, new, xor_out, repeats: int, sync: bool = False) -> dict:
+def time_append(writer, base_state, new_state, base, new, xor_out, repeats: int, sync: bool = False,
+                reopen=None) -> dict:
     """Appends alternating new, base, new, ... (each moves the same changes), each paired with
     one xor of the flat arrays; the writer is left at base. ``sync``: an untimed ``os.sync``
-    before each append and before each xor."""
+    before each append and before each xor. ``reopen``: each append by a writer it opens
+    (timed with the append) and closes, not by ``writer``."""
     states = [new_state, base_state]
     turn = [0]
 
     def append():
-        writer.append(states[turn[0] % 2])
+        w = writer if reopen is None else reopen()
+        try:
+            w.append(states[turn[0] % 2])
+        finally:
+            if reopen is not None:
+                w.close()
         turn[0] += 1
 
     def xor():
@@ -236,7 +247,8 @@ def time_append(writer, base_state, new_state, base, new, xor_out, repeats: int,
 
     p = paired(append, xor, repeats, before=os.sync if sync else None)
     if turn[0] % 2:
-        writer.append(base_state)
+        states[1] = base_state
+        append()
     return p.summary()
 
 
@@ -271,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", type=float, default=None, metavar="RATE")
     ap.add_argument("--gil", action="store_true", help="which calls release the GIL")
     ap.add_argument("--no-create", action="store_true", help="skip timing dense create")
+    ap.add_argument("--reopen", action="store_true",
+                    help="each timed append by a LogWriter.open of the log, as a new dcr append process does")
     ap.add_argument("--layout", choices=("rows", "transformer"), default="rows",
                     help="how the state is cut into tensors (see build)")
     ap.add_argument("--sync", action="store_true",
@@ -318,9 +332,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.phases is not None:
             append_phases(writer, base_state, as_state(news[0], layout), max(1, args.repeats))
             return 0
+        reopen = None
+        if args.reopen:  # a writer per append; the creating one lets go of its baseline
+            writer.close()
+            reopen = functools.partial(LogWriter.open, work / "log", cache_dir=work / "cache", policy=policy)
         for rate, new in zip(rates, news):
             k = int(np.count_nonzero(base != new))
-            s = time_append(writer, base_state, as_state(new, layout), base, new, xor_out, args.repeats, args.sync)
+            s = time_append(writer, base_state, as_state(new, layout), base, new, xor_out, args.repeats, args.sync,
+                            reopen)
             s.update(rate=rate, changed=k, cpu_ns_per_change=s["op_cpu_s"] / k * 1e9,
                      speed_vs_xor=1 / s["ratio"])
             report["appends"].append(s)

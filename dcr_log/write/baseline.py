@@ -49,7 +49,7 @@ from dcr_log.coords import (
     tensor_flat_to_box,
     word_dtype,
 )
-from dcr_log.digest import MASK64
+from dcr_log.digest import MASK64, box_digests
 from dcr_log.errors import CacheWarning, UsageError
 from dcr_log.log.records import decode_record, record_targets, scatter_words
 from dcr_log.log.steps import StepRules
@@ -323,10 +323,10 @@ def _write_meta(slot: Path, base: Baseline, digests: Mapping, file: str | None =
     _write_json_atomic(slot / "meta.json", meta)
 
 
-def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_box) -> Baseline | None:
+def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_boxes) -> Baseline | None:
     """A cached baseline of this rank holding some of these pieces (the newest slot that has
-    any), if their words match the digests recorded for one version (``digest_box(key,
-    words) -> int``); else None."""
+    any), if their words match the digests recorded for one version (``digest_boxes([(key,
+    words), ...]) -> [int, ...]``); else None."""
     want_all = set(keys)
     if cache.dir.is_dir():
         cache.mark_used()
@@ -348,7 +348,8 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
             base._map(meta["file"], layout)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        actual = {k: digest_box(k, base.arrays[k]) for k in want}
+        ordered = list(want)
+        actual = dict(zip(ordered, digest_boxes([(k, base.arrays[k]) for k in ordered])))
         if all(actual[k] == recorded[k] for k in want):
             base.digests = actual
         elif pending is not None and all(actual[k] == pending[k] for k in want):
@@ -364,7 +365,7 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
 
 
 def roll_forward(log: DeltaLog, base: Baseline, version: int, needed: list, shapes: Mapping,
-                 digest_box) -> Baseline:
+                 digest_boxes) -> Baseline:
     """``base`` (cached at an older version) brought to ``version`` by applying the records of
     the versions in between to its pieces: O(those deltas), not a replay from version 0.
 
@@ -411,7 +412,7 @@ def roll_forward(log: DeltaLog, base: Baseline, version: int, needed: list, shap
         before = {n: (t.dtype, t.shape) for n, t in table.items()}
     kept = {k: arrays[k] for k in arrays}
     return Baseline(version, kept, {k: base.dtypes[k] for k in kept},
-                    {k: digest_box(k, w) for k, w in kept.items()})
+                    dict(zip(kept, digest_boxes(list(kept.items())))))
 
 
 def load_baseline(log: DeltaLog, version: int, needed: list, cache: BaselineCache | None, group,
@@ -433,13 +434,18 @@ def load_baseline(log: DeltaLog, version: int, needed: list, cache: BaselineCach
     def digest_box(key, words):
         return digests.box(Box(key[1], key[2]), shapes.get(key, key[2]), words)
 
+    def digest_boxes(items: list) -> list[int]:
+        # On the pool's threads, large pieces in spans: a new process's first append checks
+        # every cached word against its digest before it trusts them.
+        return box_digests(digests, [(Box(k[1], k[2]), shapes.get(k, k[2]), w) for k, w in items], DEFAULT_WORKERS)
+
     have: Baseline | None = None
     if current is not None and all(current.has(k) for k in keys):
         have = current
     elif cache is not None and keys:
-        cached = open_cached(cache, group.rank, keys, digest_box)
+        cached = open_cached(cache, group.rank, keys, digest_boxes)
         if cached is not None and cached.version < version:
-            cached = roll_forward(log, cached, version, needed, shapes, digest_box)
+            cached = roll_forward(log, cached, version, needed, shapes, digest_boxes)
         if cached is not None and cached.version == version:
             have = cached
     offer: dict[str, int | None] = {}

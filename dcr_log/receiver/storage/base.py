@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from dcr_log.digest import MASK64, XXH3, DigestScheme
+from dcr_log.coords import Box
+from dcr_log.digest import XXH3, DigestScheme, box_digests
 from dcr_log.errors import UsageError
 from dcr_log.format.tensors import TensorInfo, state_digest
-from dcr_log.parallel import DEFAULT_WORKERS, map_grouped, map_ordered
+from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
 from dcr_log.state import TableLayout
 
 Where = np.ndarray | slice
@@ -157,15 +158,11 @@ def storage_state_digest(storage: Storage, digests: DigestScheme = XXH3, paralle
                          in zip(layout.items(), tensor_digests(storage, list(layout), digests, parallel=parallel))])
 
 
-# Words of a tensor digested as one piece where the scheme composes (tensor_digests).
-DIGEST_SPAN = 1 << 21
-
-
 def tensor_digests(storage: Storage, names: list[str], digests: DigestScheme = XXH3,
                    workers: int = DEFAULT_WORKERS, parallel: bool = True) -> list[int]:
     """Each named tensor's digest, on ``workers`` threads of the shared pool (the digests
     release the GIL). Where the scheme composes and the storage's words are host views
-    (``parallel_reads``), in spans of DIGEST_SPAN words, whose digests add up to the tensor's:
+    (``parallel_reads``), in spans whose digests add up to the tensor's (digest.box_digests):
     a few large tensors then take every thread, not one each. (verify=sample's 14 tensors
     after an apply of 512 MiB of bf16: 1.3 ms in spans by tools/bench_apply.py --gib 0.5
     --verify sample --phases; 2.1-2.3 ms a tensor per task before, by the same apply's
@@ -174,11 +171,4 @@ def tensor_digests(storage: Storage, names: list[str], digests: DigestScheme = X
     if not (parallel and digests.composable and storage.parallel_reads):
         return list(map_ordered(lambda name: storage.tensor_digest(name, digests), names, workers, parallel))
     words = [storage.tensor_words(name).reshape(-1) for name in names]
-    spans = [(i, lo, min(lo + DIGEST_SPAN, w.size)) for i, w in enumerate(words)
-             for lo in range(0, w.size, DIGEST_SPAN)]
-    parts = map_grouped(lambda span: digests.at(slice(span[1], span[2]), words[span[0]][span[1]:span[2]]),
-                        spans, [hi - lo for _, lo, hi in spans], 4 * DIGEST_SPAN, workers)
-    totals = [digests.empty()] * len(names)
-    for (i, _, _), part in zip(spans, parts):
-        totals[i] = (totals[i] + part) & MASK64
-    return totals
+    return box_digests(digests, [(Box((0,), (w.size,)), (w.size,), w) for w in words], workers)

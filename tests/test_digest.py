@@ -40,6 +40,23 @@ def _box_words(full: np.ndarray, shape, box: Box) -> np.ndarray:
     return full.reshape(shape)[tuple(slice(o, o + s) for o, s in zip(box.offset, box.shape))].reshape(-1)
 
 
+def _spans_recorded(monkeypatch, digests, span: int) -> list[tuple[int, str]]:
+    """Spans of ``span`` words for digest.box_digests, and the list where each call of the
+    scheme's ``at`` records its span's length and the thread it ran on."""
+    import threading
+
+    monkeypatch.setattr(D, "DIGEST_SPAN", span)
+    spans: list[tuple[int, str]] = []
+    real_at = type(digests).at
+
+    def at(self, flat, words):
+        spans.append((flat.stop - flat.start, threading.current_thread().name))
+        return real_at(self, flat, words)
+
+    monkeypatch.setattr(type(digests), "at", at)
+    return spans
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_sums_match_the_reference(impl, data):
@@ -97,15 +114,7 @@ def test_box_digests_on_the_pool_equal_each_boxs_own(monkeypatch, scheme):
     items.append((Box((), ()), (), np.array([4321], dtype=np.uint16)))
     digests = D.SumDigests() if scheme == "sum" else D.XXH3
     whole = [digests.box(b, s, w) for b, s, w in items]
-    monkeypatch.setattr(D, "DIGEST_SPAN", 16)
-    spans: list[tuple[int, str]] = []
-    real_at = type(digests).at
-
-    def at(self, flat, words):
-        spans.append((flat.stop - flat.start, threading.current_thread().name))
-        return real_at(self, flat, words)
-
-    monkeypatch.setattr(type(digests), "at", at)
+    spans = _spans_recorded(monkeypatch, digests, 16)
     assert D.box_digests(digests, items, workers=2) == whole
     assert D.box_digests(digests, items, workers=2, parallel=False) == whole
     if scheme == "sum":
@@ -184,15 +193,7 @@ def test_tensor_digests_in_spans_equal_each_tensors_own(tmp_path, monkeypatch, k
     digests = D.SumDigests() if scheme == "sum" else D.XXH3
     names = list(shapes)
     whole = [storage.tensor_digest(n, digests) for n in names]
-    monkeypatch.setattr(D, "DIGEST_SPAN", 7)
-    spans: list[tuple[int, str]] = []
-    real_at = type(digests).at
-
-    def at(self, flat, words):
-        spans.append((flat.stop - flat.start, threading.current_thread().name))
-        return real_at(self, flat, words)
-
-    monkeypatch.setattr(type(digests), "at", at)
+    spans = _spans_recorded(monkeypatch, digests, 7)
     assert storage_base.tensor_digests(storage, names, digests, workers=2) == whole
     if scheme == "sum":
         assert sorted(n for n, _ in spans) == sorted([7] * 11 + [1, 5, 5, 1])  # 1, 5, 33 and 50 words

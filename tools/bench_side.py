@@ -920,7 +920,7 @@ def run(args, work: Path, say) -> dict:
         synced = []
         for i in range(repeats + repeats % 2):  # to new and back: the writer and the replayed state end at base
             target = pair.new_state if i % 2 == 0 else base_state
-            appended = paired(lambda: writer.append(target), xor, 1, before=os.sync)
+            appended = paired(functools.partial(writer.append, target), xor, 1, before=os.sync)
             if i < repeats:
                 synced.append(appended)
             reader.apply_version(replay_state, writer.version)

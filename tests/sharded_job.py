@@ -327,6 +327,12 @@ def sabotage(shards: dict, how: str, model: RankModel, step: int) -> None:
         words = np.ascontiguousarray(dense_state(step)[name].words.reshape(HIDDEN, -1)[:, q0:q1]).reshape(-1)
         words = words.view(KillOnRead if how == "kill-encoding" else HangOnRead)
         shards[name] = [Shard(TensorBits(BF16, (HIDDEN, q1 - q0), words), (0, q0))]
+    elif how == "raise-remap":  # mapping its baseline cache for writing fails, before any encoding
+        from dcr_log.write.baseline import Baseline
+
+        def refuse(self, density):
+            raise OSError(f"madvise refused on rank {rank}")
+        Baseline.ready_for_writes = refuse  # (this process ends with the failed append)
     elif how == "kill-converter":
         shards[L0 + "self_attn.q_proj.weight"] = [Shard.converted(
             lambda: os.kill(os.getpid(), signal.SIGKILL), offset=(model.q[0], 0))]

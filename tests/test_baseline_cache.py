@@ -560,3 +560,29 @@ def test_an_append_maps_its_cache_for_writing_once_writeback_cleaned_it(tmp_path
     log = DeltaLog.open(tmp_path / "log")
     for v, s in enumerate(states):
         assert_same_bits(log.materialize(v), s)
+
+
+def test_a_failure_mapping_the_cache_for_writing_fails_the_append_and_loses_nothing(tmp_path, monkeypatch):
+    """A failure in Baseline.ready_for_writes (before any word is encoded) is the append's
+    error, reported like an encoding failure: nothing is committed, and the next append of
+    the same state, by the same writer, commits it bit-exact from the cache (no replay)."""
+    from dcr_log.errors import StoreError
+    from dcr_log.write.baseline import Baseline
+
+    rng = np.random.default_rng(13)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, {"a": ("BF16", (512, 1024))})
+    s1 = {"a": change_words(rng, s0["a"], 0.01)}
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache).close()
+    with LogWriter.open(tmp_path / "log", cache_dir=cache) as writer:
+        with monkeypatch.context() as m:
+            def fail(self, density):
+                raise StoreError("madvise refused")
+            m.setattr(Baseline, "ready_for_writes", fail)
+            with pytest.raises(StoreError, match="madvise refused"):
+                writer.append(s1)
+        assert DeltaLog.open(tmp_path / "log").latest_version() == 0
+        with monkeypatch.context() as m:
+            _no_replay(m)
+            assert writer.append(s1).version == 1
+    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(1), s1)

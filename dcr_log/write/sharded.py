@@ -378,9 +378,6 @@ class ShardedWriter:
         # meanwhile finds its cache between versions at the next open, and loads the baseline
         # again.
         early = base.arrays if generation is None and set(base.arrays) == {p.key for p in mine} == kept else None
-        if early is not None and self._version >= 0:
-            stats = self.log.commit(self._version).stats
-            base.ready_for_writes(stats.changed_elements / max(stats.total_elements, 1))
         pending = Pending(self.log.digests.composable, kept, generation, early)
         error = None
         changed = records = 0
@@ -403,6 +400,9 @@ class ShardedWriter:
             builder = SegmentBuilder(self.log.log_id, version)
 
         try:
+            if early is not None and self._version >= 0:  # (in the try: a failure here is reported too)
+                stats = self.log.commit(self._version).stats
+                base.ready_for_writes(stats.changed_elements / max(stats.total_elements, 1))
             # Every chunk of every piece in one ordered stream, so the encoding threads never
             # wait at a tensor boundary.
             infos = [(p, _kept(p.name, layout, previous), layout.tensors[p.name][1]) for p in mine]

@@ -293,8 +293,8 @@ def test_bench_encode_synced_appends_on_both_layouts(capsys):
         (append,) = report["appends"]
         assert 0.005 * report["elements"] < append["changed"] < 0.02 * report["elements"], append
         assert append["op_s"] > 0 and append["cpu_ns_per_change"] > 0, append
-    base, _, specs = bench_encode.build(8, [0.01], 0, "transformer")
-    state = bench_encode.as_state(base, specs)
+    base, _, to_state = bench_encode.build(8, [0.01], 0, "transformer")
+    state = to_state(base)
     assert sum(v.words.size for v in state.values()) == base.size
     assert any(v.shape[-1] * 2 % 4096 for v in state.values() if len(v.shape) == 2)  # rows across pages
 

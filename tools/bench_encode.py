@@ -56,8 +56,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_delta import ROW, tensor_rows  # noqa: E402
-from bench_delta import as_state as rows_state  # noqa: E402
+from bench_delta import ROW, as_state, tensor_rows  # noqa: E402
 from timing import Pairing, machine, machine_line, paired  # noqa: E402
 
 from dcr_log import LogWriter  # noqa: E402
@@ -85,23 +84,19 @@ def append_phases(writer, base_state, new_state, repeats: int) -> None:
 
 
 def build(mib: int, rates: list[float], seed: int, layout_kind: str = "rows"):
-    """The base, one new state per rate, and the layout that cuts them into tensors:
-    ``rows``, Llama-shaped matrices of 4096 columns (tools/bench_delta.py); ``transformer``,
-    dcr_log.synthetic's transformer of that size, whose odd widths (a hidden size of 1904
-    at 512 MiB) put its rows across page boundaries."""
+    """The base, one new state per rate, and the function that cuts flat words into the
+    layout's tensors (views, no copy): ``rows``, Llama-shaped matrices of 4096 columns
+    (tools/bench_delta.py); ``transformer``, dcr_log.synthetic's transformer of that size,
+    whose odd widths (a hidden size of 1904 at 512 MiB) put its rows across page boundaries."""
     if layout_kind == "transformer":
-        layout = specs_for_params(mib * (1 << 20) // 2)
-        n = sum(math.prod(spec.shape) for spec in layout)
+        specs = specs_for_params(mib * (1 << 20) // 2)
+        n = sum(math.prod(spec.shape) for spec in specs)
+        to_state = functools.partial(carve, specs=specs)
     else:
         n = max(ROW, mib * (1 << 20) // 2 // ROW * ROW)
-        layout = tensor_rows(n)
+        to_state = functools.partial(as_state, layout=tensor_rows(n))
     flat = adam_step_pair(n, seed, tuple(lr_for_rate(r) for r in rates))
-    return flat[0], flat[1:], layout
-
-
-def as_state(words: np.ndarray, layout) -> dict:
-    """Views of the flat words as the layout's tensors (no copy)."""
-    return carve(words, layout) if layout and not isinstance(layout[0], tuple) else rows_state(words, layout)
+    return flat[0], flat[1:], to_state
 
 
 def gil_probe(n: int = 1 << 24) -> list[tuple[str, float, float]]:
@@ -246,8 +241,7 @@ def time_append(writer, base_state, new_state, base, new, xor_out, repeats: int,
         np.bitwise_xor(base, new, out=xor_out)
 
     p = paired(append, xor, repeats, before=os.sync if sync else None)
-    if turn[0] % 2:
-        states[1] = base_state
+    if turn[0] % 2:  # (states[1] is the base)
         append()
     return p.summary()
 
@@ -302,14 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     single = next((r for r in (args.profile, args.breakdown, args.phases) if r is not None), None)
     rates = [single] if single is not None else args.rates
     say = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    base, news, layout = build(args.mib, rates, args.seed, args.layout)
+    base, news, to_state = build(args.mib, rates, args.seed, args.layout)
     if args.breakdown is not None:
         report = breakdown(base, news[0], EncodePolicy().chunk_elements)
         print(json.dumps(report) if args.json else "\n".join(
             f"{k:>14}: {v['ns_per_change']:6.1f} ns/change  {v['ns_per_byte']:.3f} ns/byte"
             for k, v in report["stages"].items()) + f"\n{report['changed']} changes")
         return 0
-    base_state = as_state(base, layout)
+    base_state = to_state(base)
     policy = EncodePolicy() if args.workers is None else replace(EncodePolicy(), workers=args.workers)
     xor_out = np.zeros_like(base)  # pages faulted in before any timed xor
     work = Path(tempfile.mkdtemp(prefix="bench-encode-"))
@@ -319,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         writer = LogWriter.create(work / "log", base_state, cache_dir=work / "cache", policy=policy)
         if args.profile is not None:
-            new_state = as_state(news[0], layout)
+            new_state = to_state(news[0])
             prof = cProfile.Profile()
             prof.enable()
             writer.append(new_state)
@@ -330,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             stats.print_callers("acquire")
             return 0
         if args.phases is not None:
-            append_phases(writer, base_state, as_state(news[0], layout), max(1, args.repeats))
+            append_phases(writer, base_state, to_state(news[0]), max(1, args.repeats))
             return 0
         reopen = None
         if args.reopen:  # a writer per append; the creating one lets go of its baseline
@@ -338,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             reopen = functools.partial(LogWriter.open, work / "log", cache_dir=work / "cache", policy=policy)
         for rate, new in zip(rates, news):
             k = int(np.count_nonzero(base != new))
-            s = time_append(writer, base_state, as_state(new, layout), base, new, xor_out, args.repeats, args.sync,
+            s = time_append(writer, base_state, to_state(new), base, new, xor_out, args.repeats, args.sync,
                             reopen)
             s.update(rate=rate, changed=k, cpu_ns_per_change=s["op_cpu_s"] / k * 1e9,
                      speed_vs_xor=1 / s["ratio"])

@@ -660,8 +660,8 @@ static PyObject *py_populate_write(PyObject *self, PyObject *args) { return page
 static PyObject *py_drop_pages(PyObject *self, PyObject *args) { return page_advice(args, MADV_DONTNEED); }
 
 /* dirty_pages(fd, start, length) -> int | None: how many of the file's pages in
- * [start, start + length) the page cache holds dirty (cachestat, Linux 6.5; one walk of the
- * cache's folios, 0.1 ms for 512 MiB). Writeback write-protects each page it cleans, so
+ * [start, start + length) the page cache holds dirty (cachestat, Linux 6.5: one walk of the
+ * range's folios, no page touched). Writeback write-protects each page it cleans, so
  * pages a map wrote that are still dirty are still mapped for writing. None where the
  * kernel or the platform has no such call. */
 #if defined(__linux__)

@@ -39,9 +39,10 @@ def still_writable(path: Path, start: int, length: int, written_at: float) -> bo
     mapped for writing. Writeback write-protects each page it cleans (at the dirty expiry,
     under dirty-memory pressure, or at a sync by anyone), so where the kernel tells
     (cachestat, Linux 6.5): at least three quarters of the range's pages still dirty.
-    Dropping and faulting in again costs about a quarter of what leaving clean pages to
-    their write-protect faults does (tools/bench_pagecache.py). Elsewhere: the write is
-    younger than the dirty expiry."""
+    Dropping clean pages and faulting them in again never cost more than leaving them to
+    their write-protect faults, and down to 0.05 of it, by how the file was written
+    (tools/bench_pagecache.py --repeats 3), so a range mostly clean is dropped. Elsewhere:
+    the write is younger than the dirty expiry."""
     kernels = native.changes
     if kernels is not None and length > 0:
         try:

@@ -544,7 +544,7 @@ def test_remap_for_writing_keeps_every_byte_and_refuses_memory_it_could_lose(tmp
     written[::37] ^= 0x1234
     words[:] = written
     mm.flush()
-    int(np.asarray(words[::page]).sum())  # clean, and mapped read-only by the read
+    int(np.asarray(mm[::page]).sum())  # clean, and every page mapped read-only by the read
     words[5 * page // 2] ^= 1  # one unsynced write
     written[5 * page // 2] ^= 1
     assert pages.remap_for_writing(words) is True

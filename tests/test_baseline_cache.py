@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import DirtyCount, assert_same_bits, change_words, copy_state, make_state, run_cli
+from helpers import DirtyCount, assert_same_bits, change_words, cli_env, copy_state, make_state, run_cli
 from dcr_log import DeltaLog, IntegrityError, LogWriter
 from dcr_log.digest import SUM
 from dcr_log.format import version_key
@@ -68,6 +68,7 @@ def test_a_damaged_cache_is_rebuilt_from_the_log(tmp_path):
     (words,) = _slot_files(cache)
     data = bytearray(words.read_bytes())
     data[5] ^= 0x40  # one bit of the cached baseline flipped behind the writer's back
+    time.sleep(0.01)  # (by a later write: a coarse clock gives it a later mtime than the seal's)
     words.write_bytes(bytes(data))
     s1 = _step(rng, s0)
     calls = []
@@ -185,17 +186,17 @@ def test_cli_append_uses_the_cache(tmp_path):
     cache = tmp_path / "cache"
     assert run_cli("init", tmp_path / "log", "--from", tmp_path / "v0.safetensors", "--cache", cache)[0] == 0
     s = s0
-    for v in (1, 2):
+    for v, check in ((1, []), (2, []), (3, ["--check-cache"])):
         s = _step(rng, s)
         save_safetensors(s, tmp_path / f"v{v}.safetensors")
         rc, out, err = run_cli("append", tmp_path / "log", "--from", tmp_path / f"v{v}.safetensors",
-                               "--cache", cache)
+                               "--cache", cache, *check)
         assert rc == 0, err
         assert f"version {v}:" in out
     assert len(_slot_files(cache)) == 1
     meta = json.loads(next(cache.rglob("meta.json")).read_text())
-    assert meta["version"] == 2
-    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(2), s)
+    assert meta["version"] == 3
+    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(3), s)
 
 
 def test_a_cache_some_versions_behind_rolls_forward(tmp_path, monkeypatch):
@@ -586,3 +587,251 @@ def test_a_failure_mapping_the_cache_for_writing_fails_the_append_and_loses_noth
             _no_replay(m)
             assert writer.append(s1).version == 1
     assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(1), s1)
+
+
+def _hashed_words(monkeypatch) -> list[int]:
+    """Counts the cached pieces a writer hashes as it loads its baseline."""
+    from dcr_log.write import baseline as baseline_module
+
+    hashed: list[int] = []
+    real = baseline_module.box_digests
+
+    def counted(scheme, boxes, *args, **kwargs):
+        hashed.append(len(boxes))
+        return real(scheme, boxes, *args, **kwargs)
+
+    monkeypatch.setattr(baseline_module, "box_digests", counted)
+    return hashed
+
+
+def _seal(cache: Path) -> Path:
+    (seal,) = cache.rglob("seal.json")
+    return seal
+
+
+@pytest.mark.parametrize("features", [("sum-digests",), ()])
+def test_a_sealed_cache_is_taken_without_hashing_its_words(tmp_path, monkeypatch, features):
+    """Each append leaves the cache sealed; the next writer of this boot takes the sealed
+    words without hashing them (or hashes every one, asked to), and appends the right bits."""
+    from dcr_log.write.baseline import boot_id
+
+    rng = np.random.default_rng(21)
+    cache = tmp_path / "cache"
+    states = [make_state(rng, SPEC)]
+    LogWriter.create(tmp_path / "log", states[0], cache_dir=cache, features=features)
+    assert json.loads(_seal(cache).read_text())["boot"] == boot_id()
+    for check in (False, True, False):
+        states.append(_step(rng, states[-1]))
+        with monkeypatch.context() as m:
+            _no_replay(m)
+            hashed = _hashed_words(m)
+            LogWriter.open(tmp_path / "log", cache_dir=cache, check_cache=check).append(states[-1])
+        assert sum(hashed) == (len(SPEC) if check else 0), hashed
+        assert _seal(cache).exists()
+    log = DeltaLog.open(tmp_path / "log")
+    for v, s in enumerate(states):
+        assert_same_bits(log.materialize(v), s)
+    log.verify(deep=True)
+
+
+def test_no_seal_while_an_append_writes_the_cache(tmp_path, monkeypatch):
+    """Every write into a cache slot (the early writes as chunks are encoded, the remap for
+    writing, the scatters after the commit, a new generation's words) happens while the slot
+    has no seal; the seal is back once the version is in the cache."""
+    from dcr_log import pages
+    from dcr_log.write import baseline as baseline_module
+    from dcr_log.write import differ
+    from dcr_log.write import pending as pending_module
+
+    rng = np.random.default_rng(22)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, EARLY_SPEC)
+    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy())
+    seen: list[str] = []
+
+    def unsealed(what: str, slot: Path | None) -> None:
+        seen.append(what)
+        seals = list(cache.rglob("seal.json")) if slot is None else [slot / "seal.json"]
+        assert not any(s.exists() for s in seals), f"{what} wrote a sealed slot"
+
+    def watched(what, real, when=lambda *a, **k: True):
+        def call(*args, **kwargs):
+            if when(*args, **kwargs):
+                # A new generation's slot (another piece set) is checked alone: the slot it
+                # replaces keeps its seal and its words until the new one is finished.
+                unsealed(what, args[0].slot if what == "a generation" else None)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(differ.Differ, "diff_box", watched("an early write", differ.Differ.diff_box,
+                                                           lambda *a, **k: k.get("advance")))
+    monkeypatch.setattr(baseline_module, "scatter_changes", watched("a scatter", baseline_module.scatter_changes))
+    monkeypatch.setattr(pending_module, "scatter_changes", watched("an undo", pending_module.scatter_changes))
+    monkeypatch.setattr(pages, "remap_for_writing", watched("the remap", pages.remap_for_writing))
+    monkeypatch.setattr(baseline_module.Generation, "write",
+                        watched("a generation", baseline_module.Generation.write))
+    s1 = _step(rng, s0, rate=0.2)
+    writer.append(s1)
+    s2 = dict(_step(rng, s1, rate=0.2), extra=make_state(rng, {"x": ("F32", (7,))})["x"])
+    writer.append(s2, allow_layout_change=True)  # a new generation
+    assert {"an early write", "a scatter", "the remap", "a generation"} <= set(seen), set(seen)
+    assert _seal(cache).exists()
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(2), s2)
+
+
+def _other_boot(tmp_path: Path, monkeypatch) -> None:
+    from dcr_log.write import baseline as baseline_module
+
+    other = tmp_path / "boot_id"
+    other.write_text("00000000-0000-0000-0000-000000000000\n")
+    monkeypatch.setattr(baseline_module, "BOOT_ID", other)
+
+
+def _no_boot_id(tmp_path: Path, monkeypatch) -> None:
+    from dcr_log.write import baseline as baseline_module
+
+    monkeypatch.setattr(baseline_module, "BOOT_ID", tmp_path / "no-such-file")
+
+
+def _meta_rewritten(tmp_path: Path, monkeypatch) -> None:
+    meta = next((tmp_path / "cache").rglob("meta.json"))
+    meta.write_text(json.dumps(json.loads(meta.read_text()), indent=1))  # same record, other bytes
+
+
+def _words_rewritten(tmp_path: Path, monkeypatch) -> None:
+    (words,) = _slot_files(tmp_path / "cache")
+    data = words.read_bytes()
+    time.sleep(0.01)  # (a later write: a coarse clock gives it a later mtime)
+    with open(words, "r+b") as f:
+        f.write(data[:64])  # the same bytes: only the file's times say it was written
+
+
+def _words_replaced(tmp_path: Path, monkeypatch) -> None:
+    (words,) = _slot_files(tmp_path / "cache")
+    copy = words.with_name("copy")
+    copy.write_bytes(words.read_bytes())
+    os.replace(copy, words)
+
+
+@pytest.mark.parametrize("spoil", [_other_boot, _no_boot_id, _meta_rewritten, _words_rewritten, _words_replaced],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_seal_vouches_only_for_its_boot_its_record_and_its_file(tmp_path, monkeypatch, spoil):
+    """Another boot (a power loss between), no boot id at all, a meta.json with other bytes,
+    a words file written or replaced since the seal: the writer hashes every cached word
+    before it trusts them, and appends the right bits."""
+    rng = np.random.default_rng(23)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, SPEC)
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache)
+    s1 = _step(rng, s0)
+    with monkeypatch.context() as m:
+        spoil(tmp_path, m)
+        _no_replay(m)
+        hashed = _hashed_words(m)
+        LogWriter.open(tmp_path / "log", cache_dir=cache).append(s1)
+        assert sum(hashed) == len(SPEC), hashed
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(1), s1)
+    log.verify(deep=True)
+
+
+def test_check_cache_finds_damage_a_seal_cannot_see(tmp_path, monkeypatch):
+    """The seal's limit, and its way out: words damaged with no trace in the file's metadata
+    (here the seal is written again after the damage) are taken as sealed; ``check_cache``
+    hashes them, finds the damage and rebuilds the baseline from the log."""
+    from dcr_log.write import baseline as baseline_module
+
+    rng = np.random.default_rng(24)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, SPEC)
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache).close()
+    (words,) = _slot_files(cache)
+    data = bytearray(words.read_bytes())
+    data[5] ^= 0x40
+    words.write_bytes(bytes(data))
+    slot = words.parent
+    meta = json.loads((slot / "meta.json").read_text())
+    dtypes = {baseline_module._key_of(k): dt for k, dt, _, _ in meta["pieces"]}
+    forged = baseline_module.Baseline(meta["version"], {}, dtypes, {}, slot)
+    forged._map(meta["file"], [(baseline_module._key_of(k), at) for k, _, at, _ in meta["pieces"]])
+    forged.seal()
+    keys = list(dtypes)
+    hashed: list[int] = []
+
+    def digest_boxes(items):
+        hashed.append(len(items))
+        return [0] * len(items)
+
+    rank_cache = baseline_module.BaselineCache(cache, DeltaLog.open(tmp_path / "log").log_id,
+                                               DeltaLog.open(tmp_path / "log").store.url)
+    assert baseline_module.open_cached(rank_cache, 0, keys, digest_boxes) is not None and not hashed
+    s1 = _step(rng, s0)
+    replays: list[int] = []
+    real_materialize = DeltaLog.materialize
+
+    def counted(self, *args, **kwargs):
+        replays.append(1)
+        return real_materialize(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaLog, "materialize", counted)
+    LogWriter.open(tmp_path / "log", cache_dir=cache, check_cache=True).append(s1)
+    assert replays  # the damage was found and the baseline rebuilt
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(1), s1)
+    log.verify(deep=True)
+
+
+def test_a_killed_dcr_append_leaves_no_seal_on_words_it_tore(tmp_path):
+    """SIGKILL of real ``dcr append`` processes as soon as each removed its cache's seal (it is
+    about to write the cache), each followed by an append of the next state in a new process:
+    every version the log holds is the state appended, and the log verifies."""
+    import signal
+    import subprocess
+    import sys
+
+    from dcr_log.checkpoint import save_safetensors
+
+    rng = np.random.default_rng(25)
+    spec = {"w": ("BF16", (2048, 1024)), "b": ("F32", (33,))}
+    cache = tmp_path / "cache"
+    checkpoint = tmp_path / "next.safetensors"
+    states = [make_state(rng, spec)]
+    LogWriter.create(tmp_path / "log", states[0], cache_dir=cache).close()
+    killed = 0
+    for delay in (0.0, 0.005, 0.02):
+        new = _step(rng, states[-1], rate=0.05)
+        save_safetensors(new, checkpoint)
+        seal = _seal(cache)
+        proc = subprocess.Popen([sys.executable, "-m", "dcr_log", "append", str(tmp_path / "log"), "--from",
+                                 str(checkpoint), "--cache", str(cache)], env=cli_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while seal.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            time.sleep(delay)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                killed += 1
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        if DeltaLog.open(tmp_path / "log").latest_version() == len(states):
+            states.append(new)  # committed before the kill
+        else:
+            assert proc.returncode == -signal.SIGKILL, err
+        new = _step(rng, states[-1], rate=0.05)
+        save_safetensors(new, checkpoint)
+        rc, _, err = run_cli("append", tmp_path / "log", "--from", checkpoint, "--cache", cache)
+        assert rc == 0, err
+        states.append(new)
+        assert _seal(cache).exists()
+    assert killed >= 2
+    log = DeltaLog.open(tmp_path / "log")
+    assert log.latest_version() == len(states) - 1
+    for v, s in enumerate(states):
+        assert_same_bits(log.materialize(v), s)
+    log.verify(deep=True)

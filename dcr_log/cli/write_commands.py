@@ -207,6 +207,10 @@ def append(log: str = typer.Argument(..., metavar="LOG", help="log directory or 
            from_: Path = typer.Option(..., "--from", metavar="CKPT", help="checkpoint: .safetensors or a directory"),
            files: bool | None = typer.Option(None, "--files/--no-files", help=FILES_HELP),
            cache: str | None = typer.Option(None, "--cache", metavar="DIR", help=CACHE_HELP),
+           check_cache: bool = typer.Option(
+               False, "--check-cache",
+               help="hash every cached baseline word before trusting it, even where the last "
+                    "append on this machine sealed the cache since the last boot"),
            sign_key: Path | None = typer.Option(None, "--sign", metavar="KEY", help=SIGN_HELP),
            allow_layout_change: bool = typer.Option(
                False, "--allow-layout-change",
@@ -221,7 +225,9 @@ def append(log: str = typer.Argument(..., metavar="LOG", help="log directory or 
     --allow-layout-change.
 
     The baseline (the latest version's state) comes from the local cache that init and append
-    keep, checked against the commit's digests; without one the log is replayed.
+    keep, checked against the commit's digests; without one the log is replayed. Words the
+    last append sealed since this machine's last boot are not hashed again (--check-cache
+    hashes them).
     """
     from dcr_log.checkpoint import load_checkpoint
     from dcr_log.log.deltalog import DeltaLog
@@ -249,7 +255,8 @@ def append(log: str = typer.Argument(..., metavar="LOG", help="log directory or 
         carried = None
     say_left(lambda: f"version {dlog.latest_version() + 1} not committed")
     writer_id = default_writer_id()
-    writer = LogWriter.open(dlog, cache_dir=cache_dir_option(cache), signing_key=key, writer_id=writer_id)
+    writer = LogWriter.open(dlog, cache_dir=cache_dir_option(cache), signing_key=key, writer_id=writer_id,
+                            check_cache=check_cache)
     version = writer.version + 1
     say_left(lambda: version_left(log, version, writer_id))
     with progress_bar("append", sum(t.nbytes for t in state.values())) as advance:

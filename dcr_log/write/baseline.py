@@ -18,6 +18,19 @@ version. A kill leaves words that match one of the two digest lists, or neither 
 pieces are rebuilt: a writer killed while encoding rebuilds its baseline from the log).
 Nothing is fsynced: a SIGKILL loses no page-cache write, and a power loss is caught by the
 digest check.
+
+Hashing every cached word at open costs a new process (each ``dcr append``) a pass over the
+whole baseline. So once an append has advanced the cache and recorded it, the rank, still
+holding its lock, leaves a seal (``seal.json``): this boot's id, the hash of ``meta.json`` and
+the words file's device, inode, size, mtime and ctime. Every append removes the seal before it
+writes a word of the slot (Baseline.unseal: the first thing it does there, under the lock). A
+writer that opens the cache trusts sealed words without hashing them when all of that still
+holds; anything else (another boot, so a power loss; a write, a truncate or a copy of the
+file; a kill in the middle of an append, which leaves no seal) gets the digest check. That is
+the trust a writer process already places in its own map between appends, extended to the
+next process of the same boot: a change of the file's bytes that leaves no trace in its
+metadata (damage at rest, a write in the same timestamp tick as the seal) is not seen, and
+``check_cache=True`` (``dcr append --check-cache``) hashes every word anyway.
 """
 
 from __future__ import annotations
@@ -81,20 +94,21 @@ class BaselineCache:
     """Where one rank keeps its baseline files for one log (dcr_log.write.cache: the layout,
     the cap, what ``dcr cache`` does)."""
 
-    def __init__(self, root: Path, log_id: str, url: str = "", local: Path | None = None):
+    def __init__(self, root: Path, log_id: str, url: str = "", local: Path | None = None, check: bool = False):
         self.root = Path(root)
         self.log_id, self.url, self.local = log_id, url, local
         self.dir = self.root / log_dir_name(url, log_id)
+        self.check = check  # hash every cached word at open, sealed or not
 
     @staticmethod
-    def resolve(cache_dir: Any, store, log_id: str) -> BaselineCache | None:
+    def resolve(cache_dir: Any, store, log_id: str, check: bool = False) -> BaselineCache | None:
         """None (no cache) for ``cache_dir=False`` and for logs in memory; else the given
         directory or the default one."""
         if cache_dir is False:
             return None
         if cache_dir is None and store.url.startswith("memory://"):
             return None
-        return BaselineCache(cache_root(cache_dir), log_id, store.url, getattr(store, "local_root", None))
+        return BaselineCache(cache_root(cache_dir), log_id, store.url, getattr(store, "local_root", None), check)
 
     def mark_used(self) -> None:
         mark_used(self.dir, self.url, self.log_id, self.local)
@@ -133,6 +147,36 @@ class BaselineCache:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+SEAL = "seal.json"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str | None:
+    """This boot's id (Linux), or None where there is none: then nothing is sealed."""
+    try:
+        return BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _file_identity(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _seal_holds(slot: Path, meta: bytes, file: str) -> bool:
+    """Whether ``slot``'s seal vouches for its words: same boot, same ``meta.json``, the
+    words file unchanged in its metadata (see the module's docstring)."""
+    try:
+        seal = json.loads((slot / SEAL).read_bytes())
+        boot = boot_id()
+        return (boot is not None and seal.get("boot") == boot and seal.get("file") == file
+                and seal.get("meta") == xxhash.xxh3_64_hexdigest(meta)
+                and seal.get("stat") == _file_identity(slot / file))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # unique per writer thread
     tmp.write_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
@@ -155,6 +199,23 @@ class Baseline:
     @staticmethod
     def empty(version: int) -> Baseline:
         return Baseline(version, {}, {}, {})
+
+    def seal(self) -> None:
+        """Vouch for the slot's words as ``meta.json`` records them, for the next writer of
+        this boot (the module's docstring). Called with the rank's lock held, once the words
+        and ``meta.json`` are final for the version."""
+        boot = boot_id()
+        if self.slot is None or boot is None:
+            return
+        meta = (self.slot / "meta.json").read_bytes()
+        _write_json_atomic(self.slot / SEAL, {"boot": boot, "file": self._file,
+                                              "meta": xxhash.xxh3_64_hexdigest(meta),
+                                              "stat": _file_identity(self.slot / self._file)})
+
+    def unseal(self) -> None:
+        """Before an append writes a word of the slot: its seal removed."""
+        if self.slot is not None:
+            (self.slot / SEAL).unlink(missing_ok=True)
 
     def ready_for_writes(self, density: float) -> None:
         """Before an append scatters its changes into the mapped cache: each piece's pages
@@ -198,12 +259,14 @@ class Baseline:
         gen = pending.generation
         if gen is None and set(self.arrays) == set(dtypes) == pending.kept:
             if self.slot is not None:
+                self.unseal()  # (the append's early writes removed it already)
                 _write_meta(self.slot, self, digests, pending_version=version)
             scatter_changes(self.arrays, pending.scatters)
             out = Baseline(version, self.arrays, dtypes, digests, self.slot, self._file, self._layout,
                            time.monotonic() if self.slot is not None else None)
             if self.slot is not None:
                 _write_meta(self.slot, out, digests)
+                out.seal()
             return out
         if gen is not None:
             for p in mine:
@@ -212,6 +275,7 @@ class Baseline:
             out = gen.finish(dtypes, digests)
             scatter_changes(out.arrays, pending.scatters)
             _write_meta(out.slot, out, digests)
+            out.seal()
             return out
         arrays = {}
         for p in mine:
@@ -270,6 +334,7 @@ class Generation:
         self.slot = cache.slot(rank, keys)
         cache.mark_used()
         self.slot.mkdir(parents=True, exist_ok=True)
+        (self.slot / SEAL).unlink(missing_ok=True)  # its words file and meta.json are replaced
         self.name = f"words-{version}.bin"
         self.tmp = self.slot / f".{self.name}.{uuid.uuid4().hex}.tmp"
         self.layout, at = [], 0
@@ -326,14 +391,16 @@ def _write_meta(slot: Path, base: Baseline, digests: Mapping, file: str | None =
 def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_boxes) -> Baseline | None:
     """A cached baseline of this rank holding some of these pieces (the newest slot that has
     any), if their words match the digests recorded for one version (``digest_boxes([(key,
-    words), ...]) -> [int, ...]``); else None."""
+    words), ...]) -> [int, ...]``), or the slot's seal vouches for the recorded ones (unless
+    ``cache.check``); else None."""
     want_all = set(keys)
     if cache.dir.is_dir():
         cache.mark_used()
     slots = sorted(cache.dir.glob(f"r{rank}-*"), key=lambda p: -p.stat().st_mtime) if cache.dir.is_dir() else []
     for slot in slots:
         try:
-            meta = json.loads((slot / "meta.json").read_text())
+            meta_bytes = (slot / "meta.json").read_bytes()
+            meta = json.loads(meta_bytes)
             if meta.get("format") != CACHE_FORMAT:
                 continue
             layout = [(_key_of(k), int(at)) for k, _, at, _ in meta["pieces"]]
@@ -349,7 +416,10 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
         except (OSError, ValueError, KeyError, TypeError):
             continue
         ordered = list(want)
-        actual = dict(zip(ordered, digest_boxes([(k, base.arrays[k]) for k in ordered])))
+        if pending is None and not cache.check and _seal_holds(slot, meta_bytes, meta["file"]):
+            actual = {k: recorded[k] for k in ordered}
+        else:
+            actual = dict(zip(ordered, digest_boxes([(k, base.arrays[k]) for k in ordered])))
         if all(actual[k] == recorded[k] for k in want):
             base.digests = actual
         elif pending is not None and all(actual[k] == pending[k] for k in want):

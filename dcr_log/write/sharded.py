@@ -163,17 +163,19 @@ class ShardedWriter:
     @staticmethod
     def open(location: str | os.PathLike | Store | DeltaLog, group: Any = None, *, cache_dir: Any = None,
              writer_id: str | None = None, policy: EncodePolicy | None = None,
-             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> ShardedWriter:
+             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None,
+             check_cache: bool = False) -> ShardedWriter:
         """Resume writing a log (collective). The baseline is loaded at the first append, when
         the shards are known: from the local cache, checked against the commit's digests, or
-        else rebuilt from the log."""
+        else rebuilt from the log. Cached words that the last append of this boot sealed are
+        taken without hashing them, unless ``check_cache`` (dcr_log.write.baseline)."""
         g = as_group(group)
         log = location if isinstance(location, DeltaLog) else DeltaLog.open(location)
         # Agree on the version to build on: the coordinator's view of the latest.
         latest = g.broadcast(_try(log.latest_version) if g.rank == 0 else None)
         if isinstance(latest, Exception):
             raise latest
-        return ShardedWriter(log, g, latest, BaselineCache.resolve(cache_dir, log.store, log.log_id),
+        return ShardedWriter(log, g, latest, BaselineCache.resolve(cache_dir, log.store, log.log_id, check_cache),
                              writer_id, policy, segment_bytes, signing_key)
 
     # -- append -----------------------------------------------------------------------------
@@ -400,7 +402,9 @@ class ShardedWriter:
             builder = SegmentBuilder(self.log.log_id, version)
 
         try:
-            if early is not None and self._version >= 0:  # (in the try: a failure here is reported too)
+            if early is not None:  # (in the try: a failure here is reported too)
+                base.unseal()  # before any word of the cache is written
+            if early is not None and self._version >= 0:
                 stats = self.log.commit(self._version).stats
                 base.ready_for_writes(stats.changed_elements / max(stats.total_elements, 1))
             # Every chunk of every piece in one ordered stream, so the encoding threads never

@@ -80,12 +80,14 @@ class LogWriter:
     @staticmethod
     def open(location: str | os.PathLike | Store | DeltaLog, *, cache_dir: Any = None,
              writer_id: str | None = None, policy: EncodePolicy | None = None,
-             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None) -> LogWriter:
+             segment_bytes: int = DEFAULT_SEGMENT_BYTES, signing_key: Any = None,
+             check_cache: bool = False) -> LogWriter:
         """Resume writing a log at its latest version: the baseline comes from the local cache
-        (checked against the commit's digests) or, failing that, from a replay."""
+        (checked against the commit's digests) or, failing that, from a replay. Cached words
+        sealed by the last append of this boot are not hashed again unless ``check_cache``."""
         return LogWriter(ShardedWriter.open(location, LocalGroup(), cache_dir=cache_dir,
                                             writer_id=writer_id, policy=policy, segment_bytes=segment_bytes,
-                                            signing_key=signing_key))
+                                            signing_key=signing_key, check_cache=check_cache))
 
     def append(self, state: Mapping[str, Any], kind: str = "xor",
                progress: Callable[[int], None] | None = None, files: Files | None = None, *,

@@ -43,7 +43,7 @@ def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
         assert pair["changed_elements"] == round(pair["changed_rate"] * pair["elements"])
         assert pair["nemo_to_dcr"] > 1
         t = pair["throughput"]
-        for op in ("xor", "copyto", "append", "append_synced", "replay", "rx_numpy", "rx_numpy_idle",
+        for op in ("xor", "copyto", "append", "append_synced", "append_reopened", "replay", "rx_numpy", "rx_numpy_idle",
                    "rx_numpy_first", "rx_torch", "rx_ckpt", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode"):
             assert t["seconds"][op] > 0 and t["to_xor"][op] > 0, op
         assert t["to_xor"]["xor"] == 1
@@ -53,7 +53,7 @@ def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
         # Speed ratios, not time ratios: copyto (one read, one write) is faster than xor (two
         # reads, one write), and each ratio follows from the medians' direction.
         assert (t["to_xor"]["copyto"] > 1) == (t["seconds"]["copyto"] < t["seconds"]["xor"])
-        for op in ("append", "append_synced", "replay"):
+        for op in ("append", "append_synced", "append_reopened", "replay"):
             assert abs(t["to_copyto"][op] * t["to_xor"]["copyto"] - t["to_xor"][op]) < 1e-9 * t["to_xor"][op]
         # The changes of an optimizer step are spread over every tensor, not clustered.
         sp = pair["spread"]

@@ -45,7 +45,9 @@ xor in the same minute, per rate):
   append and before its xor, as a trainer meets its baseline cache when its steps are farther
   apart than the kernel's dirty expiry (30 s by default): the cache's pages on disk and clean,
   and write-protected by the writeback that cleaned them (back to back, as ``append`` is
-  timed, an append finds them still dirty and mapped for writing);
+  timed, an append finds them still dirty and mapped for writing); ``append_reopened``: each of
+  those synced appends by a ``LogWriter.open`` of the log (timed with the append, as each
+  ``dcr append`` process opens one) that is closed after it;
   replay: ``DeltaLog.apply_version`` of each of those versions onto a state holding its parent
   (checked bit-exact after every one);
 - dense create (once, not per rate: it does not depend on the rate): ``LogWriter.create`` of the
@@ -568,6 +570,14 @@ def default_cache(root: Path):
             os.environ[CACHE_ENV] = old
 
 
+def append_reopened(log_dir: Path, state, versions: list[int]) -> None:
+    """One append by a writer opened for it and closed after it, as a ``dcr append`` process
+    makes it (its cache checked or taken as sealed; no process start, no checkpoint read);
+    the version it committed goes into ``versions``."""
+    with LogWriter.open(log_dir) as writer:
+        versions.append(writer.append(state).version)
+
+
 def time_dense_create(base_state, repeats: int, work: Path, cache_root: Path, xor, copyto
                       ) -> tuple[Pairing, Pairing]:
     """``LogWriter.create`` of the base with every default (its baseline cache built under
@@ -924,6 +934,16 @@ def run(args, work: Path, say) -> dict:
             if i < repeats:
                 synced.append(appended)
             reader.apply_version(replay_state, writer.version)
+        writer.close()  # lets go of the cache: the reopened writers append
+        reopened = []
+        for i in range(repeats + repeats % 2):  # to new and back, as above
+            target = pair.new_state if i % 2 == 0 else base_state
+            versions: list[int] = []
+            appended = paired(functools.partial(append_reopened, log_dir, target, versions), xor, 1, before=os.sync)
+            if i < repeats:
+                reopened.append(appended)
+            reader.apply_version(replay_state, versions[0])
+        writer = LogWriter.open(log_dir)
         count, _ = follow_versions(n, k, repeats)
         follow = range(writer.version + 1, writer.version + 1 + count)
         for i in range(count + count % 2):  # untimed; the writer and the replayed state end at base
@@ -940,6 +960,7 @@ def run(args, work: Path, say) -> dict:
                 reader.apply_version(replay_state, writer.version)
         fresh = paired(lambda: np.bitwise_xor(base, new), xor, repeats)
         versus_xor = {"append": Pairing.join(appends), "append_synced": Pairing.join(synced),
+                      "append_reopened": Pairing.join(reopened),
                       "replay": Pairing.join(replays), "rx_numpy": rx["numpy"],
                       "rx_numpy_idle": rx["numpy_idle"], "rx_numpy_first": rx["numpy_first"],
                       "rx_torch": rx["torch"], "rx_ckpt": rx["ckpt"], "rx_ckpt_follow": rx["ckpt_follow"],
@@ -1027,10 +1048,10 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    ops = ("append", "append_synced", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first", "rx_torch",
-           "rx_ckpt", "rx_ckpt_fill", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode")
-    op_heads = ("append", "append synced", "replay", "rx np", "rx np idle", "rx np first", "rx torch", "rx ckpt",
-                "rx ckpt fill", "rx ckpt follow", "rx ckpt sync", "NeMo enc")
+    ops = ("append", "append_synced", "append_reopened", "replay", "rx_numpy", "rx_numpy_idle", "rx_numpy_first",
+           "rx_torch", "rx_ckpt", "rx_ckpt_fill", "rx_ckpt_follow", "rx_ckpt_sync", "nemo_encode")
+    op_heads = ("append", "append synced", "append reopened", "replay", "rx np", "rx np idle", "rx np first",
+                "rx torch", "rx ckpt", "rx ckpt fill", "rx ckpt follow", "rx ckpt sync", "NeMo enc")
     table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
                   "NeMo/dcr", "xor GB/s", *op_heads,
                   title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "

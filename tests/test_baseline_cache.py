@@ -835,3 +835,34 @@ def test_a_killed_dcr_append_leaves_no_seal_on_words_it_tore(tmp_path):
     for v, s in enumerate(states):
         assert_same_bits(log.materialize(v), s)
     log.verify(deep=True)
+
+
+def test_a_seal_that_cannot_be_written_fails_nothing(tmp_path, monkeypatch):
+    """The seal is written after the commit: a full disk there leaves no seal and no temporary
+    file, the append succeeds, and the next writer hashes the words."""
+    rng = np.random.default_rng(26)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, SPEC)
+    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache)
+    real_write = Path.write_bytes
+
+    def full_disk(self, data):
+        if self.name.startswith(".seal.json."):
+            real_write(self, data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+        return real_write(self, data)
+
+    s1 = _step(rng, s0)
+    with monkeypatch.context() as m:
+        m.setattr(Path, "write_bytes", full_disk)
+        assert writer.append(s1).version == 1
+    writer.close()
+    (words,) = _slot_files(cache)
+    assert sorted(p.name for p in words.parent.iterdir()) == ["meta.json", words.name]  # no seal, no .tmp
+    s2 = _step(rng, s1)
+    with monkeypatch.context() as m:
+        _no_replay(m)
+        hashed = _hashed_words(m)
+        LogWriter.open(tmp_path / "log", cache_dir=cache).append(s2)
+    assert sum(hashed) == len(SPEC)
+    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(2), s2)

@@ -1,10 +1,10 @@
 """A writer rank's baseline: the words of the pieces it owns at the version it last committed.
 
 Kept in memory, or memory-mapped from a local cache directory so that a writer that restarts
-resumes without replaying the log. The cache is an optimisation that never decides
-correctness: it is used only when every piece's words hash to the digest recorded with it,
-and those digests add up (across the ranks) to the commit record's tensor digests; anything
-else is rebuilt from the log.
+resumes without replaying the log. The cache is used only when every piece's words hash to
+the digest recorded with it (or, below, a seal of this boot vouches for them), and those
+digests add up (across the ranks) to the commit record's tensor digests; anything else is
+rebuilt from the log.
 
 Cache layout, per log (dcr_log.write.cache: the per-log directory, its cap and eviction) and
 per rank: ``<cache>/<log dir>/r<rank>-<16 hex of the piece set>/`` holding ``meta.json`` and
@@ -179,8 +179,12 @@ def _seal_holds(slot: Path, meta: bytes, file: str) -> bool:
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # unique per writer thread
-    tmp.write_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @dataclass
@@ -207,10 +211,13 @@ class Baseline:
         boot = boot_id()
         if self.slot is None or boot is None:
             return
-        meta = (self.slot / "meta.json").read_bytes()
-        _write_json_atomic(self.slot / SEAL, {"boot": boot, "file": self._file,
-                                              "meta": xxhash.xxh3_64_hexdigest(meta),
-                                              "stat": _file_identity(self.slot / self._file)})
+        try:
+            meta = (self.slot / "meta.json").read_bytes()
+            _write_json_atomic(self.slot / SEAL, {"boot": boot, "file": self._file,
+                                                  "meta": xxhash.xxh3_64_hexdigest(meta),
+                                                  "stat": _file_identity(self.slot / self._file)})
+        except OSError:
+            pass  # (a full disk, say) no seal: the next writer hashes the words, as before seals
 
     def unseal(self) -> None:
         """Before an append writes a word of the slot: its seal removed."""

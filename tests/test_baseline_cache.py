@@ -60,7 +60,10 @@ def test_open_resumes_from_the_cache_without_replay(tmp_path, monkeypatch, featu
     assert len(_slot_files(cache)) == 1  # one generation kept, older ones removed
 
 
-def test_a_damaged_cache_is_rebuilt_from_the_log(tmp_path):
+def test_a_damaged_cache_is_rebuilt_from_the_log(tmp_path, monkeypatch):
+    """A flipped bit: the baseline is rebuilt from the log, the append is right, and the cache
+    it writes records the rebuilt pieces' digests (the next writer resumes without a replay,
+    sealed or checked)."""
     rng = np.random.default_rng(1)
     cache = tmp_path / "cache"
     s0 = make_state(rng, SPEC)
@@ -84,8 +87,15 @@ def test_a_damaged_cache_is_rebuilt_from_the_log(tmp_path):
     finally:
         DeltaLog.materialize = original
     assert calls, "the damaged cache was trusted"
+    states = [s0, s1]
+    for check in (False, True):
+        states.append(_step(rng, states[-1]))
+        with monkeypatch.context() as m:
+            _no_replay(m)
+            LogWriter.open(tmp_path / "log", cache_dir=cache, check_cache=check).append(states[-1])
     log = DeltaLog.open(tmp_path / "log")
-    assert_same_bits(log.materialize(1), s1)
+    for v, s in enumerate(states):
+        assert_same_bits(log.materialize(v), s)
     log.verify(deep=True)
 
 

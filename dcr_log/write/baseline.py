@@ -513,7 +513,8 @@ def load_baseline(log: DeltaLog, version: int, needed: list, cache: BaselineCach
 
     def digest_boxes(items: list) -> list[int]:
         # On the pool's threads, large pieces in spans: a new process's first append checks
-        # every cached word against its digest before it trusts them.
+        # every cached word against its digest before it trusts them (unless sealed), and a
+        # rebuilt piece gets its digest.
         return box_digests(digests, [(Box(k[1], k[2]), shapes.get(k, k[2]), w) for k, w in items], DEFAULT_WORKERS)
 
     have: Baseline | None = None
@@ -551,17 +552,22 @@ def load_baseline(log: DeltaLog, version: int, needed: list, cache: BaselineCach
     arrays, pdigests = {}, {}
     mine_rebuild = sorted({p.name for p in needed if p.name in rebuild}, key=str.encode)
     state = log.materialize(version, tensors=set(mine_rebuild)) if mine_rebuild else {}
+    unknown = []  # pieces whose digest is computed below, together
     for p in needed:
         if p.name in rebuild:
             bits = state[p.name]
             arrays[p.key] = np.array(box_view(bits.words, bits.shape, p.box), copy=True)
-            pdigests[p.key] = digest_box(p.key, arrays[p.key])
+            unknown.append(p.key)
         else:
             assert have is not None  # not rebuilt: every owner offered it, this rank from ``have``
             arrays[p.key] = have.words(p.key)
             d = have.digests.get(p.key)
-            pdigests[p.key] = digest_box(p.key, arrays[p.key]) if d is None else d
+            if d is None:
+                unknown.append(p.key)
+            else:
+                pdigests[p.key] = d
     del state
+    pdigests.update(zip(unknown, digest_boxes([(k, arrays[k]) for k in unknown])))
     # Reuse the cache slot in place only when it holds exactly these pieces, all trusted; any
     # other baseline is written to a new cache generation by the next append.
     if have is not None and have.slot is not None and not mine_rebuild and set(have.arrays) == set(keys):

@@ -36,6 +36,19 @@ def _no_replay(monkeypatch):
     monkeypatch.setattr(DeltaLog, "materialize", refuse)
 
 
+def _replays(monkeypatch) -> list:
+    """The ``tensors`` asked of each replay (DeltaLog.materialize) from now on."""
+    calls: list = []
+    real = DeltaLog.materialize
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("tensors"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaLog, "materialize", counted)
+    return calls
+
+
 def _slot_files(cache: Path) -> list[Path]:
     return sorted(cache.rglob("words-*.bin"))
 
@@ -74,18 +87,9 @@ def test_a_damaged_cache_is_rebuilt_from_the_log(tmp_path, monkeypatch):
     time.sleep(0.01)  # (by a later write: a coarse clock gives it a later mtime than the seal's)
     words.write_bytes(bytes(data))
     s1 = _step(rng, s0)
-    calls = []
-    original = DeltaLog.materialize
-
-    def counting(self, *a, **k):
-        calls.append(k.get("tensors"))
-        return original(self, *a, **k)
-
-    DeltaLog.materialize = counting
-    try:
+    with monkeypatch.context() as m:
+        calls = _replays(m)
         LogWriter.open(tmp_path / "log", cache_dir=cache).append(s1)
-    finally:
-        DeltaLog.materialize = original
     assert calls, "the damaged cache was trusted"
     states = [s0, s1]
     for check in (False, True):
@@ -226,17 +230,10 @@ def test_a_cache_some_versions_behind_rolls_forward(tmp_path, monkeypatch):
             s["b"] = change_words(rng, s["b"], 0.3)
         elsewhere.append(s, allow_layout_change=v == 1)
         states.append(s)
-    rebuilt = []
-    original = DeltaLog.materialize
-
-    def counting(self, *a, **k):
-        rebuilt.append(k.get("tensors"))
-        return original(self, *a, **k)
-
-    monkeypatch.setattr(DeltaLog, "materialize", counting)
     s4 = _step(rng, states[-1])
-    LogWriter.open(tmp_path / "log", cache_dir=cache).append(s4)
-    monkeypatch.setattr(DeltaLog, "materialize", original)
+    with monkeypatch.context() as m:
+        rebuilt = _replays(m)
+        LogWriter.open(tmp_path / "log", cache_dir=cache).append(s4)
     assert rebuilt == [{"b"}]  # only the reshaped tensor was rebuilt from the log
     log = DeltaLog.open(tmp_path / "log")
     assert_same_bits(log.materialize(4), s4)
@@ -386,15 +383,9 @@ def test_an_append_killed_while_encoding_rebuilds_the_baseline(tmp_path, monkeyp
         m.setattr(Pending, "abort", lambda self: None)
         with pytest.raises(KeyboardInterrupt):
             writer.append(s1)
-    replays: list[int] = []
-    real_materialize = DeltaLog.materialize
-
-    def counted(self, *args, **kwargs):
-        replays.append(1)
-        return real_materialize(self, *args, **kwargs)
-
-    monkeypatch.setattr(DeltaLog, "materialize", counted)
-    LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s1)
+    with monkeypatch.context() as m:
+        replays = _replays(m)
+        LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s1)
     assert replays  # the torn cache was not trusted
     log = DeltaLog.open(tmp_path / "log")
     assert_same_bits(log.materialize(1), s1)
@@ -475,15 +466,8 @@ def test_an_append_does_not_read_baseline_files_another_append_is_writing(tmp_pa
     try:
         assert advanced.wait(30)
         in_b.clear()  # A's encoding does not pause
-        replays: list[int] = []
-        real_materialize = DeltaLog.materialize
-
-        def counted(self, *args, **kwargs):
-            replays.append(1)
-            return real_materialize(self, *args, **kwargs)
-
         with monkeypatch.context() as m:
-            m.setattr(DeltaLog, "materialize", counted)
+            replays = _replays(m)
             assert a.append(sa).version == 1
         assert replays  # A rebuilt its baseline from the log
     finally:
@@ -777,15 +761,9 @@ def test_check_cache_finds_damage_a_seal_cannot_see(tmp_path, monkeypatch):
                                                DeltaLog.open(tmp_path / "log").store.url)
     assert baseline_module.open_cached(rank_cache, 0, keys, digest_boxes) is not None and not hashed
     s1 = _step(rng, s0)
-    replays: list[int] = []
-    real_materialize = DeltaLog.materialize
-
-    def counted(self, *args, **kwargs):
-        replays.append(1)
-        return real_materialize(self, *args, **kwargs)
-
-    monkeypatch.setattr(DeltaLog, "materialize", counted)
-    LogWriter.open(tmp_path / "log", cache_dir=cache, check_cache=True).append(s1)
+    with monkeypatch.context() as m:
+        replays = _replays(m)
+        LogWriter.open(tmp_path / "log", cache_dir=cache, check_cache=True).append(s1)
     assert replays  # the damage was found and the baseline rebuilt
     log = DeltaLog.open(tmp_path / "log")
     assert_same_bits(log.materialize(1), s1)

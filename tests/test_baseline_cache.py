@@ -279,8 +279,14 @@ def _early_policy():
     return EncodePolicy(chunk_elements=1 << 16, workers=2)  # two threads on any machine
 
 
+# How the early writes are undone: xor records from their own payloads, ulp distances
+# (stepped back) or xor masks; overwrite records from the words they kept.
+UNDONE = {"ulp": ({}, "xor"), "plain-xor": ({"features": ()}, "xor"), "overwrite": ({}, "overwrite")}
+
+
+@pytest.mark.parametrize("undone", sorted(UNDONE))
 @pytest.mark.parametrize("how", ["segment-write", "interrupt-encoding", "record-refused", "conflict"])
-def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, how):
+def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, how, undone):
     """An append fails after some of its chunks' changed words went into the baseline (a
     segment write that fails once every chunk is encoded, an interrupt in the middle of the
     encoding, another writer's commit of the version): the baseline holds version 0's words
@@ -289,12 +295,13 @@ def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, ho
     from dcr_log.errors import CommitConflict, StoreError
     from dcr_log.write import differ, uploader
 
+    create_args, kind = UNDONE[undone]
     rng = np.random.default_rng(11)
     cache = tmp_path / "cache"
     s0 = make_state(rng, EARLY_SPEC)
     s1 = _step(rng, s0, rate=0.2)
     s1["v"] = change_words(rng, s0["v"], 0.2)
-    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy())
+    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy(), **create_args)
     early_writes: list[bool] = []
     real_diff = differ.Differ.diff_box
 
@@ -335,7 +342,7 @@ def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, ho
             other.close()
             expected = CommitConflict
         with pytest.raises(expected):
-            writer.append(s1)
+            writer.append(s1, kind=kind)
     assert sum(early_writes) >= 6  # the failure came after words went into the baseline
     baseline = writer._writer._baseline
     assert baseline.version == 0 and sorted(k[0] for k in baseline.arrays) == sorted(s0)
@@ -343,7 +350,7 @@ def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, ho
         assert np.array_equal(words, s0[key[0]].words.reshape(-1)), key
     if how == "conflict":
         return  # the log moved on: this writer would have to open it again
-    commit = writer.append(s1)
+    commit = writer.append(s1, kind=kind)
     assert commit.version == 1
     writer.close()
     log = DeltaLog.open(tmp_path / "log")

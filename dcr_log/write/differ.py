@@ -216,10 +216,11 @@ class BoxDelta:
 
     record: Record
     positions: np.ndarray | None
-    new_values: np.ndarray
+    new_values: np.ndarray | None
     digest_delta: int | None
     # diff_box(..., advance=True): the new words are in ``base`` already, ``new_values`` holds
-    # the words they replaced.
+    # the words they replaced. For an xor record both are None: its payload is what undoes it
+    # (Pending.abort), and keeping 10 bytes a change for a rare abort cost the copies.
     advanced: bool = False
 
 
@@ -308,9 +309,10 @@ class Differ:
         k = positions.size
         if k == 0:
             return None
-        if in_scratch:
-            # The delta keeps the positions and the new words (advance: the words they
-            # replace); the others die with this call.
+        # The delta keeps the positions and the new words (advance: the words they replace,
+        # unless its xor record undoes it); the others die with this call.
+        keeps = not advance or kind != "xor"
+        if in_scratch and keeps:
             positions = positions.copy()
             if advance:
                 base_vals = base_vals.copy()
@@ -329,7 +331,7 @@ class Differ:
         rec = Record(name, kind, box, enc, params, k, base_d, target_d, payload)
         delta = (target_d - base_d) & MASK64 if digests.composable else None
         if advance:
-            out = BoxDelta(rec, positions, base_vals, delta, advanced=True)
+            out = BoxDelta(rec, positions if keeps else None, base_vals if keeps else None, delta, advanced=True)
             # Last: every read of the base words is done.
             scatter_words(base_box.reshape(-1), positions, new_vals)
             return out

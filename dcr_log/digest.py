@@ -329,28 +329,30 @@ def box_digests(scheme: DigestScheme, boxes: list[tuple[Box, tuple[int, ...], np
     Where the scheme composes, a row block in spans of DIGEST_SPAN words whose digests add
     up to the box's (a row block's box-local order is the tensor's flat order from its
     first word): a few large boxes then take every thread, not one each."""
-    spans: list[tuple[int, int, int]] = []  # (box, first word, end); end -1: the box whole
+    # (box, the box's first flat index in its tensor, first word, end); end -1: the box whole
+    spans: list[tuple[int, int, int, int]] = []
     weights: list[int] = []
     for i, (box, shape, words) in enumerate(boxes):
         n = words.size
-        if scheme.composable and n > 0 and box.is_row_block(tuple(int(d) for d in shape)):
+        dims = tuple(int(d) for d in shape)
+        if scheme.composable and n > 0 and box.is_row_block(dims):
+            start = box.flat_start(dims)
             for lo in range(0, n, DIGEST_SPAN):
-                spans.append((i, lo, min(lo + DIGEST_SPAN, n)))
+                spans.append((i, start, lo, min(lo + DIGEST_SPAN, n)))
                 weights.append(min(DIGEST_SPAN, n - lo))
         else:
-            spans.append((i, 0, -1))
+            spans.append((i, 0, 0, -1))
             weights.append(n)
 
-    def one(span: tuple[int, int, int]) -> int:
-        i, lo, hi = span
+    def one(span: tuple[int, int, int, int]) -> int:
+        i, start, lo, hi = span
         box, shape, words = boxes[i]
         if hi < 0:
             return scheme.box(box, shape, words)
-        start = box.flat_start(tuple(int(d) for d in shape))
         return scheme.at(slice(start + lo, start + hi), words.reshape(-1)[lo:hi])
 
     totals = [scheme.empty()] * len(boxes)
-    for (i, _, hi), part in zip(spans, map_grouped(one, spans, weights, 4 * DIGEST_SPAN, workers, parallel)):
+    for (i, _, _, hi), part in zip(spans, map_grouped(one, spans, weights, 4 * DIGEST_SPAN, workers, parallel)):
         totals[i] = part if hi < 0 else (totals[i] + part) & MASK64
     return totals
 

@@ -265,8 +265,7 @@ class Baseline:
         dtypes = {p.key: p.dtype for p in mine}
         gen = pending.generation
         if gen is None and set(self.arrays) == set(dtypes) == pending.kept:
-            if self.slot is not None:
-                self.unseal()  # (the append's early writes removed it already)
+            if self.slot is not None:  # (its seal is gone: _write_rank removed it before the early writes)
                 _write_meta(self.slot, self, digests, pending_version=version)
             scatter_changes(self.arrays, pending.scatters)
             out = Baseline(version, self.arrays, dtypes, digests, self.slot, self._file, self._layout,
@@ -422,10 +421,10 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
             base._map(meta["file"], layout)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        ordered = list(want)
         if pending is None and not cache.check and _seal_holds(slot, meta_bytes, meta["file"]):
-            actual = {k: recorded[k] for k in ordered}
+            actual = {k: recorded[k] for k in want}
         else:
+            ordered = list(want)
             actual = dict(zip(ordered, digest_boxes([(k, base.arrays[k]) for k in ordered])))
         if all(actual[k] == recorded[k] for k in want):
             base.digests = actual

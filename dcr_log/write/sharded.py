@@ -404,9 +404,9 @@ class ShardedWriter:
         try:
             if early is not None:  # (in the try: a failure here is reported too)
                 base.unseal()  # before any word of the cache is written
-            if early is not None and self._version >= 0:
-                stats = self.log.commit(self._version).stats
-                base.ready_for_writes(stats.changed_elements / max(stats.total_elements, 1))
+                if self._version >= 0:
+                    stats = self.log.commit(self._version).stats
+                    base.ready_for_writes(stats.changed_elements / max(stats.total_elements, 1))
             # Every chunk of every piece in one ordered stream, so the encoding threads never
             # wait at a tensor boundary.
             infos = [(p, _kept(p.name, layout, previous), layout.tensors[p.name][1]) for p in mine]

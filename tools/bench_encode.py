@@ -33,8 +33,9 @@ writer then meets its baseline cache's pages clean, and write-protected by the w
 cleaned them, as a trainer does whose steps are farther apart than the kernel's dirty expiry
 (30 s by default); back to back, an append finds them still dirty. ``--reopen`` times each
 append together with the ``LogWriter.open`` before it and the close after it, as each new
-``dcr append`` process opens the log: the baseline mapped anew from the cache and every cached
-word checked against its digest before it is trusted.
+``dcr append`` process opens the log: the baseline mapped anew from the cache, and every cached
+word checked against its digest unless the last append sealed the cache
+(dcr_log.write.baseline).
 """
 
 from __future__ import annotations

@@ -570,12 +570,35 @@ def default_cache(root: Path):
             os.environ[CACHE_ENV] = old
 
 
-def append_reopened(log_dir: Path, state, versions: list[int]) -> None:
+def append_by(writer: LogWriter, state) -> int:
+    """One append by ``writer``; the version it committed."""
+    return writer.append(state).version
+
+
+def append_reopened(log_dir: Path, state) -> int:
     """One append by a writer opened for it and closed after it, as a ``dcr append`` process
     makes it (its cache checked or taken as sealed; no process start, no checkpoint read);
-    the version it committed goes into ``versions``."""
+    the version it committed."""
     with LogWriter.open(log_dir) as writer:
-        versions.append(writer.append(state).version)
+        return writer.append(state).version
+
+
+def synced_appends(append, states: tuple, repeats: int, xor, follow) -> list[Pairing]:
+    """``repeats`` appends (``append(state) -> version``) of ``states[0]``, ``states[1]``, ...
+    in turn, each after an untimed ``os.sync`` and paired with one ``xor``; one more, untimed
+    in the pairs, where ``repeats`` is odd, so that the log ends at ``states[1]``. ``follow``
+    takes each committed version (the replayed state kept in step)."""
+    def one(state, versions: list[int]) -> None:
+        versions.append(append(state))
+
+    pairs = []
+    for i in range(repeats + repeats % 2):
+        versions: list[int] = []
+        appended = paired(functools.partial(one, states[i % 2], versions), xor, 1, before=os.sync)
+        if i < repeats:
+            pairs.append(appended)
+        follow(versions[0])
+    return pairs
 
 
 def time_dense_create(base_state, repeats: int, work: Path, cache_root: Path, xor, copyto
@@ -927,22 +950,11 @@ def run(args, work: Path, say) -> dict:
         if repeats % 2 == 1:  # leave the writer and the replayed state at base for the next rate
             writer.append(base_state)
             reader.apply_version(replay_state, writer.version)
-        synced = []
-        for i in range(repeats + repeats % 2):  # to new and back: the writer and the replayed state end at base
-            target = pair.new_state if i % 2 == 0 else base_state
-            appended = paired(functools.partial(writer.append, target), xor, 1, before=os.sync)
-            if i < repeats:
-                synced.append(appended)
-            reader.apply_version(replay_state, writer.version)
+        synced = synced_appends(functools.partial(append_by, writer), (pair.new_state, base_state), repeats, xor,
+                                functools.partial(reader.apply_version, replay_state))
         writer.close()  # lets go of the cache: the reopened writers append
-        reopened = []
-        for i in range(repeats + repeats % 2):  # to new and back, as above
-            target = pair.new_state if i % 2 == 0 else base_state
-            versions: list[int] = []
-            appended = paired(functools.partial(append_reopened, log_dir, target, versions), xor, 1, before=os.sync)
-            if i < repeats:
-                reopened.append(appended)
-            reader.apply_version(replay_state, versions[0])
+        reopened = synced_appends(functools.partial(append_reopened, log_dir), (pair.new_state, base_state), repeats,
+                                  xor, functools.partial(reader.apply_version, replay_state))
         writer = LogWriter.open(log_dir)
         count, _ = follow_versions(n, k, repeats)
         follow = range(writer.version + 1, writer.version + 1 + count)

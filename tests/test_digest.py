@@ -96,7 +96,6 @@ def test_boxes_that_tile_a_tensor_add_up(impl, word):
     assert D.add(*(D.sum_box(b, shape, _box_words(full, shape, b)) for b in parts)) == total
 
 
-
 @pytest.mark.parametrize("scheme", ["sum", "xxh3"])
 def test_box_digests_on_the_pool_equal_each_boxs_own(monkeypatch, scheme):
     """digest.box_digests: each box's digest as the scheme gives it whole, whether the box
@@ -122,6 +121,7 @@ def test_box_digests_on_the_pool_equal_each_boxs_own(monkeypatch, scheme):
         assert {t for _, t in spans} != {threading.current_thread().name}  # on the pool
     else:
         assert spans == []
+
 
 def test_a_record_moves_the_digest_by_target_minus_base(impl):
     rng = np.random.default_rng(4)

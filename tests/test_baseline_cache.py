@@ -364,32 +364,16 @@ def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, ho
 
 
 def test_an_append_killed_while_encoding_rebuilds_the_baseline(tmp_path, monkeypatch):
-    """Killed in the middle of an append (here: the encoding interrupted and the undo of its
-    early writes skipped, as a killed process skips it), the cache holds words of neither
-    version: the next writer does not trust it, rebuilds the baseline from the log, and
-    appends the right bits."""
-    from dcr_log.write import differ
-    from dcr_log.write.pending import Pending
-
+    """Killed in the middle of an append (here: the encoding interrupted, and the undo of its
+    early writes and the seal after it skipped, as a killed process skips them), the cache
+    holds words of neither version: the next writer does not trust it, rebuilds the baseline
+    from the log, and appends the right bits."""
     rng = np.random.default_rng(12)
     cache = tmp_path / "cache"
     s0 = make_state(rng, EARLY_SPEC)
     s1 = _step(rng, s0, rate=0.2)
     writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy())
-    calls: list[int] = []
-    real_diff = differ.Differ.diff_box
-
-    def killed(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) > 4:
-            raise KeyboardInterrupt
-        return real_diff(self, *args, **kwargs)
-
-    with monkeypatch.context() as m:
-        m.setattr(differ.Differ, "diff_box", killed)
-        m.setattr(Pending, "abort", lambda self: None)
-        with pytest.raises(KeyboardInterrupt):
-            writer.append(s1)
+    _killed_append(monkeypatch, writer, s1)
     with monkeypatch.context() as m:
         replays = _replays(m)
         LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s1)
@@ -489,6 +473,93 @@ def test_an_append_does_not_read_baseline_files_another_append_is_writing(tmp_pa
     s2 = _step(rng, sa)
     LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s2)
     assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(2), s2)
+
+
+def _killed_append(monkeypatch, writer, state, after: int = 4) -> None:
+    """``writer.append(state)`` killed while it encodes, after ``after`` chunks: neither the
+    undo of its early writes nor the seal after it runs, as in a killed process."""
+    from dcr_log.write import differ, sharded
+
+    calls: list[int] = []
+    real_diff = differ.Differ.diff_box
+
+    def killed(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > after:
+            raise KeyboardInterrupt
+        return real_diff(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(differ.Differ, "diff_box", killed)
+        m.setattr(sharded.ShardedWriter, "_abandon", lambda self, pending: None)
+        with pytest.raises(KeyboardInterrupt):
+            writer.append(state)
+
+
+@pytest.mark.parametrize("timestamps", ["kept", "frozen"])
+def test_a_writer_loads_its_baseline_again_after_another_process_tore_the_cache(tmp_path, monkeypatch,
+                                                                                timestamps):
+    """Two writers of one log, one cache. B appends version 1 and keeps its baseline mapped
+    from the cache; A opens the log and is killed in the middle of its append of version 2,
+    its early writes left in the cache's words. B's append of version 2 does not take those
+    words for version 1's: it loads its baseline again (from the log, the cache being torn)
+    and commits its own state's bits. ``frozen``: the words file's metadata is made to look
+    unchanged, as a write within one timestamp tick would; the seal A removed still tells."""
+    from dcr_log.write import baseline as baseline_module
+
+    rng = np.random.default_rng(15)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, EARLY_SPEC)
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy()).close()
+    if timestamps == "frozen":
+        monkeypatch.setattr(baseline_module, "_file_identity", lambda path: [0, 0, 0, 0, 0])
+    b = LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy())
+    s1 = _step(rng, s0, rate=0.2)
+    b.append(s1)
+    a = LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy())
+    _killed_append(monkeypatch, a, _step(rng, s1, rate=0.2))
+    s2 = _step(rng, s1, rate=0.2)
+    with monkeypatch.context() as m:
+        replays = _replays(m)
+        assert b.append(s2).version == 2
+    assert replays  # B did not trust the words A tore
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(2), s2)
+    log.verify(deep=True)
+
+
+def test_a_stale_writer_conflicts_without_loading_its_baseline_again(tmp_path, monkeypatch):
+    """B holds version 1 mapped from the cache; A, another writer, commits version 2 through
+    the same cache. B's next append cannot commit: it conflicts without a replay, puts its
+    early writes back, and leaves no seal on words it had not checked; the next writer
+    resumes from A's version 2."""
+    from dcr_log.errors import CommitConflict
+
+    rng = np.random.default_rng(16)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, EARLY_SPEC)
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy()).close()
+    b = LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy())
+    s1 = _step(rng, s0, rate=0.2)
+    b.append(s1)
+    s2 = _step(rng, s1, rate=0.2)
+    a = LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy())
+    a.append(s2)
+    a.close()
+    with monkeypatch.context() as m:
+        _no_replay(m)
+        with pytest.raises(CommitConflict):
+            b.append(_step(rng, s1, rate=0.2))
+    assert not list(cache.rglob("seal.json"))
+    s3 = _step(rng, s2, rate=0.2)
+    with monkeypatch.context() as m:
+        _no_replay(m)
+        hashed = _hashed_words(m)
+        LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s3)
+    assert sum(hashed) == len(EARLY_SPEC)  # unsealed: checked, and found to be version 2's
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(3), s3)
+    log.verify(deep=True)
 
 
 def test_a_cache_directory_that_cannot_be_made_is_said(tmp_path):
@@ -824,6 +895,64 @@ def test_a_killed_dcr_append_leaves_no_seal_on_words_it_tore(tmp_path):
         assert rc == 0, err
         states.append(new)
         assert _seal(cache).exists()
+    assert killed >= 2
+    log = DeltaLog.open(tmp_path / "log")
+    assert log.latest_version() == len(states) - 1
+    for v, s in enumerate(states):
+        assert_same_bits(log.materialize(v), s)
+    log.verify(deep=True)
+
+
+def test_a_writer_appends_right_after_a_dcr_append_beside_it_was_killed(tmp_path):
+    """A long-lived writer of a log, and real ``dcr append`` processes of the same log and
+    cache beside it, each SIGKILLed as soon as it removed the cache's seal (about to write
+    its words), each followed by an append of the long-lived writer: every version the log
+    holds is the state appended, and the log verifies."""
+    import signal
+    import subprocess
+    import sys
+
+    from dcr_log.checkpoint import save_safetensors
+
+    rng = np.random.default_rng(27)
+    spec = {"w": ("BF16", (2048, 1024)), "b": ("F32", (33,))}
+    cache = tmp_path / "cache"
+    checkpoint = tmp_path / "next.safetensors"
+    states = [make_state(rng, spec)]
+    LogWriter.create(tmp_path / "log", states[0], cache_dir=cache).close()
+    writer = LogWriter.open(tmp_path / "log", cache_dir=cache)
+    states.append(_step(rng, states[-1], rate=0.05))
+    writer.append(states[-1])
+    killed = 0
+    for delay in (0.0, 0.005, 0.02):
+        new = _step(rng, states[-1], rate=0.05)
+        save_safetensors(new, checkpoint)
+        seal = _seal(cache)
+        proc = subprocess.Popen([sys.executable, "-m", "dcr_log", "append", str(tmp_path / "log"), "--from",
+                                 str(checkpoint), "--cache", str(cache)], env=cli_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while seal.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            time.sleep(delay)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                killed += 1
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        if DeltaLog.open(tmp_path / "log").latest_version() == len(states):
+            states.append(new)  # committed before the kill: this writer is behind, and opens again
+            writer.close()
+            writer = LogWriter.open(tmp_path / "log", cache_dir=cache)
+        else:
+            assert proc.returncode == -signal.SIGKILL, err
+        states.append(_step(rng, states[-1], rate=0.05))
+        assert writer.append(states[-1]).version == len(states) - 1
+    writer.close()
     assert killed >= 2
     log = DeltaLog.open(tmp_path / "log")
     assert log.latest_version() == len(states) - 1

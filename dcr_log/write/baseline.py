@@ -31,6 +31,12 @@ the trust a writer process already places in its own map between appends, extend
 next process of the same boot: a change of the file's bytes that leaves no trace in its
 metadata (damage at rest, a write in the same timestamp tick as the seal) is not seen, and
 ``check_cache=True`` (``dcr append --check-cache``) hashes every word anyway.
+
+A writer keeps no lock between appends, and another process may append meanwhile through
+the same cache (and be killed half-way, leaving the words torn). So each append, holding the
+lock, first checks that the slot is as this process last verified or wrote it
+(Baseline.untouched: the seal it wrote or trusted still there, ``meta.json`` and the words
+file's metadata unchanged), and loads the baseline again where it is not.
 """
 
 from __future__ import annotations
@@ -164,27 +170,44 @@ def _file_identity(path: Path) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _seal_holds(slot: Path, meta: bytes, file: str) -> bool:
-    """Whether ``slot``'s seal vouches for its words: same boot, same ``meta.json``, the
-    words file unchanged in its metadata (see the module's docstring)."""
+def _slot_mark(slot: Path, file: str, meta: bytes | None = None) -> tuple:
+    """What says that a slot is as a writer last left it: its path and words file, the hash
+    of its ``meta.json`` (``meta``: bytes already read) and the words file's identity; None
+    in the last two where they cannot be read (then no later mark equals it)."""
     try:
-        seal = json.loads((slot / SEAL).read_bytes())
+        if meta is None:
+            meta = (slot / "meta.json").read_bytes()
+        return slot, file, xxhash.xxh3_64_hexdigest(meta), _file_identity(slot / file)
+    except OSError:
+        return slot, file, None, None
+
+
+def _holding_seal(slot: Path, meta: bytes, file: str) -> bytes | None:
+    """``slot``'s seal where it vouches for its words (same boot, same ``meta.json``, the
+    words file unchanged in its metadata: the module's docstring), else None."""
+    try:
+        data = (slot / SEAL).read_bytes()
+        seal = json.loads(data)
         boot = boot_id()
-        return (boot is not None and seal.get("boot") == boot and seal.get("file") == file
-                and seal.get("meta") == xxhash.xxh3_64_hexdigest(meta)
-                and seal.get("stat") == _file_identity(slot / file))
+        holds = (boot is not None and seal.get("boot") == boot and seal.get("file") == file
+                 and seal.get("meta") == xxhash.xxh3_64_hexdigest(meta)
+                 and seal.get("stat") == _file_identity(slot / file))
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
+    return data if holds else None
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
+def _write_json_atomic(path: Path, obj: dict) -> bytes:
+    """``obj`` as the file's whole content (a rename into place); the bytes written."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # unique per writer thread
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
     try:
-        tmp.write_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return data
 
 
 @dataclass
@@ -199,25 +222,52 @@ class Baseline:
     _file: str = ""
     _layout: list = field(default_factory=list)  # (key, byte offset) in the slot's file
     _written_at: float | None = None  # when an append last scattered into the map (monotonic)
+    # Where ``arrays`` are mapped from a cache slot: that slot as this process last verified or
+    # wrote it (_slot_mark), and the seal it wrote or trusted there, if any, which
+    # ``untouched`` compares with the slot now.
+    _mark: tuple | None = None
+    _seal: bytes | None = None
 
     @staticmethod
     def empty(version: int) -> Baseline:
         return Baseline(version, {}, {}, {})
 
     def seal(self) -> None:
-        """Vouch for the slot's words as ``meta.json`` records them, for the next writer of
-        this boot (the module's docstring). Called with the rank's lock held, once the words
-        and ``meta.json`` are final for the version."""
+        """Vouch for the slot's words as ``meta.json`` records them: for the next writer of
+        this boot (the module's docstring), and for this one's next append (``untouched``).
+        Called with the rank's lock held, once the words and ``meta.json`` are final for the
+        version."""
+        if self.slot is None:
+            return
+        mark = self._mark = _slot_mark(self.slot, self._file)
+        self._seal = None
         boot = boot_id()
-        if self.slot is None or boot is None:
+        if boot is None or mark[2] is None:
             return
         try:
-            meta = (self.slot / "meta.json").read_bytes()
-            _write_json_atomic(self.slot / SEAL, {"boot": boot, "file": self._file,
-                                                  "meta": xxhash.xxh3_64_hexdigest(meta),
-                                                  "stat": _file_identity(self.slot / self._file)})
+            self._seal = _write_json_atomic(self.slot / SEAL, {"boot": boot, "file": self._file,
+                                                               "meta": mark[2], "stat": mark[3]})
         except OSError:
             pass  # (a full disk, say) no seal: the next writer hashes the words, as before seals
+
+    def untouched(self) -> bool:
+        """Whether the cache slot these words are mapped from, if any, is as this process
+        last verified or wrote it: False where another writer's append changed it since (a
+        process killed in the middle of one leaves its words torn), and where that cannot be
+        told. Checked at each append, holding the rank's lock: a writer keeps no lock between
+        appends."""
+        if self._mark is None:
+            return self.slot is None  # (every mapped baseline gets a mark)
+        slot, file, meta, identity = self._mark
+        if self._seal is not None:
+            # Every append removes the seal before it writes a word there: seen whatever
+            # the file system's timestamps are.
+            try:
+                if (slot / SEAL).read_bytes() != self._seal:
+                    return False
+            except OSError:
+                return False
+        return meta is not None and _slot_mark(slot, file)[2:] == (meta, identity)
 
     def unseal(self) -> None:
         """Before an append writes a word of the slot: its seal removed."""
@@ -419,10 +469,14 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
             pending = None if not pend else dict(zip((k for k, _ in layout), (int(d, 16) for d in pend["digests"])))
             base = Baseline(int(meta["version"]), {}, dtypes, {}, slot)
             base._map(meta["file"], layout)
+            # Before the words are hashed: a write meanwhile makes the next append load them again.
+            base._mark = _slot_mark(slot, meta["file"], meta_bytes)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if pending is None and not cache.check and _seal_holds(slot, meta_bytes, meta["file"]):
+        sealed = None if pending is not None or cache.check else _holding_seal(slot, meta_bytes, meta["file"])
+        if sealed is not None:
             actual = {k: recorded[k] for k in want}
+            base._seal = sealed  # (an append by another process removes it: ``untouched``)
         else:
             ordered = list(want)
             actual = dict(zip(ordered, digest_boxes([(k, base.arrays[k]) for k in ordered])))
@@ -435,7 +489,7 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
             continue
         if want != set(base.arrays):  # a superset: only the wanted pieces, not this slot's file
             base = Baseline(base.version, {k: base.arrays[k] for k in want},
-                            {k: dtypes[k] for k in want}, actual)
+                            {k: dtypes[k] for k in want}, actual, _mark=base._mark, _seal=base._seal)
         return base
     return None
 
@@ -570,5 +624,9 @@ def load_baseline(log: DeltaLog, version: int, needed: list, cache: BaselineCach
     # Reuse the cache slot in place only when it holds exactly these pieces, all trusted; any
     # other baseline is written to a new cache generation by the next append.
     if have is not None and have.slot is not None and not mine_rebuild and set(have.arrays) == set(keys):
-        return Baseline(version, arrays, dtypes, pdigests, have.slot, have._file, have._layout)
-    return Baseline(version, arrays, dtypes, pdigests)
+        return Baseline(version, arrays, dtypes, pdigests, have.slot, have._file, have._layout,
+                        _mark=have._mark, _seal=have._seal)
+    # (Words not rebuilt may still be mapped from ``have``'s slot: its mark goes with them.)
+    if have is None:
+        return Baseline(version, arrays, dtypes, pdigests)
+    return Baseline(version, arrays, dtypes, pdigests, _mark=have._mark, _seal=have._seal)

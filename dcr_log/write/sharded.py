@@ -355,12 +355,24 @@ class ShardedWriter:
         version = self._version
         needed = [p for p in mine if _kept(p.name, layout, previous)]
         base = self._baseline
+        if base is not None and not base.untouched() and not self._next_version_exists(version + 1):
+            # Another process wrote the cache files these words are mapped from since this one
+            # last left them (its append, or one killed half-way, which leaves them torn):
+            # loaded again, checked against the log. (Where the next version is there already,
+            # this append can only conflict: nothing is loaded for it.)
+            self._baseline = base = None
         ready = base is not None and base.version == version and all(base.has(p.key) for p in needed)
         # Every rank must take the same branch: agree on whether anyone needs to load.
         if all(self.group.all_gather(ready)):
             return
         self._baseline = load_baseline(self.log, version, needed, cache, self.group, layout,
                                        current=base if base is not None and base.version == version else None)
+
+    def _next_version_exists(self, version: int) -> bool:
+        try:
+            return self.log.has_version(version)
+        except DcrError:  # (unknown: loaded again, and the commit finds any conflict)
+            return False
 
     def _write_rank(self, version: int, layout: ShardLayout, previous: Mapping[str, TensorInfo],
                     mine: list[ShardPiece], progress: Callable[[int], None] | None,

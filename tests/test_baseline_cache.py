@@ -284,6 +284,25 @@ def _early_policy():
 UNDONE = {"ulp": ({}, "xor"), "plain-xor": ({"features": ()}, "xor"), "overwrite": ({}, "overwrite")}
 
 
+def _early_writes(monkeypatch, interrupt_after: int | None = None) -> list[bool]:
+    """Per chunk encoded (Differ.diff_box), whether its changed words went into the baseline
+    early; with ``interrupt_after``, KeyboardInterrupt once that many did."""
+    from dcr_log.write import differ
+
+    early_writes: list[bool] = []
+    real_diff = differ.Differ.diff_box
+
+    def counted(self, *args, **kwargs):
+        if interrupt_after is not None and sum(early_writes) >= interrupt_after:
+            raise KeyboardInterrupt
+        delta = real_diff(self, *args, **kwargs)
+        early_writes.append(delta is not None and delta.advanced)
+        return delta
+
+    monkeypatch.setattr(differ.Differ, "diff_box", counted)
+    return early_writes
+
+
 @pytest.mark.parametrize("undone", sorted(UNDONE))
 @pytest.mark.parametrize("how", ["segment-write", "interrupt-encoding", "record-refused", "conflict"])
 def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, how, undone):
@@ -293,7 +312,7 @@ def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, ho
     again, so the retry of the same state commits version 1 with that state's bits, and the
     cache is trusted (no replay) when the log is opened again."""
     from dcr_log.errors import CommitConflict, StoreError
-    from dcr_log.write import differ, uploader
+    from dcr_log.write import uploader
 
     create_args, kind = UNDONE[undone]
     rng = np.random.default_rng(11)
@@ -302,18 +321,8 @@ def test_a_failed_append_leaves_the_baseline_as_it_was(tmp_path, monkeypatch, ho
     s1 = _step(rng, s0, rate=0.2)
     s1["v"] = change_words(rng, s0["v"], 0.2)
     writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy(), **create_args)
-    early_writes: list[bool] = []
-    real_diff = differ.Differ.diff_box
-
-    def counted(self, *args, **kwargs):
-        if how == "interrupt-encoding" and sum(early_writes) >= 6:
-            raise KeyboardInterrupt
-        delta = real_diff(self, *args, **kwargs)
-        early_writes.append(delta is not None and delta.advanced)
-        return delta
-
     with monkeypatch.context() as m:
-        m.setattr(differ.Differ, "diff_box", counted)
+        early_writes = _early_writes(m, 6 if how == "interrupt-encoding" else None)
         if how == "segment-write":
             def fail(self, key, builder):
                 raise StoreError("no space left")
@@ -473,6 +482,42 @@ def test_an_append_does_not_read_baseline_files_another_append_is_writing(tmp_pa
     s2 = _step(rng, sa)
     LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s2)
     assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(2), s2)
+
+
+@pytest.mark.parametrize("how", ["segment-write", "interrupt-encoding"])
+def test_an_append_that_is_not_committed_seals_the_cache_again(tmp_path, monkeypatch, how):
+    """An append that fails once some of its changed words are in the cache puts them back
+    and seals the cache again: the next writer takes the words without hashing them, and
+    appends the right bits."""
+    from dcr_log.errors import StoreError
+    from dcr_log.write import uploader
+
+    rng = np.random.default_rng(17)
+    cache = tmp_path / "cache"
+    s0 = make_state(rng, EARLY_SPEC)
+    writer = LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy())
+
+    def fail(self, key, builder):
+        raise StoreError("no space left")
+
+    with monkeypatch.context() as m:
+        early_writes = _early_writes(m, 6 if how == "interrupt-encoding" else None)
+        if how == "segment-write":
+            m.setattr(uploader.SegmentUploader, "put", fail)
+        with pytest.raises(StoreError if how == "segment-write" else KeyboardInterrupt):
+            writer.append(_step(rng, s0, rate=0.2))
+    assert sum(early_writes) >= 6
+    writer.close()
+    assert _seal(cache).exists()
+    s1 = _step(rng, s0, rate=0.2)
+    with monkeypatch.context() as m:
+        _no_replay(m)
+        hashed = _hashed_words(m)
+        LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()).append(s1)
+    assert sum(hashed) == 0
+    log = DeltaLog.open(tmp_path / "log")
+    assert_same_bits(log.materialize(1), s1)
+    log.verify(deep=True)
 
 
 def _killed_append(monkeypatch, writer, state, after: int = 4) -> None:

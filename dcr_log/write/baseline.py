@@ -30,7 +30,8 @@ file; a kill in the middle of an append, which leaves no seal) gets the digest c
 the trust a writer process already places in its own map between appends, extended to the
 next process of the same boot: a change of the file's bytes that leaves no trace in its
 metadata (damage at rest, a write in the same timestamp tick as the seal) is not seen, and
-``check_cache=True`` (``dcr append --check-cache``) hashes every word anyway.
+``check_cache=True`` (``dcr append --check-cache``) hashes every word anyway. An append that
+is not committed, once it has put its early writes back, seals the slot again.
 
 A writer keeps no lock between appends, and another process may append meanwhile through
 the same cache (and be killed half-way, leaving the words torn). So each append, holding the

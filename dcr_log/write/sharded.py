@@ -94,6 +94,7 @@ class ShardedWriter:
         self._version = version
         self._cache = cache
         self._baseline: Baseline | None = None
+        self._words_trusted = True  # this append's baseline words as this process left them
         self._closed = False
 
     def close(self) -> None:
@@ -355,12 +356,14 @@ class ShardedWriter:
         version = self._version
         needed = [p for p in mine if _kept(p.name, layout, previous)]
         base = self._baseline
-        if base is not None and not base.untouched() and not self._next_version_exists(version + 1):
+        self._words_trusted = base is None or base.untouched()
+        if not self._words_trusted and not self._next_version_exists(version + 1):
             # Another process wrote the cache files these words are mapped from since this one
             # last left them (its append, or one killed half-way, which leaves them torn):
             # loaded again, checked against the log. (Where the next version is there already,
             # this append can only conflict: nothing is loaded for it.)
             self._baseline = base = None
+            self._words_trusted = True
         ready = base is not None and base.version == version and all(base.has(p.key) for p in needed)
         # Every rank must take the same branch: agree on whether anyone needs to load.
         if all(self.group.all_gather(ready)):
@@ -485,13 +488,17 @@ class ShardedWriter:
         return report, pending, error
 
     def _abandon(self, pending: Pending) -> None:
-        """A version not committed: its early writes undone; where that fails (an interrupt
-        while undoing), the baseline is dropped, to be loaded again at the next append."""
+        """A version not committed: its early writes undone, and the cache sealed again where
+        its words were trusted before them (they are those words again); where the undo fails
+        (an interrupt while undoing), the baseline is dropped, to be loaded again at the next
+        append."""
         try:
             pending.abort()
         except BaseException:
             self._baseline = None
             raise
+        if pending.early is not None and self._words_trusted and self._baseline is not None:
+            self._baseline.seal()
 
     def _decide(self, version: int, layout: ShardLayout, previous: Mapping[str, TensorInfo],
                 reports: list[RankReport], files: tuple[FileEntry, ...] | None = None) -> CommitOutcome:

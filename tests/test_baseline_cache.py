@@ -893,13 +893,43 @@ def test_check_cache_finds_damage_a_seal_cannot_see(tmp_path, monkeypatch):
     log.verify(deep=True)
 
 
-def test_a_killed_dcr_append_leaves_no_seal_on_words_it_tore(tmp_path):
-    """SIGKILL of real ``dcr append`` processes as soon as each removed its cache's seal (it is
-    about to write the cache), each followed by an append of the next state in a new process:
-    every version the log holds is the state appended, and the log verifies."""
+def _dcr_append_killed(tmp_path: Path, cache: Path, checkpoint: Path, delay: float) -> tuple[bool, int, str]:
+    """A real ``dcr append`` of ``checkpoint`` to ``tmp_path / "log"``, SIGKILLed ``delay``
+    seconds after it removed the cache's seal (it is about to write the cache's words): whether
+    it was killed (it may end first), its exit status and its stderr."""
     import signal
     import subprocess
     import sys
+
+    seal = _seal(cache)
+    proc = subprocess.Popen([sys.executable, "-m", "dcr_log", "append", str(tmp_path / "log"), "--from",
+                             str(checkpoint), "--cache", str(cache)], env=cli_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killed = False
+    try:
+        deadline = time.monotonic() + 60
+        while seal.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            killed = True
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return killed, proc.returncode, err
+
+
+@pytest.mark.parametrize("then", ["a new dcr append", "a writer beside it"])
+def test_a_dcr_append_killed_as_it_writes_the_cache_loses_nothing(tmp_path, then):
+    """SIGKILL of real ``dcr append`` processes as soon as each removed its cache's seal (it is
+    about to write the cache's words), each followed by an append of the next state: by a new
+    ``dcr append`` process, or by a writer that lives beside them, its baseline mapped from the
+    same cache (it loads it again). Every version the log holds is the state appended, and the
+    log verifies."""
+    import signal
 
     from dcr_log.checkpoint import save_safetensors
 
@@ -909,95 +939,35 @@ def test_a_killed_dcr_append_leaves_no_seal_on_words_it_tore(tmp_path):
     checkpoint = tmp_path / "next.safetensors"
     states = [make_state(rng, spec)]
     LogWriter.create(tmp_path / "log", states[0], cache_dir=cache).close()
+    writer = None
+    if then == "a writer beside it":
+        writer = LogWriter.open(tmp_path / "log", cache_dir=cache)
+        states.append(_step(rng, states[-1], rate=0.05))
+        writer.append(states[-1])
     killed = 0
     for delay in (0.0, 0.005, 0.02):
         new = _step(rng, states[-1], rate=0.05)
         save_safetensors(new, checkpoint)
-        seal = _seal(cache)
-        proc = subprocess.Popen([sys.executable, "-m", "dcr_log", "append", str(tmp_path / "log"), "--from",
-                                 str(checkpoint), "--cache", str(cache)], env=cli_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 60
-            while seal.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            time.sleep(delay)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                killed += 1
-            _, err = proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        was_killed, returncode, err = _dcr_append_killed(tmp_path, cache, checkpoint, delay)
+        killed += was_killed
         if DeltaLog.open(tmp_path / "log").latest_version() == len(states):
             states.append(new)  # committed before the kill
+            if writer is not None:  # behind the log now: it opens it again
+                writer.close()
+                writer = LogWriter.open(tmp_path / "log", cache_dir=cache)
         else:
-            assert proc.returncode == -signal.SIGKILL, err
+            assert returncode == -signal.SIGKILL, err
         new = _step(rng, states[-1], rate=0.05)
-        save_safetensors(new, checkpoint)
-        rc, _, err = run_cli("append", tmp_path / "log", "--from", checkpoint, "--cache", cache)
-        assert rc == 0, err
+        if writer is None:
+            save_safetensors(new, checkpoint)
+            rc, _, err = run_cli("append", tmp_path / "log", "--from", checkpoint, "--cache", cache)
+            assert rc == 0, err
+        else:
+            assert writer.append(new).version == len(states)
         states.append(new)
         assert _seal(cache).exists()
-    assert killed >= 2
-    log = DeltaLog.open(tmp_path / "log")
-    assert log.latest_version() == len(states) - 1
-    for v, s in enumerate(states):
-        assert_same_bits(log.materialize(v), s)
-    log.verify(deep=True)
-
-
-def test_a_writer_appends_right_after_a_dcr_append_beside_it_was_killed(tmp_path):
-    """A long-lived writer of a log, and real ``dcr append`` processes of the same log and
-    cache beside it, each SIGKILLed as soon as it removed the cache's seal (about to write
-    its words), each followed by an append of the long-lived writer: every version the log
-    holds is the state appended, and the log verifies."""
-    import signal
-    import subprocess
-    import sys
-
-    from dcr_log.checkpoint import save_safetensors
-
-    rng = np.random.default_rng(27)
-    spec = {"w": ("BF16", (2048, 1024)), "b": ("F32", (33,))}
-    cache = tmp_path / "cache"
-    checkpoint = tmp_path / "next.safetensors"
-    states = [make_state(rng, spec)]
-    LogWriter.create(tmp_path / "log", states[0], cache_dir=cache).close()
-    writer = LogWriter.open(tmp_path / "log", cache_dir=cache)
-    states.append(_step(rng, states[-1], rate=0.05))
-    writer.append(states[-1])
-    killed = 0
-    for delay in (0.0, 0.005, 0.02):
-        new = _step(rng, states[-1], rate=0.05)
-        save_safetensors(new, checkpoint)
-        seal = _seal(cache)
-        proc = subprocess.Popen([sys.executable, "-m", "dcr_log", "append", str(tmp_path / "log"), "--from",
-                                 str(checkpoint), "--cache", str(cache)], env=cli_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 60
-            while seal.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            time.sleep(delay)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                killed += 1
-            _, err = proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        if DeltaLog.open(tmp_path / "log").latest_version() == len(states):
-            states.append(new)  # committed before the kill: this writer is behind, and opens again
-            writer.close()
-            writer = LogWriter.open(tmp_path / "log", cache_dir=cache)
-        else:
-            assert proc.returncode == -signal.SIGKILL, err
-        states.append(_step(rng, states[-1], rate=0.05))
-        assert writer.append(states[-1]).version == len(states) - 1
-    writer.close()
+    if writer is not None:
+        writer.close()
     assert killed >= 2
     log = DeltaLog.open(tmp_path / "log")
     assert log.latest_version() == len(states) - 1

@@ -147,3 +147,31 @@ def test_a_cache_that_cannot_be_removed_is_not_called_in_use(tmp_path, capsys, m
     monkeypatch.undo()
     rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "y", "--cache", cache)
     assert rc == 0 and rows[0]["removed"] == [str(y.dir)], err
+
+
+def test_cache_rm_goes_through_each_of_a_logs_caches_and_says_what_became_of_each(tmp_path, capsys, monkeypatch):
+    """A log created three times at one place has three caches: ``rm`` removes the one it can,
+    leaves the one a writer holds, and reports the one whose lock cannot be opened with its
+    cause and exit 6, each listed in its JSON line."""
+    monkeypatch.setenv("DCR_CACHE_MAX_BYTES", str(1 << 30))  # no eviction
+    rng = np.random.default_rng(6)
+    cache = tmp_path / "cache"
+    for _ in range(3):
+        shutil.rmtree(tmp_path / "x", ignore_errors=True)
+        LogWriter.create(tmp_path / "x", make_state(rng, SPEC), cache_dir=cache).close()
+    held, broken, free = cached_logs(cache)
+    assert len({held.log_id, broken.log_id, free.log_id}) == 3
+    hold = BaselineCache(cache, held.log_id, held.url, tmp_path / "x").hold(0)
+    assert hold is not None
+    lock = broken.dir / "r0.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    try:
+        rc, rows, err = dcr(capsys, "cache", "rm", tmp_path / "x", "--cache", cache)
+    finally:
+        hold.close()
+    assert rc == 6, err
+    assert rows[0]["removed"] == [str(free.dir)] and rows[0]["in_use"] == [str(held.dir)], rows
+    assert [f["directory"] for f in rows[0]["failed"]] == [str(broken.dir)], rows
+    assert "1 cache could not be removed" in json.loads(err)["error"] and "r0.lock" in json.loads(err)["error"]
+    assert {c.dir for c in cached_logs(cache)} == {held.dir, broken.dir}

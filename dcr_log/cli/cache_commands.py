@@ -64,15 +64,19 @@ def prune_cmd(cache: str | None = typer.Option(None, "--cache", metavar="DIR", h
     from dcr_log.write.cache import prune
 
     root = _root(cache)
-    removed, held, failed = prune(root, everything)
+    _report_removal(as_json, {"root": str(root)}, *prune(root, everything), f"under {root}")
+
+
+def _report_removal(as_json: bool, report: dict, removed: list, held: list, failed: list, where: str) -> None:
+    """One line (or JSON object) for caches removed, left in use and failed; exit 6 (StoreError)
+    where any failed: what was removed stays removed."""
     freed = sum(c.bytes for c in removed)
     left = f"; {len(held)} in use by a writer's append, left" if held else ""
-    report = {"root": str(root), "removed": [str(c.dir) for c in removed], "bytes": freed,
+    report = {**report, "removed": [str(c.dir) for c in removed], "bytes": freed,
               "in_use": [str(c.dir) for c in held],
               "failed": [{"directory": str(c.dir), "error": str(e)} for c, e in failed]}
-    line = f"removed {_caches(len(removed))} ({freed} bytes) under {root}{left}"
-    say_result(as_json, report, line)
-    if failed:  # what was removed stays removed; the exit code and the error line say what was not
+    say_result(as_json, report, f"removed {_caches(len(removed))} ({freed} bytes) {where}{left}")
+    if failed:
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
         raise StoreError(f"{_caches(len(failed))} could not be removed: {failed[0][1]}{more}")
 
@@ -84,16 +88,14 @@ def rm_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory or 
     """Remove LOG's caches (the log itself is not touched), but not while a writer's append
     uses one."""
     from dcr_log.store import Store
-    from dcr_log.write.cache import caches_of, remove_unheld
+    from dcr_log.write.cache import caches_of, remove_caches
 
     root = _root(cache)
     url = Store.url_of(log)
     found = list(caches_of(root, url))
     if not found:
         raise UsageError(f"no cache of {url} under {root}")
-    removed = [c for c in found if remove_unheld(c.dir)]  # StoreError: cannot be removed, and why
-    if not removed:
+    removed, held, failed = remove_caches(found)
+    if held and not removed and not failed:
         raise UsageError(f"the cache of {url} under {root} is in use by a writer's append: not removed")
-    freed = sum(c.bytes for c in removed)
-    say_result(as_json, {"log": url, "removed": [str(c.dir) for c in removed], "bytes": freed},
-               f"removed the cache of {url} ({freed} bytes)")
+    _report_removal(as_json, {"log": url}, removed, held, failed, f"of {url}")

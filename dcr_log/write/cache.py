@@ -211,15 +211,21 @@ def prune(root: Path, everything: bool = False
     """Remove the caches of logs that are gone (or every cache) but those a writer holds:
     returns what was removed, what was left because a writer holds it, and what could not be
     removed, with why."""
+    return remove_caches([c for c in cached_logs(root) if everything or _log_is_gone(c)])
+
+
+def remove_caches(caches: list[CachedLog]
+                  ) -> tuple[list[CachedLog], list[CachedLog], list[tuple[CachedLog, StoreError]]]:
+    """Remove each cache a writer does not hold (remove_unheld), going on after one that cannot
+    be: what was removed, what a writer holds, and what could not be removed, with why."""
     removed: list[CachedLog] = []
     held: list[CachedLog] = []
     failed: list[tuple[CachedLog, StoreError]] = []
-    for c in cached_logs(root):
-        if everything or _log_is_gone(c):
-            try:
-                (removed if remove_unheld(c.dir) else held).append(c)
-            except StoreError as e:
-                failed.append((c, e))
+    for c in caches:
+        try:
+            (removed if remove_unheld(c.dir) else held).append(c)
+        except StoreError as e:
+            failed.append((c, e))
     return removed, held, failed
 
 

@@ -521,21 +521,13 @@ def test_an_append_that_is_not_committed_seals_the_cache_again(tmp_path, monkeyp
 
 
 def _killed_append(monkeypatch, writer, state, after: int = 4) -> None:
-    """``writer.append(state)`` killed while it encodes, after ``after`` chunks: neither the
-    undo of its early writes nor the seal after it runs, as in a killed process."""
-    from dcr_log.write import differ, sharded
-
-    calls: list[int] = []
-    real_diff = differ.Differ.diff_box
-
-    def killed(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) > after:
-            raise KeyboardInterrupt
-        return real_diff(self, *args, **kwargs)
+    """``writer.append(state)`` killed while it encodes, once ``after`` chunks went into the
+    baseline: neither the undo of its early writes nor the seal after it runs, as in a
+    killed process."""
+    from dcr_log.write import sharded
 
     with monkeypatch.context() as m:
-        m.setattr(differ.Differ, "diff_box", killed)
+        _early_writes(m, after)
         m.setattr(sharded.ShardedWriter, "_abandon", lambda self, pending: None)
         with pytest.raises(KeyboardInterrupt):
             writer.append(state)

@@ -8,9 +8,9 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import change_words, make_state
+from helpers import assert_same_bits, change_words, make_state
 
-from dcr_log import CacheWarning, LogWriter
+from dcr_log import CacheWarning, DeltaLog, LogWriter
 from dcr_log.cli import main
 from dcr_log.write.baseline import BaselineCache
 from dcr_log.write.cache import cached_logs
@@ -183,10 +183,6 @@ def test_a_live_writer_appends_after_its_cache_was_removed(tmp_path, capsys, mon
     or another log's eviction may remove its cache meanwhile. Its next append finds the cache
     gone, rebuilds its baseline from the log and commits the right bits (it raised after
     committing before: the cache's record could not be written)."""
-    from helpers import assert_same_bits
-
-    from dcr_log import DeltaLog
-
     rng = np.random.default_rng(7)
     cache = tmp_path / "cache"
     states = [make_state(rng, SPEC)]

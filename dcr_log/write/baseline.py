@@ -183,17 +183,23 @@ def _slot_mark(slot: Path, file: str, meta: bytes | None = None) -> tuple:
         return slot, file, None, None
 
 
-def _holding_seal(slot: Path, meta: bytes, file: str) -> bytes | None:
-    """``slot``'s seal where it vouches for its words (same boot, same ``meta.json``, the
-    words file unchanged in its metadata: the module's docstring), else None."""
+def _seal_of(boot: str, mark: tuple) -> dict:
+    """The seal a slot's mark (_slot_mark) makes in this boot."""
+    _, file, meta, identity = mark
+    return {"boot": boot, "file": file, "meta": meta, "stat": identity}
+
+
+def _holding_seal(mark: tuple) -> bytes | None:
+    """The seal of the slot ``mark`` was just taken of, where it vouches for its words (same
+    boot, same ``meta.json``, the words file unchanged in its metadata: the module's
+    docstring), else None."""
+    boot = boot_id()
+    if boot is None or mark[2] is None:
+        return None
     try:
-        data = (slot / SEAL).read_bytes()
-        seal = json.loads(data)
-        boot = boot_id()
-        holds = (boot is not None and seal.get("boot") == boot and seal.get("file") == file
-                 and seal.get("meta") == xxhash.xxh3_64_hexdigest(meta)
-                 and seal.get("stat") == _file_identity(slot / file))
-    except (OSError, ValueError, AttributeError):
+        data = (mark[0] / SEAL).read_bytes()
+        holds = json.loads(data) == _seal_of(boot, mark)
+    except (OSError, ValueError):
         return None
     return data if holds else None
 
@@ -246,8 +252,7 @@ class Baseline:
         if boot is None or mark[2] is None:
             return
         try:
-            self._seal = _write_json_atomic(self.slot / SEAL, {"boot": boot, "file": self._file,
-                                                               "meta": mark[2], "stat": mark[3]})
+            self._seal = _write_json_atomic(self.slot / SEAL, _seal_of(boot, mark))
         except OSError:
             pass  # (a full disk, say) no seal: the next writer hashes the words, as before seals
 
@@ -474,7 +479,7 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
             base._mark = _slot_mark(slot, meta["file"], meta_bytes)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        sealed = None if pending is not None or cache.check else _holding_seal(slot, meta_bytes, meta["file"])
+        sealed = None if pending is not None or cache.check else _holding_seal(base._mark)
         if sealed is not None:
             actual = {k: recorded[k] for k in want}
             base._seal = sealed  # (an append by another process removes it: ``untouched``)

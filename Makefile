@@ -29,9 +29,10 @@ $(VENV_VLLM)/.installed: pyproject.toml Makefile
 demo: $(VENV)/.installed
 	$(VENV)/bin/dcr demo
 
-# ruff and mypy on the package (both pinned in the test extra); `make test` runs them first.
+# ruff on the package, its tests and tools, and mypy on the package (both pinned in the test
+# extra); `make test` runs them first.
 lint: $(VENV)/.installed
-	$(PY) -m ruff check dcr_log
+	$(PY) -m ruff check dcr_log tests tests_vllm tools
 	$(PY) -m mypy
 
 test: lint $(VENV)/.installed $(VENV_VLLM)/.installed

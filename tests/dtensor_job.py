@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+
 from helpers.ranks import finish_rank, rank_watchdog
 
 STEPS = 3           # versions 0..STEPS (AdamW steps between them)

@@ -44,10 +44,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
-from helpers.ranks import finish_rank
 
 from dcr_log.coords import numel, word_dtype
 from dcr_log.state import TensorBits
+from helpers.ranks import finish_rank
 
 SEED = 20240611
 STEPS = 8  # versions 0..7
@@ -119,7 +119,7 @@ def _initial_words(name: str, dtype: str, n: int) -> np.ndarray:
     return (bits >> 16).astype(np.uint16) if dtype == BF16 else bits.copy()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dense_state(step: int) -> dict[str, TensorBits]:
     """The canonical state after ``step``: step 0 initialises; every later step flips low bits
     of about 2% of every tensor's words (at least one), seeded by step and name. A reshaped
@@ -188,6 +188,7 @@ class RankModel:
 
     def _fresh(self, step: int) -> dict:
         import torch
+
         from dcr_log.state import to_torch
 
         c = {n: to_torch(b) for n, b in dense_state(step).items()}  # shares the dense words: read only
@@ -310,6 +311,7 @@ class HangOnRead(np.ndarray):
 
 def sabotage(shards: dict, how: str, model: RankModel, step: int) -> None:
     import torch
+
     from dcr_log.write.pieces import Shard
 
     rank = model.rank
@@ -343,8 +345,9 @@ def sabotage(shards: dict, how: str, model: RankModel, step: int) -> None:
 def bad_layout(case: str, model: RankModel, step: int) -> tuple[dict, dict]:
     """This rank's shards for ``step`` with one layout error (2 ranks, tp 2)."""
     import torch
-    from dcr_log.write.pieces import Shard
+
     from dcr_log.state import to_torch
+    from dcr_log.write.pieces import Shard
 
     s, shapes = model.shards(step)
     r = model.rank
@@ -397,6 +400,7 @@ def relayout_dense(case: str, state: dict[str, TensorBits]) -> dict[str, TensorB
 def relayout(case: str, model: RankModel, step: int) -> tuple[dict, dict]:
     """This rank's shards for ``step`` with the table change ``case`` (as relayout_dense)."""
     import torch
+
     from dcr_log.write.pieces import Shard
 
     s, shapes = model.shards(step)

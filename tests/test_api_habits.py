@@ -11,12 +11,12 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import assert_same_bits, change_words, make_state
 
 import dcr_log
 from dcr_log import DeltaLog, LogWriter, ShardedWriter
 from dcr_log.errors import UsageError
 from dcr_log.receiver import Receiver, write_checkpoint
+from helpers import assert_same_bits, change_words, make_state
 
 SPEC = {"w": ("BF16", (16, 9)), "b": ("F32", (5,))}
 

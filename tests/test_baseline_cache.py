@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import DirtyCount, assert_same_bits, change_words, cli_env, copy_state, make_state, run_cli
 from dcr_log import DeltaLog, IntegrityError, LogWriter
 from dcr_log.digest import SUM
 from dcr_log.format import version_key
 from dcr_log.format.tensors import state_digest
 from dcr_log.state import TensorBits
 from dcr_log.store import Store
+from helpers import DirtyCount, assert_same_bits, change_words, cli_env, copy_state, make_state, run_cli
 
 SPEC = {"w": ("BF16", (64, 33)), "b": ("F32", (17,)), "s": ("I64", ()), "e": ("U8", (0, 4))}
 
@@ -176,7 +176,7 @@ def test_cache_digests_are_the_pieces_sum_digests(tmp_path):
     writer.append(s1)
     meta = json.loads(next(cache.rglob("meta.json")).read_text())
     table = DeltaLog.open(tmp_path / "log").commit(1).tensor_map()
-    for (name, offset, shape), dtype, _, digest in meta["pieces"]:
+    for (name, _offset, _shape), _dtype, _, digest in meta["pieces"]:
         assert int(digest, 16) == table[name].digest == SUM.tensor(s1[name].words, s1[name].shape)
 
 

@@ -226,7 +226,6 @@ def test_bench_pagecache_ways_keep_the_checkpoints_bytes(tmp_path):
     """tools/bench_pagecache.py times the same bytes reached five ways: each way leaves the
     checkpoint's file byte for byte as write_checkpoint wrote it, and a tiny run times each."""
     import bench_pagecache
-
     from dcr_log.receiver import write_checkpoint
 
     state = bench_pagecache.state_of(2)
@@ -303,7 +302,6 @@ def test_bench_encode_reopens_the_writer_for_each_append(capsys, monkeypatch):
     """tools/bench_encode.py --reopen: each timed append by a writer opened for it (its
     baseline from the cache), closed after; the changes are the rate's."""
     import bench_encode
-
     from dcr_log import LogWriter
 
     opened = []

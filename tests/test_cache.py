@@ -8,12 +8,12 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import assert_same_bits, change_words, make_state
 
 from dcr_log import CacheWarning, DeltaLog, LogWriter
 from dcr_log.cli import main
 from dcr_log.write.baseline import BaselineCache
 from dcr_log.write.cache import cached_logs
+from helpers import assert_same_bits, change_words, make_state
 
 SPEC = {"w": ("BF16", (32, 17)), "b": ("F32", (9,))}
 

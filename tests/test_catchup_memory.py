@@ -11,12 +11,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from helpers import change_words, copy_state, make_state
 from dcr_log.errors import IntegrityError
 from dcr_log.lifecycle import catchup, write_snapshot, write_squash
 from dcr_log.log import DeltaLog
 from dcr_log.write import LogWriter
 from dcr_log.write.differ import Differ
+from helpers import change_words, copy_state, make_state
 
 
 def _log(root, spec, versions, rate, seed=0, layout=None, segment_bytes=64 << 20):

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_file_holds, assert_one_line, change_words, copy_state, make_state, run_cli, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.state import TensorBits
+from helpers import assert_file_holds, assert_one_line, change_words, copy_state, make_state, run_cli, snapshot_files
 
 # A name with ":fire:" checks that the output prints names as written (no emoji codes).
 SPEC = {

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import change_words, make_state, start_cli
 
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.cli import main
 from dcr_log.errors import CommitConflict, IntegrityError, LineageError, StoreError, TrustError, UsageError
+from helpers import change_words, make_state, start_cli
 
 SPEC = {"w": ("BF16", (64, 33)), "b": ("F32", (17,)), "s": ("I8", ())}
 

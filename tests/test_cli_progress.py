@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import change_words, cli_env, make_state
 from dcr_log.checkpoint import save_safetensors
+from helpers import change_words, cli_env, make_state
 
 SPEC = {"w": ("BF16", (256, 512)), "b": ("F32", (300,))}
 

@@ -424,6 +424,9 @@ def _pco(numbers) -> bytes:
     return pcodec.standalone.simple_compress(np.ascontiguousarray(numbers), pcodec.ChunkConfig())
 
 
+ULP_PARAMS = {"gap_bytes": 4, "level": 8}  # the params of a hand-made ulp payload
+
+
 def _ulp_hand(gaps, distances) -> bytes:
     g = _pco(gaps)
     return len(g).to_bytes(8, "little") + g + _pco(distances)
@@ -436,17 +439,17 @@ def test_ulp_hand_payload_accepted():
 
 
 @pytest.mark.parametrize("why,params,payload,n,k,word", [
-    ("zero distance", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1, 1], "<u4"), np.array([1, 0], "<i2")), 10, 2, U2),
-    ("too few numbers", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1, 1], "<u4"), np.array([1], "<i2")), 10, 2, U2),
-    ("too many numbers", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1], "<u4"), np.array([1, 2], "<i2")), 10, 1, U2),
-    ("gap type", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1], "<u8"), np.array([1], "<i2")), 10, 1, U2),
-    ("distance type", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1], "<u4"), np.array([1], "<i4")), 10, 1, U2),
-    ("gap beyond box", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([10], "<u4"), np.array([1], "<i2")), 10, 1, U2),
-    ("positions beyond box", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([5, 4], "<u4"), np.array([1, 1], "<i2")), 10, 2, U2),
-    ("1-byte distance", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.array([1], "<u4"), np.array([200], "<i2")), 10, 1, np.dtype("<u1")),
-    ("no changes", {"gap_bytes": 4, "level": 8}, _ulp_hand(np.zeros(0, "<u4"), np.zeros(0, "<i2")), 10, 0, U2),
-    ("length past the end", {"gap_bytes": 4, "level": 8}, (10**6).to_bytes(8, "little") + _pco(np.array([1], "<u4")), 10, 1, U2),
-    ("not a pcodec file", {"gap_bytes": 4, "level": 8}, (4).to_bytes(8, "little") + b"abcd" + b"efgh", 10, 1, U2),
+    ("zero distance", ULP_PARAMS, _ulp_hand(np.array([1, 1], "<u4"), np.array([1, 0], "<i2")), 10, 2, U2),
+    ("too few numbers", ULP_PARAMS, _ulp_hand(np.array([1, 1], "<u4"), np.array([1], "<i2")), 10, 2, U2),
+    ("too many numbers", ULP_PARAMS, _ulp_hand(np.array([1], "<u4"), np.array([1, 2], "<i2")), 10, 1, U2),
+    ("gap type", ULP_PARAMS, _ulp_hand(np.array([1], "<u8"), np.array([1], "<i2")), 10, 1, U2),
+    ("distance type", ULP_PARAMS, _ulp_hand(np.array([1], "<u4"), np.array([1], "<i4")), 10, 1, U2),
+    ("gap beyond box", ULP_PARAMS, _ulp_hand(np.array([10], "<u4"), np.array([1], "<i2")), 10, 1, U2),
+    ("positions beyond box", ULP_PARAMS, _ulp_hand(np.array([5, 4], "<u4"), np.array([1, 1], "<i2")), 10, 2, U2),
+    ("1-byte distance", ULP_PARAMS, _ulp_hand(np.array([1], "<u4"), np.array([200], "<i2")), 10, 1, np.dtype("<u1")),
+    ("no changes", ULP_PARAMS, _ulp_hand(np.zeros(0, "<u4"), np.zeros(0, "<i2")), 10, 0, U2),
+    ("length past the end", ULP_PARAMS, (10**6).to_bytes(8, "little") + _pco(np.array([1], "<u4")), 10, 1, U2),
+    ("not a pcodec file", ULP_PARAMS, (4).to_bytes(8, "little") + b"abcd" + b"efgh", 10, 1, U2),
     ("bad gap_bytes", {"gap_bytes": 2, "level": 8}, _ulp_hand(np.array([1], "<u2"), np.array([1], "<i2")), 10, 1, U2),
     ("bad level", {"gap_bytes": 4, "level": 13}, _ulp_hand(np.array([1], "<u4"), np.array([1], "<i2")), 10, 1, U2),
 ])

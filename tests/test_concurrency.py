@@ -10,11 +10,11 @@ import uuid
 import numpy as np
 import pytest
 
-from helpers import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli, start_cli
 from dcr_log import CommitConflict, DeltaLog, LogWriter, create_log
 from dcr_log.checkpoint import save_safetensors
-from dcr_log.write.differ import EncodePolicy
 from dcr_log.store import Store
+from dcr_log.write.differ import EncodePolicy
+from helpers import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli, start_cli
 
 SPEC = {"w": ("BF16", (64, 32)), "b": ("F32", (32,)), "k": ("I64", ())}
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_one_line, change_words, copy_state, make_state, run_cli, snapshot_files
 from dcr_log import CommitConflict, DeltaLog, IntegrityError, LogWriter, create_log
-from dcr_log.write.differ import EncodePolicy
 from dcr_log.format import CommitRecord, SegmentRef, version_key
 from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.store import Store
+from dcr_log.write.differ import EncodePolicy
+from helpers import assert_one_line, change_words, copy_state, make_state, run_cli, snapshot_files
 
 SPEC = {"w": ("BF16", (40, 24)), "b": ("F32", (24,)), "n": ("I8", (3, 5))}
 POLICY = EncodePolicy(chunk_elements=256)

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_receiver import CRASH_POINTS, LAYOUT_VERSION, SimulatedCrash, build_log, ckpt_receiver, reopen
 
-from helpers import assert_same_bits, change_words, copy_state, make_state
-from helpers.powerloss import PowerLossModel
 from dcr_log import DeltaLog
 from dcr_log.checkpoint import load_checkpoint
 from dcr_log.receiver import Journal, Receiver, write_checkpoint
 from dcr_log.receiver import batch as batch_module
 from dcr_log.write import LogWriter
 from dcr_log.write.differ import EncodePolicy
+from helpers import assert_same_bits, change_words, copy_state, make_state
+from helpers.powerloss import PowerLossModel
+from test_receiver import CRASH_POINTS, LAYOUT_VERSION, SimulatedCrash, build_log, ckpt_receiver, reopen
 
 VERSIONS = 5
 
@@ -481,7 +481,7 @@ def test_the_image_buffer_is_kept_for_the_next_version(tmp_path, monkeypatch, lo
     receiver = 0
     monkeypatch.setattr(batch_module, "borrow_image_buffer",
                         lambda n: lent.append((receiver, n, real_borrow(n))) or lent[-1][2])
-    for receiver, name in enumerate(("one", "two")):
+    for receiver, name in enumerate(("one", "two")):  # noqa: B007 (the borrow above reads it)
         directory = ckpt_receiver(tmp_path, log, states[0], shard_bytes=2000, name=name)
         with reopen(directory) as rx:
             assert rx.apply(log, to=2) == [1, 2]

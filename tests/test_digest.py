@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.cpu import x86_flags
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcr_log import digest as D
 from dcr_log import native
 from dcr_log.coords import Box, box_to_tensor_flat, flat_range_boxes, numel
+from helpers.cpu import x86_flags
 
 WORDS = (np.uint8, np.uint16, np.uint32, np.uint64)
 

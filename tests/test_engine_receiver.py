@@ -20,15 +20,15 @@ import pytest
 import torch
 
 import engine_job as job
-from helpers import free_port, run_ranks
-from helpers.engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical
 from dcr_log import DeltaLog, LineageError, LogWriter
 from dcr_log.checkpoint import load_checkpoint
-from dcr_log.receiver.storage.placement import LayoutError, Placement, PlacementError
 from dcr_log.engines.discovery import discover
 from dcr_log.receiver import Receiver, write_checkpoint
 from dcr_log.receiver.journal import Journal
+from dcr_log.receiver.storage.placement import LayoutError, Placement, PlacementError
 from dcr_log.state import to_bits
+from helpers import free_port, run_ranks
+from helpers.engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical
 
 HERE = Path(__file__).parent
 CFG = EngineConfig()
@@ -350,7 +350,6 @@ def test_sigkill_during_apply_into_a_tensor_parallel_checkpoint(tmp_path):
     w = LogWriter.create(tmp_path / "log", steps_state(NO_RESIDUAL, 0))
     for v in range(1, versions + 1):
         w.append(steps_state(NO_RESIDUAL, v))
-    log = DeltaLog.open(tmp_path / "log")
     _, placement, params = merged_engines(NO_RESIDUAL, tp, steps_state(NO_RESIDUAL, 0))
     assert not placement.residual
     directory = tmp_path / "ckpt"

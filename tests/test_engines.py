@@ -12,8 +12,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from helpers.engines import (EngineConfig, NumpyEngine, TestEngine, canonical_shapes, engine_params,  # noqa: E402
-                     fresh_engine, fuse_bert_qkv, random_canonical)
+from helpers.engines import (  # noqa: E402
+    EngineConfig,
+    NumpyEngine,
+    TestEngine,
+    canonical_shapes,
+    engine_params,
+    fresh_engine,
+    fuse_bert_qkv,
+    random_canonical,
+)
 
 CFG = EngineConfig()
 WORD = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.int64: torch.int64}
@@ -54,14 +62,16 @@ def test_union_of_ranks_is_the_checkpoint(tp, tie_mode):
             assert same(torch.cat(part[::rep]), ck)  # each group of `rep` ranks holds the same heads
             for r in range(tp):
                 assert same(part[r], ck[(r // rep) * kv_rows:(r // rep + 1) * kv_rows])
-        assert same(torch.cat([P[p + "self_attn.o_proj.weight"] for P in ranks], 1), canon[p + "self_attn.o_proj.weight"])
+        o_proj = p + "self_attn.o_proj.weight"
+        assert same(torch.cat([P[o_proj] for P in ranks], 1), canon[o_proj])
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             want = canon[p + norm] * 2 if (i == 0 and norm.startswith("post")) else canon[p + norm]
             assert all(same(P[p + norm], want) for P in ranks)
         if i in cfg.moe_layers:
             E, Ir = cfg.num_experts, cfg.moe_intermediate // tp
             ex = p + "block_sparse_moe.experts."
-            assert all(same(P[p + "block_sparse_moe.gate.weight"], canon[p + "block_sparse_moe.gate.weight"]) for P in ranks)
+            gate = p + "block_sparse_moe.gate.weight"
+            assert all(same(P[gate], canon[gate]) for P in ranks)
             w13 = [P[ex + "w13_weight"] for P in ranks]
             assert all(t.shape == (E, 2 * Ir, H) for t in w13)
             for e in range(E):
@@ -82,7 +92,7 @@ def test_union_of_ranks_is_the_checkpoint(tp, tie_mode):
     assert not bits(embed[1000:]).any()
     # the final norm is float32, the exact widening of the bf16 checkpoint value
     assert all(same(P["model.norm.weight"], canon["model.norm.weight"].float()) for P in ranks)
-    for r, P in enumerate(ranks):
+    for _r, P in enumerate(ranks):
         if tie_mode == "shared":
             assert "lm_head.weight" not in P
         else:
@@ -118,7 +128,8 @@ def test_fresh_engine_storage(tp):
     assert all(callable(p.weight_loader) for p in engine.parameters())
     assert [n for n in tensors if "cos_sin_cache" in n] == ["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]
     assert torch.equal(bits(tensors["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]),
-                       bits(engine_params(TestEngine(CFG, tp - 1, tp))["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]))
+                       bits(engine_params(TestEngine(CFG, tp - 1, tp))[
+                           "model.layers.0.self_attn.rotary_emb.cos_sin_cache"]))
 
 
 @pytest.mark.parametrize("tie_mode", ["shared", "copy"])
@@ -166,7 +177,8 @@ def test_views_and_non_contiguous_inputs():
 def _wrong_shapes(t: torch.Tensor) -> list[torch.Tensor]:
     out = [t[:-1], t.unsqueeze(0), torch.cat([t, t[:1]])]
     if t.ndim == 2:
-        out += [t[:, :-1], t[:, :1], t.reshape(-1), t.reshape(t.shape[1], t.shape[0]) if t.shape[0] != t.shape[1] else t[:, :2]]
+        out += [t[:, :-1], t[:, :1], t.reshape(-1),
+                t.reshape(t.shape[1], t.shape[0]) if t.shape[0] != t.shape[1] else t[:, :2]]
     return out
 
 
@@ -234,11 +246,13 @@ def test_fuse_bert_qkv_matches_unfused_model():
     fused_model = transformers.BertModel(cfg).eval()
     params, load_weights = fuse_bert_qkv(fused_model)
     state = {n: t.clone() for n, t in ref.state_dict().items()}
-    assert "encoder.layer.1.attention.self.qkv.weight" in params and params["encoder.layer.1.attention.self.qkv.bias"].shape == (96,)
+    assert "encoder.layer.1.attention.self.qkv.weight" in params
+    assert params["encoder.layer.1.attention.self.qkv.bias"].shape == (96,)
     assert not any(".query." in n or ".key." in n or ".value." in n for n in params)
     assert "embeddings.position_ids" in params
     written = load_weights([*state.items(), ("embeddings.unknown", torch.zeros(1))])
-    assert written == (set(state) - {n for n in state if ".self.query." in n or ".self.key." in n or ".self.value." in n}
+    fused = {n for n in state if any(f".self.{part}." in n for part in ("query", "key", "value"))}
+    assert written == (set(state) - fused
                        | {f"encoder.layer.{i}.attention.self.qkv.{k}" for i in range(2) for k in ("weight", "bias")})
     qkv = params["encoder.layer.0.attention.self.qkv.weight"]
     assert torch.equal(qkv[32:64], state["encoder.layer.0.attention.self.key.weight"])
@@ -253,7 +267,8 @@ def test_fuse_bert_qkv_matches_unfused_model():
         qkv[64:].mul_(2)
         assert not torch.equal(fused_model(**inputs).last_hidden_state, want)
     with pytest.raises(ValueError):
-        load_weights([("encoder.layer.0.attention.self.query.weight", state["encoder.layer.0.attention.self.query.weight"].t()[:, :-1])])
+        query = "encoder.layer.0.attention.self.query.weight"
+        load_weights([(query, state[query].t()[:, :-1])])
 
 
 def test_canonical_shapes_cover_the_engine():

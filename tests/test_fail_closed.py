@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_one_line, copy_state, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.codec import ChangeSet, decode_changes, get_encoding
 from dcr_log.coords import Box, tiles, word_dtype
@@ -22,13 +21,15 @@ from dcr_log.format.canonical import seal
 from dcr_log.format.segment import encode_segment, iter_segment
 from dcr_log.receiver import Receiver, open_directory
 from dcr_log.receiver.checks import sampled as _sampled
+from helpers import assert_one_line, copy_state, snapshot_files
 from test_hardening import dcr, log_dir, reseal_commit
 from test_receiver import LAYOUT_VERSION, build_log
 
 
 def reencode_value(root: Path, version: int, kind: str) -> str:
     """Change one value of the first ``kind`` record of ``version`` that verify=sample does not
-    sample (so that only the every-record check finds it), encoded again with its own encoding; the segment's sha256 and the commit record re-sealed (a valid log, except for
+    sample (so that only the every-record check finds it), encoded again with its own
+    encoding; the segment's sha256 and the commit record re-sealed (a valid log, except for
     that record's digests). Returns the record's tensor."""
     log_id = json.loads((root / "dcr.json").read_bytes())["log_id"]
     path = root / version_key(version)

@@ -12,19 +12,19 @@ import pytest
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers.cpu import x86_flags
 
 from dcr_log import DeltaLog, IntegrityError, create_log, native
-from dcr_log.write import differ
 from dcr_log.codec import ChangeSet, decode_changes, get_encoding
 from dcr_log.codec.base import PLANE_BLOCK_MIN, from_planes, to_planes, zstd_compress_planes, zstd_decompress_exact
 from dcr_log.coords import Box
-from dcr_log.write.differ import Differ, EncodePolicy, find_changes
-from dcr_log.log.records import apply_to_words
 from dcr_log.format import CommitRecord, CommitStats, Record, SegmentBuilder, SegmentRef, segment_key
+from dcr_log.format.tensors import TensorInfo, state_digest
+from dcr_log.log.records import apply_to_words
 from dcr_log.log.replay import PARALLEL_MIN_ELEMENTS
 from dcr_log.state import TensorBits, words_digest
-from dcr_log.format.tensors import TensorInfo, state_digest
+from dcr_log.write import differ
+from dcr_log.write.differ import Differ, EncodePolicy, find_changes
+from helpers.cpu import x86_flags
 
 WORDS = (np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"))
 
@@ -231,7 +231,8 @@ def test_overlapping_records_apply_as_in_order(tmp_path):
     rows, cols = 4, PARALLEL_MIN_ELEMENTS
     shape = (rows, cols)
     words = np.arange(rows * cols, dtype=np.uint16)
-    writer = create_log(tmp_path / "log", {"w": TensorBits("BF16", shape, words.copy())}, features=())  # records below carry xxh3 digests
+    # The records below carry xxh3 digests.
+    writer = create_log(tmp_path / "log", {"w": TensorBits("BF16", shape, words.copy())}, features=())
     log = writer.log
     state = words.copy()
     records = []
@@ -252,7 +253,8 @@ def test_a_failing_record_in_a_worker_is_raised(tmp_path):
     rows, cols = 8, PARALLEL_MIN_ELEMENTS
     shape = (rows, cols)
     words = np.arange(rows * cols, dtype=np.uint16)
-    writer = create_log(tmp_path / "log", {"w": TensorBits("BF16", shape, words.copy())}, features=())  # records below carry xxh3 digests
+    # The records below carry xxh3 digests.
+    writer = create_log(tmp_path / "log", {"w": TensorBits("BF16", shape, words.copy())}, features=())
     records = []
     state = words.copy()
     for r in range(rows):

@@ -22,8 +22,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import (assert_file_holds, assert_one_line, change_words, cli_env, copy_state, make_state, minilm_dir,
-                      run_cli, snapshot_files)
 from dcr_log import DeltaLog, IntegrityError, LogWriter, TensorBits, UsageError
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.format import CommitRecord, FileEntry, file_name_problem
@@ -31,6 +29,17 @@ from dcr_log.format import limits as L
 from dcr_log.format.files import parse_files
 from dcr_log.receiver import Journal, Receiver, open_directory, write_checkpoint
 from dcr_log.receiver.files import TMP_PREFIX
+from helpers import (
+    assert_file_holds,
+    assert_one_line,
+    change_words,
+    cli_env,
+    copy_state,
+    make_state,
+    minilm_dir,
+    run_cli,
+    snapshot_files,
+)
 
 SPEC = {"w.a": ("BF16", (32, 16)), "w.b": ("F32", (10, 7)), "step": ("I64", ())}
 

@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from helpers import assert_file_holds, assert_same_bits, change_words, copy_state, make_state, run_cli, start_cli
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver
 from dcr_log.write import LogWriter
+from helpers import assert_file_holds, assert_same_bits, change_words, copy_state, make_state, run_cli, start_cli
 
 SPEC = {"w": ("BF16", (128, 64)), "b": ("F32", (64,))}
 

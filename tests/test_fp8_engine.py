@@ -33,17 +33,17 @@ import json
 import sys
 from pathlib import Path
 
-import fp8_engine_job as job
 import pytest
 import torch
-from fp8_engine_job import CFG, bf16_states, quantized
-from helpers import free_port, run_ranks
-from helpers.engines import TestEngine, canonical_shapes, engine_params, fp8_param_words, fresh_engine
 
+import fp8_engine_job as job
 from dcr_log import DeltaLog, LogWriter
 from dcr_log.engines.discovery import discover
 from dcr_log.quant import Fp8BlockQuantizer
 from dcr_log.receiver import Receiver
+from fp8_engine_job import CFG, bf16_states, quantized
+from helpers import free_port, run_ranks
+from helpers.engines import TestEngine, canonical_shapes, engine_params, fp8_param_words, fresh_engine
 
 HERE = Path(__file__).parent
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import run_cli
 from dcr_log.format.lifecycle import Marker
 from dcr_log.lifecycle import gc, write_snapshot
 from dcr_log.log import DeltaLog
-from dcr_log.write.sharded import utc_now
 from dcr_log.write import LogWriter
+from dcr_log.write.sharded import utc_now
+from helpers import run_cli
 
 ORPHAN = "segments/8/ghost-" + "0" * 32 + ".arrow"  # a lost commit's segment of a kept version
 

@@ -18,20 +18,19 @@ import lmdb
 import numpy as np
 import pytest
 
-from helpers import assert_file_holds, assert_one_line, cli_env, copy_state, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.checkpoint import INDEX_NAME
 from dcr_log.cli import main
 from dcr_log.errors import IntegrityError, StoreError, UsageError
 from dcr_log.format import version_key
 from dcr_log.format.canonical import seal
-from dcr_log.receiver import Journal, Receiver
-from dcr_log.receiver.batch import BatchWriter
-from dcr_log.receiver import journal as journal_mod
-from dcr_log.receiver import fs as storage_mod
 from dcr_log.format.tensors import TensorInfo, state_digest
+from dcr_log.receiver import Journal, Receiver
+from dcr_log.receiver import fs as storage_mod
+from dcr_log.receiver import journal as journal_mod
+from dcr_log.receiver.batch import BatchWriter
 from dcr_log.store import Store
-
+from helpers import assert_file_holds, assert_one_line, cli_env, copy_state, snapshot_files
 from test_receiver import build_log
 
 
@@ -581,9 +580,8 @@ def test_malformed_safetensors_headers_are_integrity_errors(tmp_path, capsys, he
 
 @pytest.mark.parametrize("keep", ["half the header", "half the data", "all but one byte"])
 def test_a_truncated_safetensors_file_says_it_is_truncated(tmp_path, capsys, keep):
-    from helpers import make_state
-
     from dcr_log.checkpoint import read_header, save_safetensors
+    from helpers import make_state
 
     rng = np.random.default_rng(5)
     whole = tmp_path / "whole.safetensors"

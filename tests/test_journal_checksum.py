@@ -12,13 +12,13 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from helpers import snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.errors import DcrError, IntegrityError, StoreError
 from dcr_log.receiver import Receiver, open_directory
 from dcr_log.receiver import journal as jm
 from dcr_log.receiver import journal_entries as je
 from dcr_log.receiver import journal_pages as jp
+from helpers import snapshot_files
 from test_receiver import build_log
 
 
@@ -189,7 +189,7 @@ def test_raw_bit_flips_of_data_mdb(copy, tmp_path):
             used = [*range(8), *range(10, 16), *range(16, psize, 331)]
         else:  # the header (but its unused pad, bytes 8 and 9), pointers and nodes
             used = [*range(8), *range(10, lower)]
-            for ptr in struct.unpack_from("<%dH" % ((lower - 16) // 2), data, page * psize + 16):
+            for ptr in struct.unpack_from(f"<{(lower - 16) // 2}H", data, page * psize + 16):
                 lo, hi, nflags, ksize = struct.unpack_from("<HHHH", data, page * psize + ptr)
                 dsize = 0 if flags == jp._P_BRANCH else 8 if nflags else lo | hi << 16
                 used += range(ptr, ptr + 8 + ksize + dsize)

@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
 from dcr_log import DeltaLog, LogWriter, UsageError
 from dcr_log.checkpoint import save_safetensors
+from dcr_log.state import LAYOUT_CHANGES_SHOWN, TensorBits, layout_changes
 from dcr_log.write.layout import check_layout_change
-from dcr_log.state import LAYOUT_CHANGES_SHOWN, layout_changes
-from dcr_log.state import TensorBits
+from helpers import assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
 
 SPEC = {
     "a.weight": ("BF16", (8, 6)),
@@ -192,7 +191,8 @@ def test_cli_append_from_another_model(tmp_path, cli_log):
     rc, out, err = run_cli("append", log, "--from", tmp_path / "other.safetensors", "--cache", "none")
     assert rc == 2, (out, err)
     assert_one_line(err)
-    assert "would change the tensor table: removed 'a.weight', removed 'b.weight', removed 'c.bias' (+3 more)" in err, err
+    assert ("would change the tensor table: removed 'a.weight', removed 'b.weight', removed 'c.bias' "
+            "(+3 more)") in err, err
     assert "changed" not in out
     assert listing(log) == before
     assert DeltaLog.open(log).versions() == [0]

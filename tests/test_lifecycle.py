@@ -13,16 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import counting_store, assert_one_line, assert_same_bits, change_words, copy_state, make_state, run_cli
 from dcr_log.errors import CommitConflict, ExpiredError, IntegrityError, LineageError, UsageError
 from dcr_log.format.keys import version_key
 from dcr_log.format.lifecycle import Marker, log_start_key
 from dcr_log.lifecycle import gc, parse_duration, write_snapshot, write_squash
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver, open_directory
-from dcr_log.write.sharded import utc_now
 from dcr_log.synthetic import SyntheticTrainer, lr_for_rate, specs_for_params
 from dcr_log.write import LogWriter
+from dcr_log.write.sharded import utc_now
+from helpers import assert_one_line, assert_same_bits, change_words, copy_state, counting_store, make_state, run_cli
 
 SPEC = {"embed": ("BF16", (96, 40)), "norm": ("F32", (40,)), "head": ("F16", (33, 7)), "step": ("I64", ())}
 
@@ -607,9 +607,10 @@ def test_engine_receivers_catch_up_through_a_squash_and_a_snapshot(tmp_path):
     1-6 (which retypes a norm and drops a tensor: through the loader), another at version 0
     (expired) the snapshot; both end bit-exact against a fresh engine's load_weights."""
     import torch  # noqa: F401  (the engines are torch modules)
+
     import engine_job as job
-    from helpers.engines import EngineConfig, TestEngine, engine_params, fresh_engine
     from dcr_log.engines.discovery import discover
+    from helpers.engines import EngineConfig, TestEngine, engine_params, fresh_engine
 
     cfg = EngineConfig()
     root = tmp_path / "log"
@@ -663,9 +664,10 @@ def test_under_a_trust_policy_catch_up_steps_are_checked_in_full(tmp_path):
     # record digests kept, so they still compose; only checking the values shows it.
     import dataclasses
     import hashlib
+
     from dcr_log.codec.raw import RawEncoding
-    from dcr_log.log.records import decode_record
     from dcr_log.format import SegmentRef, encode_segment
+    from dcr_log.log.records import decode_record
 
     records = list(log.records(log.catchup_step(real)))
     table = log.commit(5).tensor_map()

@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import cli_env, change_words, copy_state, make_state, run_cli, snapshot_files
 from dcr_log.errors import IntegrityError, LineageError
 from dcr_log.lifecycle import gc, write_snapshot, write_squash
-from dcr_log.log import DeltaLog
 from dcr_log.lifecycle.mirror import Mirror, mirror
+from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver
 from dcr_log.store import Store
 from dcr_log.write import LogWriter
+from helpers import change_words, cli_env, copy_state, make_state, run_cli, snapshot_files
 
 SPEC = {"w": ("BF16", (192, 64)), "b": ("F32", (64,)), "s": ("I64", ())}
 

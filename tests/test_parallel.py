@@ -11,10 +11,10 @@ import time
 
 import numpy as np
 import pytest
-from helpers import flip_log
 
 from dcr_log import TensorBits, parallel
 from dcr_log.receiver import Receiver
+from helpers import flip_log
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4])

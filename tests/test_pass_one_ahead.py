@@ -9,11 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-from test_receiver import LAYOUT_VERSION, build_log, numpy_receiver
-from helpers import assert_same_bits, flip_log
 from dcr_log import LineageError, TensorBits
 from dcr_log.receiver import Receiver, checks, write_checkpoint
 from dcr_log.receiver.storage import memory
+from helpers import assert_same_bits, flip_log
+from test_receiver import LAYOUT_VERSION, build_log, numpy_receiver
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dcr_log import LogWriter  # noqa: E402
-from dcr_log.receiver.storage.placement import PlacementPiece, Placement
 from dcr_log.engines.discovery import discover  # noqa: E402
 from dcr_log.receiver import Receiver  # noqa: E402
+from dcr_log.receiver.storage.placement import Placement, PlacementPiece  # noqa: E402
 from dcr_log.state import is_torch_tensor  # noqa: E402
 
 ROWS, COLS, TILE = 48, 64, 16

@@ -7,11 +7,11 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import DirtyCount, flip_log
 
 from dcr_log.receiver import Receiver, write_checkpoint
 from dcr_log.receiver.journal import Journal
 from dcr_log.receiver.storage.checkpoint import CheckpointStorage
+from helpers import DirtyCount, flip_log
 
 
 @pytest.mark.parametrize("rate, prefaulted", [(0.01, True), (0.1, False)])

@@ -238,10 +238,10 @@ def test_cli_init_append_and_apply_a_quantized_checkpoint(tmp_path, capsys):
         states.append({n: (t.float() + torch.from_numpy(rng.normal(0, 2e-4, tuple(t.shape)).astype(np.float32))
                            ).to(torch.bfloat16) for n, t in states[-1].items()})
     dirs = []
-    for v, st in enumerate(states):
+    for v, state in enumerate(states):
         d = tmp_path / f"ckpt{v}"
         d.mkdir()
-        save_file(st, d / "model.safetensors")
+        save_file(state, d / "model.safetensors")
         (d / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
         dirs.append(d)
     log, rx = tmp_path / "log", tmp_path / "rx"
@@ -250,8 +250,8 @@ def test_cli_init_append_and_apply_a_quantized_checkpoint(tmp_path, capsys):
         assert main(["append", str(log), "--from", str(d), "--quantize", "fp8-block", "--cache", "none"]) == 0
     quant = Fp8BlockQuantizer(policy="keep")
     expected = [quant.quantize_state(states[0])]
-    for st in states[1:]:
-        expected.append(quant.quantize_state(st, previous=expected[-1]))
+    for state in states[1:]:
+        expected.append(quant.quantize_state(state, previous=expected[-1]))
     dlog = DeltaLog.open(log)
     for v, want in enumerate(expected):
         got = dlog.materialize(v)
@@ -264,7 +264,8 @@ def test_cli_init_append_and_apply_a_quantized_checkpoint(tmp_path, capsys):
     held = load_file(rx / "model.safetensors")
     assert held["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     assert tuple(held["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape) == (2, 2)
-    assert u8(held["model.layers.0.mlp.up_proj.weight"]).tobytes() == u8(expected[-1]["model.layers.0.mlp.up_proj.weight"]).tobytes()
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert u8(held[up]).tobytes() == u8(expected[-1][up]).tobytes()
     assert json.loads((rx / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
     capsys.readouterr()
     assert main(["init", str(tmp_path / "bad"), "--from", str(dirs[0]), "--quantize", "int4"]) == 2

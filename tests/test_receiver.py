@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_same_bits, change_words, copy_state, make_state
 from dcr_log import DeltaLog, LineageError, TensorBits, UsageError, to_state
 from dcr_log.checkpoint import load_checkpoint
-from dcr_log.write.differ import EncodePolicy
 from dcr_log.errors import IntegrityError
+from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.receiver import (
     CheckpointStorage,
     Journal,
@@ -25,9 +24,10 @@ from dcr_log.receiver import (
     write_checkpoint,
 )
 from dcr_log.receiver.checks import SAMPLE_DIVISOR, sample_tensors
-from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.state import to_torch
 from dcr_log.write import LogWriter
+from dcr_log.write.differ import EncodePolicy
+from helpers import assert_same_bits, change_words, copy_state, make_state
 
 
 class SimulatedCrash(BaseException):
@@ -640,7 +640,7 @@ def test_torch_device_words_receiver_is_bit_exact(tmp_path, kind, verify):
         states = [copy_state(state)]
         # Whole-tensor boxes: big enough for ulp's pcodec files to beat raw and sparse.
         writer = LogWriter.create(tmp_path / "log", state, segment_bytes=400, features=ULP_FEATURES[kind])
-        for v in range(1, 4):
+        for _ in range(1, 4):
             state = {n: _ulp_steps(rng, b, 0.08) if b.dtype in ("BF16", "F32", "F16") else
                      change_words(rng, b, 0.08) for n, b in state.items()}
             writer.append(state)

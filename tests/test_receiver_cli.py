@@ -10,15 +10,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_file_holds, assert_one_line, assert_same_bits, change_words, make_state, run_cli, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.checkpoint import INDEX_NAME, checkpoint_files, load_checkpoint, read_header
 from dcr_log.cli import main
-from dcr_log.write.differ import EncodePolicy
 from dcr_log.receiver import Journal, write_checkpoint
 from dcr_log.receiver import directory as receiver_directory
 from dcr_log.write import LogWriter
-
+from dcr_log.write.differ import EncodePolicy
+from helpers import (
+    assert_file_holds,
+    assert_one_line,
+    assert_same_bits,
+    change_words,
+    make_state,
+    run_cli,
+    snapshot_files,
+)
 from test_receiver import LAYOUT_VERSION, build_log
 
 
@@ -149,7 +156,7 @@ def _fork(log: DeltaLog, states, root: Path, keep: int) -> DeltaLog:
 def _flip_tensor_bytes(directory: Path, every: bool) -> None:
     """Change the checkpoint behind the journal's back: one bit, or every tensor byte."""
     locations = checkpoint_files(directory)
-    for name, loc in sorted(locations.items()):
+    for _name, loc in sorted(locations.items()):
         if loc.end == loc.start:
             continue
         with open(loc.file, "r+b") as f:

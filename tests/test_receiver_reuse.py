@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_receiver import LAYOUT_VERSION, build_log, numpy_receiver
-from helpers import assert_same_bits, copy_state
 from dcr_log import LineageError
 from dcr_log.receiver import Receiver
 from dcr_log.receiver.storage import memory
+from helpers import assert_same_bits, copy_state
+from test_receiver import LAYOUT_VERSION, build_log, numpy_receiver
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """A Hypothesis state machine over receivers: appends (0-100% changes, tensors added, removed,
 reshaped, retyped), applies to the latest or an earlier version, applies interrupted by an
 exception, simulated crashes of a checkpoint-directory receiver (some followed by a power
-loss, helpers.powerloss), re-applies and wrong lineages. Invariant: once nothing is in flight, each receiver's storage equals, bit for bit,
-the dense state of its journal's current version (the model keeps every version's state)."""
+loss, helpers.powerloss), re-applies and wrong lineages. Invariant: once nothing is in
+flight, each receiver's storage equals, bit for bit, the dense state of its journal's
+current version (the model keeps every version's state)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers import change_words, copy_state, make_bits
-from helpers.powerloss import PowerLossModel
 from dcr_log import DeltaLog, LineageError, TensorBits
 from dcr_log.checkpoint import load_checkpoint
 from dcr_log.coords import DTYPE_WIDTH
-from dcr_log.write.differ import EncodePolicy
 from dcr_log.receiver import Receiver, write_checkpoint
 from dcr_log.state import to_state, to_torch
 from dcr_log.write import LogWriter
+from dcr_log.write.differ import EncodePolicy
+from helpers import change_words, copy_state, make_bits
+from helpers.powerloss import PowerLossModel
 
 
 class SimulatedCrash(BaseException):

@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from helpers import assert_file_holds, assert_one_line, assert_same_bits, change_words, cli_env, make_state, run_cli
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.errors import CommitConflict
 from dcr_log.log import DeltaLog
 from dcr_log.write import LogWriter
+from helpers import assert_file_holds, assert_one_line, assert_same_bits, change_words, cli_env, make_state, run_cli
 from helpers.seaweed import SeaweedServer
 
 SPEC = {"w": ("BF16", (256, 96)), "b": ("F32", (96,)), "e": ("F16", (64, 33))}

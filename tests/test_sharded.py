@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 import sharded_job as job
-from helpers import assert_file_holds, assert_same_bits, free_port, run_cli
 from dcr_log import DeltaLog, LogWriter, TensorBits, UsageError
 from dcr_log.coords import numel
 from dcr_log.write.pieces import Shard
 from dcr_log.write.sharded import ShardedWriter
+from helpers import assert_file_holds, assert_same_bits, free_port, run_cli
 
 JOB = Path(__file__).with_name("sharded_job.py")
 PG_TIMEOUT = 15      # seconds: the process group's timeout bounds a wait on a dead rank
@@ -400,7 +400,8 @@ def test_in_process_shards_and_validation(tmp_path):
         }
 
     def dense():
-        bits = lambda t: TensorBits("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).copy())
+        bits = lambda t: TensorBits("BF16", tuple(t.shape),
+                                    t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).copy())
         return {"a": bits(fused[:4]), "b": bits(fused[4:]), "c": bits(wide[:, 2:9]),
                 "d": bits(flat.reshape(2, 3, 5)), "e": bits(fused[:4][perm]),
                 "s": TensorBits("F32", (), np.array([1.5], np.float32).view(np.uint32)),

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_file_holds, change_words, cli_env, make_state
 from dcr_log.checkpoint import save_safetensors
 from dcr_log.cli import main
 from dcr_log.errors import DcrError
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import JOURNAL_DIR, Journal
 from dcr_log.write import LogWriter
+from helpers import assert_file_holds, change_words, cli_env, make_state
 
 SPEC = {"w": ("BF16", (512, 256)), "b": ("F32", (256,))}
 CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_one_line, copy_state, snapshot_files
 from dcr_log import DeltaLog
 from dcr_log.cli import main
 from dcr_log.errors import TrustError
@@ -22,6 +21,7 @@ from dcr_log.receiver import Receiver
 from dcr_log.signing import SigningKey, TrustPolicy, public_text
 from dcr_log.state import TensorBits
 from dcr_log.write import LogWriter
+from helpers import assert_one_line, copy_state, snapshot_files
 
 KEY_A = SigningKey.from_seed(bytes(range(32)))
 KEY_B = SigningKey.from_seed(bytes(range(32, 64)))

@@ -11,7 +11,6 @@ import uuid
 import numpy as np
 import pytest
 
-from helpers import assert_same_bits, change_words, copy_state, make_state
 from dcr_log import IntegrityError
 from dcr_log.format import SegmentRef, encode_segment
 from dcr_log.lifecycle import write_snapshot, write_squash
@@ -19,6 +18,7 @@ from dcr_log.log import DeltaLog
 from dcr_log.store import Store
 from dcr_log.write import LogWriter
 from dcr_log.write.differ import EncodePolicy
+from helpers import assert_same_bits, change_words, copy_state, make_state
 
 # Chunks of 16 elements: "n" (8 rows of 4) is written as two tensor records of 4 rows each.
 POLICY = EncodePolicy(chunk_elements=16)

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import counting_store, change_words, copy_state, make_state
 from dcr_log.log import DeltaLog
 from dcr_log.receiver import Receiver
 from dcr_log.receiver import segments as apply_module
 from dcr_log.write import LogWriter
+from helpers import change_words, copy_state, counting_store, make_state
 
 
 @pytest.mark.parametrize("budget", [1 << 30, 4096])  # all in memory; most spooled
@@ -108,9 +108,9 @@ def test_a_segment_above_the_memory_budget_is_streamed_not_held(tmp_path, monkey
     import uuid
 
     from dcr_log.log import segments as log_module
-    from dcr_log.write.differ import EncodePolicy
     from dcr_log.state import TensorBits
     from dcr_log.store import Store
+    from dcr_log.write.differ import EncodePolicy
 
     monkeypatch.setattr(log_module, "SEGMENT_MEMORY_BYTES", 1 << 20)
     monkeypatch.setattr(log_module, "MAPPED_WINDOW_BYTES", 1 << 20)

@@ -17,13 +17,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import SPECIAL_WORDS, random_words
 from dcr_log import torch_ops as T
-from dcr_log.codec import ChangeSet
-from dcr_log.codec import ulp
-from dcr_log.write import differ
+from dcr_log.codec import ChangeSet, ulp
 from dcr_log.log.records import record_targets
 from dcr_log.state import to_bits
+from dcr_log.write import differ
+from helpers import SPECIAL_WORDS, random_words
 
 ROOT = Path(__file__).resolve().parent.parent
 

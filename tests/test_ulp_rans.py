@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.cpu import x86_flags
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +29,7 @@ from dcr_log.codec import ChangeSet, decode_changes
 from dcr_log.codec.ulp import step_from, ulp_distance
 from dcr_log.codec.ulp_rans import UlpRansEncoding
 from dcr_log.errors import IntegrityError
+from helpers.cpu import x86_flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import rans_spec  # noqa: E402

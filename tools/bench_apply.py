@@ -47,9 +47,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_pagecache import rewrite_in_pieces  # noqa: E402
-from phases import Phases  # noqa: E402
-from timing import Pairing, fastest, machine_line, paired  # noqa: E402
-
 from dcr_log import DeltaLog, TensorBits  # noqa: E402
 from dcr_log.format.segment import iter_segment  # noqa: E402
 from dcr_log.receiver import Receiver, batch, checks, write_checkpoint  # noqa: E402
@@ -61,6 +58,8 @@ from dcr_log.receiver.segments import SegmentCache  # noqa: E402
 from dcr_log.state import to_torch  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, rate_of, specs_for_params  # noqa: E402
 from dcr_log.write import LogWriter  # noqa: E402
+from phases import Phases  # noqa: E402
+from timing import Pairing, fastest, machine_line, paired  # noqa: E402
 
 # The functions whose calls make an apply's timeline (--phases).
 APPLY_PHASES = [(SegmentCache, "records"), (DeltaLog, "read_segment_records"), (PassOne, "_decode_ahead"),

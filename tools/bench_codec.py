@@ -39,8 +39,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import Pairing, fastest, paired  # noqa: E402
-
 from dcr_log import _rans, buffers  # noqa: E402
 from dcr_log.codec.base import ChangeSet  # noqa: E402
 from dcr_log.codec.sparse import SparseEncoding  # noqa: E402
@@ -49,6 +47,7 @@ from dcr_log.codec.ulp_rans import UlpRansEncoding  # noqa: E402
 from dcr_log.log.records import gather_words, scatter_words  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
 from dcr_log.write.differ import _Scratch, find_changes, find_changes_numpy  # noqa: E402
+from timing import Pairing, fastest, paired  # noqa: E402
 
 
 def entropy_bits(values: np.ndarray) -> float:
@@ -188,7 +187,7 @@ def kernel_rows(n: int, gather_mib: int, repeats: int, seed: int) -> dict:
     moves = {"gather_c_ms": gather.op_wall * 1e3, "gather_numpy_ms": gather.baseline_wall * 1e3,
              "gather_c_to_numpy": gather.ratio, "scatter_c_ms": scatter.op_wall * 1e3,
              "scatter_numpy_ms": scatter.baseline_wall * 1e3, "scatter_c_to_numpy": scatter.ratio}
-    del big, where, values
+    big = where = values = None  # freed (the closures above refer to them)
     # A new buffer of gather_mib MiB filled once (the pages are faulted in on first write),
     # dcr_log.buffers' huge pages against numpy's own; none is freed before the last pair.
     source = np.ones(gather_mib << 19, dtype=np.uint16)

@@ -33,10 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import Pairing, paired  # noqa: E402
-
 from dcr_log import DeltaLog, LogWriter, TensorBits  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate, rate_of  # noqa: E402
+from timing import Pairing, paired  # noqa: E402
 
 ROW = 4096
 # One Llama-8B decoder layer's weight matrices, in rows of 4096: q, k, v, o, gate, up, down.
@@ -191,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0, help="size of the bf16 state in GiB (default 1)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.01, 0.03], help="changed fractions")
-    ap.add_argument("--repeats", type=int, default=3, help="timed appends and applies per rate (each paired with one xor)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed appends and applies per rate (each paired with one xor)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", type=Path, default=None, help="log directory (default: a temporary one)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")

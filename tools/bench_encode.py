@@ -58,20 +58,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delta import ROW, as_state, tensor_rows  # noqa: E402
-from timing import Pairing, machine, machine_line, paired  # noqa: E402
-
 from dcr_log import LogWriter  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, specs_for_params  # noqa: E402
 from dcr_log.write.differ import EncodePolicy  # noqa: E402
+from timing import Pairing, machine, machine_line, paired  # noqa: E402
 
 
 def append_phases(writer, base_state, new_state, repeats: int) -> None:
     """Appends alternating new and base; the last one's timeline."""
     import time
 
-    from phases import Phases
-
     from dcr_log.write import baseline, differ, sharded, uploader
+    from phases import Phases
 
     targets = [(differ.Differ, "diff_box"), (uploader.SegmentUploader, "put"),
                (uploader.SegmentUploader, "finish"), (sharded.ShardedWriter, "_decide"),

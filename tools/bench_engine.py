@@ -53,14 +53,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import Pairing, Sample, fastest, paired, timed  # noqa: E402
-
-from helpers.engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
-
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
-from dcr_log.receiver.storage.placement import Placement
 from dcr_log.engines.discovery import discover  # noqa: E402
 from dcr_log.receiver import Receiver  # noqa: E402
+from dcr_log.receiver.storage.placement import Placement
+from helpers.engines import EngineConfig, NumpyEngine, TestEngine, engine_params, fresh_engine, random_canonical  # noqa: E402
+from timing import Pairing, Sample, fastest, paired, timed  # noqa: E402
 
 SCALES = {
     "tiny": dict(vocab_size=1000, hidden=64, num_heads=8, num_kv_heads=2, head_dim=8, intermediate=96,

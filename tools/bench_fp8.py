@@ -31,12 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import paired  # noqa: E402
-
 from dcr_log import LogWriter, TensorBits  # noqa: E402
 from dcr_log.quant import SCALE_SUFFIX, Fp8BlockQuantizer, dequantize  # noqa: E402
 from dcr_log.state import to_torch  # noqa: E402
 from dcr_log.synthetic import SyntheticTrainer, lr_for_rate, specs_for_params  # noqa: E402
+from timing import paired  # noqa: E402
 
 
 def adam_states(gib: float, rate: float, steps: int, seed: int):

@@ -34,8 +34,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import Pairing, paired  # noqa: E402
-
 from dcr_log.checkpoint import save_safetensors  # noqa: E402
 from dcr_log.lifecycle import gc, write_snapshot, write_squash  # noqa: E402
 from dcr_log.log import DeltaLog  # noqa: E402
@@ -43,6 +41,7 @@ from dcr_log.receiver import open_directory  # noqa: E402
 from dcr_log.store import Store  # noqa: E402
 from dcr_log.synthetic import SyntheticTrainer, lr_for_rate, specs_for_params  # noqa: E402
 from dcr_log.write import LogWriter  # noqa: E402
+from timing import Pairing, paired  # noqa: E402
 
 
 class CountingStore(Store):

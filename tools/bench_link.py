@@ -69,6 +69,7 @@ def teardown() -> None:
 
 def dense_refit(url: str, key: str, out: Path) -> float:
     import obstore
+
     from dcr_log.store import Store
 
     store = Store.open(url)
@@ -100,13 +101,12 @@ def main() -> int:
         if shutil.which(tool) is None:
             print(f"bench_link needs the {tool} command (iproute2)")
             return 2
-    from helpers.seaweed import SeaweedServer
-
     from dcr_log.checkpoint import save_safetensors
     from dcr_log.log import DeltaLog
     from dcr_log.receiver import open_directory, write_checkpoint
     from dcr_log.synthetic import SyntheticTrainer, lr_for_rate, specs_for_params
     from dcr_log.write import LogWriter
+    from helpers.seaweed import SeaweedServer
 
     rates = [float(r) for r in args.rates.split(",")]
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-link-"))
@@ -193,7 +193,7 @@ def main() -> int:
         assert state_equal(held, check), "the receiver differs from the log"
         print(f"\n{'changed':>8} {'delta':>10} {'bytes x':>8} {'writer->commit':>15} {'commit->commit':>15} "
               f"{'(writes)':>9} {'speed-up':>9} {'(GET only)':>10} {'(recv)':>7} {'recv / link time':>17}")
-        for rate, changed, delta, whole, recv, wrote in rows:
+        for _rate, changed, delta, whole, recv, wrote in rows:
             link_time = delta / link
             print(f"{changed:8.2%} {delta:10d} {nbytes / delta:8.0f} {whole:14.2f}s {recv:14.3f}s {wrote:8.3f}s "
                   f"{dense / whole:8.1f}x {download / whole:9.1f}x {download / recv:6.1f}x "

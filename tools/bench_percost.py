@@ -66,8 +66,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delta import as_state, tensor_rows  # noqa: E402
 from bench_side import default_cache, elements_for  # noqa: E402
-from timing import Pairing, machine, machine_line, paired  # noqa: E402
-
 from dcr_log import DeltaLog, LogWriter  # noqa: E402
 from dcr_log.codec import Attempt, ChangeSet, choose  # noqa: E402
 from dcr_log.codec.base import delta_positions  # noqa: E402
@@ -81,6 +79,7 @@ from dcr_log.receiver import Receiver  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
 from dcr_log.write.differ import DEFAULT_CHUNK_ELEMENTS, Differ, EncodePolicy, _Scratch, find_changes  # noqa: E402
 from dcr_log.write.sharded import DEFAULT_FEATURES  # noqa: E402
+from timing import Pairing, machine, machine_line, paired  # noqa: E402
 
 RATES = (0.005, 0.01, 0.03, 0.05, 0.10)
 MODES = ("one-core", "default")

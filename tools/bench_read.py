@@ -35,11 +35,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delta import ROW, as_state, tensor_rows  # noqa: E402
-from timing import Pairing, paired  # noqa: E402
-
 from dcr_log import DeltaLog, LogWriter, TensorBits  # noqa: E402
 from dcr_log.receiver import Receiver  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
+from timing import Pairing, paired  # noqa: E402
 
 
 def say(msg: str) -> None:

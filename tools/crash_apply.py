@@ -50,10 +50,10 @@ import numpy as np
 
 from dcr_log import DeltaLog, TensorBits, state_equal
 from dcr_log.checkpoint import load_checkpoint
-from dcr_log.write.differ import EncodePolicy
 from dcr_log.receiver import JOURNAL_DIR, Journal, open_directory, write_checkpoint
 from dcr_log.receiver.files import TMP_PREFIX
 from dcr_log.write import LogWriter
+from dcr_log.write.differ import EncodePolicy
 
 MIB = 1 << 20
 
@@ -258,7 +258,8 @@ class CrashRunner:
             proc = subprocess.run(_dcr("status", "--receiver", str(receiver), "--json"),
                                   capture_output=True, check=True)
             if json.loads(proc.stdout) != row:
-                self.counts.failures.append(f"{receiver.name}: status differs between processes: {json.loads(proc.stdout)} vs {row}")
+                self.counts.failures.append(f"{receiver.name}: status differs between processes: "
+                                            f"{json.loads(proc.stdout)} vs {row}")
         return row
 
     def _check_bits(self, receiver: Path, version: int, what: str) -> bool:

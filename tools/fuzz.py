@@ -66,13 +66,13 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from dcr_log import DeltaLog  # noqa: E402
-from dcr_log.write.differ import EncodePolicy  # noqa: E402
 from dcr_log.errors import DcrError, LineageError  # noqa: E402
 from dcr_log.format import version_key  # noqa: E402
 from dcr_log.format.canonical import seal  # noqa: E402
 from dcr_log.receiver import open_directory, write_checkpoint  # noqa: E402
 from dcr_log.state import TensorBits  # noqa: E402
 from dcr_log.write import LogWriter  # noqa: E402
+from dcr_log.write.differ import EncodePolicy  # noqa: E402
 
 TARGETS = ("segment", "segment-resealed", "record-reencoded", "payload-resealed", "segment-null", "table-changed",
            "commit-bytes", "commit-json", "identity-bytes", "identity-json", "journal", "receiver")
@@ -375,8 +375,8 @@ def change_table(rng: random.Random, log: Path, version: int) -> str:
     """A version's tensor table changed with no record to back it, re-sealed consistently
     (state digest and element count recomputed): a tensor added (small, empty or of a huge
     claimed shape), renamed, reshaped or retyped."""
-    from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
     from dcr_log.coords import numel
+    from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
 
     # (A new empty tensor needs no record: a legal change, so not among these.)
     op = rng.choice(("add", "add-huge", "rename", "reshape", "retype"))
@@ -390,10 +390,10 @@ def change_table(rng: random.Random, log: Path, version: int) -> str:
         t = rng.choice([x for x in tensors if parent.get(x["name"], {}).get("shape") == x["shape"]
                         and parent[x["name"]]["dtype"] == x["dtype"]])
         if op == "add":
-            tensors.append({"digest": "%016x" % rng.getrandbits(64), "dtype": "BF16", "name": "zz.added",
+            tensors.append({"digest": f"{rng.getrandbits(64):016x}", "dtype": "BF16", "name": "zz.added",
                             "shape": [rng.randint(1, 9), rng.randint(1, 9)]})
         elif op == "add-huge":
-            tensors.append({"digest": "%016x" % rng.getrandbits(64), "dtype": "F32", "name": "zz.huge",
+            tensors.append({"digest": f"{rng.getrandbits(64):016x}", "dtype": "F32", "name": "zz.huge",
                             # Beyond any disk or memory here (refused by the space check at
                             # once), and one of 256 MiB (its zeros hashed: O(claimed size),
                             # what writing it would cost anyway).

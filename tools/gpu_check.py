@@ -160,9 +160,9 @@ def host_u(words: torch.Tensor) -> np.ndarray:
 
 def library_checks(ck: Checker, base: torch.Tensor, new: torch.Tensor, device: torch.device) -> None:
     from dcr_log import DeltaLog, LogWriter
-    from dcr_log.write.differ import EncodePolicy
     from dcr_log.log.records import decode_record, flat_positions
     from dcr_log.receiver import Receiver
+    from dcr_log.write.differ import EncodePolicy
 
     m = min(base.numel(), ROUNDTRIP_ELEMENTS)
     cols = 1024 if m % 1024 == 0 else 1
@@ -287,7 +287,7 @@ def run(args) -> int:
             pos_np = pos.cpu().numpy()
             vals_np = host_u(xv)
             measure(f"to_device_changes {tag}", lambda: T.to_device_changes(pos_np, vals_np, device))
-    del scratch, sw
+    scratch = sw = None  # freed (closures above refer to them)
 
     # --- exactness ---------------------------------------------------------------------------
     prefix = min(n, args.prefix)
@@ -312,13 +312,13 @@ def run(args) -> int:
         if dcr_log is None:
             ck.skip(f"find_changes {tag} == dcr_log.write.differ on prefix", LIBRARY_ERROR)
         else:
-            from dcr_log.write import differ as delta
             from dcr_log.codec import ulp
+            from dcr_log.write import differ as delta
 
             def same_as(fn):
                 p, b, v = fn(hb, hn)
-                ok = (np.array_equal(got[0], p) and got[0].dtype == np.int64 and np.array_equal(got[1], b.view(np.uint16))
-                      and np.array_equal(got[2], v.view(np.uint16)))
+                ok = (np.array_equal(got[0], p) and got[0].dtype == np.int64
+                      and np.array_equal(got[1], b.view(np.uint16)) and np.array_equal(got[2], v.view(np.uint16)))
                 return ok, f"{p.size} changes in {prefix} elements"
 
             ck.check(f"find_changes {tag} == delta.find_changes (prefix)", lambda: same_as(delta.find_changes))
@@ -362,8 +362,8 @@ def run(args) -> int:
             library_checks(ck, base, pairs[RATES[0]][0], device)
         except Exception as exc:  # the log could not be written or read: a failed check
             traceback.print_exc(file=sys.stderr)
-            ck.check("library: write and read the round-trip log",
-                     lambda: (False, f"{type(exc).__name__}: {exc}"))
+            failure = f"{type(exc).__name__}: {exc}"
+            ck.check("library: write and read the round-trip log", lambda: (False, failure))
 
     exact = ck.exact
     if device.type == "cuda":

@@ -103,15 +103,16 @@ def canonical_shapes(cfg: EngineConfig) -> dict[str, tuple[torch.dtype, tuple[in
         out[p + "input_layernorm.weight"] = (d, (H,))
         out[p + "post_attention_layernorm.weight"] = (d, (H,))
         if i in cfg.moe_layers:
-            I = cfg.moe_intermediate
+            inter = cfg.moe_intermediate
             out[p + "block_sparse_moe.gate.weight"] = (d, (cfg.num_experts, H))
             for e in range(cfg.num_experts):
                 q = f"{p}block_sparse_moe.experts.{e}."
-                out[q + "w1.weight"], out[q + "w2.weight"], out[q + "w3.weight"] = (d, (I, H)), (d, (H, I)), (d, (I, H))
+                out[q + "w1.weight"], out[q + "w3.weight"] = (d, (inter, H)), (d, (inter, H))
+                out[q + "w2.weight"] = (d, (H, inter))
         else:
-            I = cfg.intermediate
-            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = (d, (I, H)), (d, (I, H))
-            out[p + "mlp.down_proj.weight"] = (d, (H, I))
+            inter = cfg.intermediate
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = (d, (inter, H)), (d, (inter, H))
+            out[p + "mlp.down_proj.weight"] = (d, (H, inter))
     out["model.norm.weight"] = (d, (H,))
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (d, (cfg.vocab_size, H))
@@ -397,7 +398,8 @@ class TestEngine(torch.nn.Module):
             with torch.no_grad():
                 param.weight_loader(param, w, *call)
                 loaded_params.add(target)
-                if target == "model.embed_tokens.weight" and "lm_head.weight" in params and self.cfg.tie_word_embeddings:
+                if (target == "model.embed_tokens.weight" and "lm_head.weight" in params
+                        and self.cfg.tie_word_embeddings):
                     head = params["lm_head.weight"]  # tie_mode "copy": the same tensor feeds the head
                     head.weight_loader(head, w)
                     loaded_params.add("lm_head.weight")
@@ -459,7 +461,8 @@ class NumpyEngine:
         return self.engine.load_weights((name, torched(name, w)) for name, w in weights)
 
 
-def fuse_bert_qkv(model: Any) -> tuple[dict[str, torch.Tensor], Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]]]:
+def fuse_bert_qkv(model: Any
+                  ) -> tuple[dict[str, torch.Tensor], Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]]]:
     """Fuse each layer's query/key/value of a ``transformers.BertModel`` into one parameter.
 
     For layer i, ``encoder.layer.{i}.attention.self.qkv.weight`` [3H, H] and ``...qkv.bias`` [3H]

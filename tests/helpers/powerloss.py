@@ -1,10 +1,11 @@
 """A model of what a power loss leaves of a checkpoint directory's safetensors files.
 
 The model tracks, per file, its bytes as last made durable: after an msync of a map of it
-(which writes every dirty page of the file, whoever dirtied it), and when a storage opens a file it has not seen under that
-inode (written and fsynced, then renamed into place: a layout change or a fresh
-checkpoint). A power loss then leaves each 4 KiB page of a file at its durable bytes or at
-its current ones, chosen at random per page (a page written back by the kernel or not).
+(which writes every dirty page of the file, whoever dirtied it), and when a storage opens a
+file it has not seen under that inode (written and fsynced, then renamed into place: a
+layout change or a fresh checkpoint). A power loss then leaves each 4 KiB page of a file at
+its durable bytes or at its current ones, chosen at random per page (a page written back by
+the kernel or not).
 The journal is LMDB, synced by each transaction: it is left as it is. ``boot`` is the id
 the receiver reads for this boot; a power loss changes it, as a reboot does."""
 

@@ -52,7 +52,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -171,34 +171,40 @@ def _file_identity(path: Path) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _slot_mark(slot: Path, file: str, meta: bytes | None = None) -> tuple:
+class SlotMark(NamedTuple):
     """What says that a slot is as a writer last left it: its path and words file, the hash
-    of its ``meta.json`` (``meta``: bytes already read) and the words file's identity; None
-    in the last two where they cannot be read (then no later mark equals it)."""
-    try:
-        if meta is None:
-            meta = (slot / "meta.json").read_bytes()
-        return slot, file, xxhash.xxh3_64_hexdigest(meta), _file_identity(slot / file)
-    except OSError:
-        return slot, file, None, None
+    of its ``meta.json`` and the words file's identity (_file_identity); None in the last
+    two where they cannot be read (then no later mark equals it)."""
+    slot: Path
+    file: str
+    meta: str | None
+    identity: list[int] | None
+
+    @staticmethod
+    def take(slot: Path, file: str, meta: bytes | None = None) -> SlotMark:
+        """The slot's mark now; ``meta``: its ``meta.json`` bytes, already read."""
+        try:
+            if meta is None:
+                meta = (slot / "meta.json").read_bytes()
+            return SlotMark(slot, file, xxhash.xxh3_64_hexdigest(meta), _file_identity(slot / file))
+        except OSError:
+            return SlotMark(slot, file, None, None)
+
+    def seal(self, boot: str) -> dict:
+        """The seal this mark makes in this boot."""
+        return {"boot": boot, "file": self.file, "meta": self.meta, "stat": self.identity}
 
 
-def _seal_of(boot: str, mark: tuple) -> dict:
-    """The seal a slot's mark (_slot_mark) makes in this boot."""
-    _, file, meta, identity = mark
-    return {"boot": boot, "file": file, "meta": meta, "stat": identity}
-
-
-def _holding_seal(mark: tuple) -> bytes | None:
+def _holding_seal(mark: SlotMark) -> bytes | None:
     """The seal of the slot ``mark`` was just taken of, where it vouches for its words (same
     boot, same ``meta.json``, the words file unchanged in its metadata: the module's
     docstring), else None."""
     boot = boot_id()
-    if boot is None or mark[2] is None:
+    if boot is None or mark.meta is None:
         return None
     try:
-        data = (mark[0] / SEAL).read_bytes()
-        holds = json.loads(data) == _seal_of(boot, mark)
+        data = (mark.slot / SEAL).read_bytes()
+        holds = json.loads(data) == mark.seal(boot)
     except (OSError, ValueError):
         return None
     return data if holds else None
@@ -230,9 +236,9 @@ class Baseline:
     _layout: list = field(default_factory=list)  # (key, byte offset) in the slot's file
     _written_at: float | None = None  # when an append last scattered into the map (monotonic)
     # Where ``arrays`` are mapped from a cache slot: that slot as this process last verified or
-    # wrote it (_slot_mark), and the seal it wrote or trusted there, if any, which
-    # ``untouched`` compares with the slot now.
-    _mark: tuple | None = None
+    # wrote it, and the seal it wrote or trusted there, if any, which ``untouched`` compares
+    # with the slot now.
+    _mark: SlotMark | None = None
     _seal: bytes | None = None
 
     @staticmethod
@@ -246,13 +252,13 @@ class Baseline:
         version."""
         if self.slot is None:
             return
-        mark = self._mark = _slot_mark(self.slot, self._file)
+        mark = self._mark = SlotMark.take(self.slot, self._file)
         self._seal = None
         boot = boot_id()
-        if boot is None or mark[2] is None:
+        if boot is None or mark.meta is None:
             return
         try:
-            self._seal = _write_json_atomic(self.slot / SEAL, _seal_of(boot, mark))
+            self._seal = _write_json_atomic(self.slot / SEAL, mark.seal(boot))
         except OSError:
             pass  # (a full disk, say) no seal: the next writer hashes the words, as before seals
 
@@ -264,16 +270,16 @@ class Baseline:
         appends."""
         if self._mark is None:
             return self.slot is None  # (every mapped baseline gets a mark)
-        slot, file, meta, identity = self._mark
+        mark = self._mark
         if self._seal is not None:
             # Every append removes the seal before it writes a word there: seen whatever
             # the file system's timestamps are.
             try:
-                if (slot / SEAL).read_bytes() != self._seal:
+                if (mark.slot / SEAL).read_bytes() != self._seal:
                     return False
             except OSError:
                 return False
-        return meta is not None and _slot_mark(slot, file)[2:] == (meta, identity)
+        return mark.meta is not None and SlotMark.take(mark.slot, mark.file) == mark
 
     def unseal(self) -> None:
         """Before an append writes a word of the slot: its seal removed."""
@@ -476,7 +482,7 @@ def open_cached(cache: BaselineCache, rank: int, keys: list[PieceKey], digest_bo
             base = Baseline(int(meta["version"]), {}, dtypes, {}, slot)
             base._map(meta["file"], layout)
             # Before the words are hashed: a write meanwhile makes the next append load them again.
-            base._mark = _slot_mark(slot, meta["file"], meta_bytes)
+            base._mark = SlotMark.take(slot, meta["file"], meta_bytes)
         except (OSError, ValueError, KeyError, TypeError):
             continue
         sealed = None if pending is not None or cache.check else _holding_seal(base._mark)
@@ -629,10 +635,9 @@ def load_baseline(log: DeltaLog, version: int, needed: list, cache: BaselineCach
     pdigests.update(zip(unknown, digest_boxes([(k, arrays[k]) for k in unknown])))
     # Reuse the cache slot in place only when it holds exactly these pieces, all trusted; any
     # other baseline is written to a new cache generation by the next append.
+    # (Words not rebuilt may still be mapped from ``have``'s slot: its mark goes with them.)
+    mark, sealed = (None, None) if have is None else (have._mark, have._seal)
     if have is not None and have.slot is not None and not mine_rebuild and set(have.arrays) == set(keys):
         return Baseline(version, arrays, dtypes, pdigests, have.slot, have._file, have._layout,
-                        _mark=have._mark, _seal=have._seal)
-    # (Words not rebuilt may still be mapped from ``have``'s slot: its mark goes with them.)
-    if have is None:
-        return Baseline(version, arrays, dtypes, pdigests)
-    return Baseline(version, arrays, dtypes, pdigests, _mark=have._mark, _seal=have._seal)
+                        _mark=mark, _seal=sealed)
+    return Baseline(version, arrays, dtypes, pdigests, _mark=mark, _seal=sealed)

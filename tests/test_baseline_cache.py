@@ -533,7 +533,7 @@ def _killed_append(monkeypatch, writer, state, after: int = 4) -> None:
             writer.append(state)
 
 
-@pytest.mark.parametrize("timestamps", ["kept", "frozen"])
+@pytest.mark.parametrize("timestamps", ["kept", "frozen", "unsealed"])
 def test_a_writer_loads_its_baseline_again_after_another_process_tore_the_cache(tmp_path, monkeypatch,
                                                                                 timestamps):
     """Two writers of one log, one cache. B appends version 1 and keeps its baseline mapped
@@ -541,7 +541,9 @@ def test_a_writer_loads_its_baseline_again_after_another_process_tore_the_cache(
     its early writes left in the cache's words. B's append of version 2 does not take those
     words for version 1's: it loads its baseline again (from the log, the cache being torn)
     and commits its own state's bits. ``frozen``: the words file's metadata is made to look
-    unchanged, as a write within one timestamp tick would; the seal A removed still tells."""
+    unchanged, as a write within one timestamp tick would; the seal A removed still tells.
+    ``unsealed``: no boot id, so no seal is written or trusted; the words file's metadata
+    alone tells."""
     from dcr_log.write import baseline as baseline_module
 
     rng = np.random.default_rng(15)
@@ -550,6 +552,8 @@ def test_a_writer_loads_its_baseline_again_after_another_process_tore_the_cache(
     LogWriter.create(tmp_path / "log", s0, cache_dir=cache, policy=_early_policy()).close()
     if timestamps == "frozen":
         monkeypatch.setattr(baseline_module, "_file_identity", lambda path: [0, 0, 0, 0, 0])
+    elif timestamps == "unsealed":
+        monkeypatch.setattr(baseline_module, "boot_id", lambda: None)
     b = LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy())
     s1 = _step(rng, s0, rate=0.2)
     b.append(s1)
@@ -560,6 +564,8 @@ def test_a_writer_loads_its_baseline_again_after_another_process_tore_the_cache(
         replays = _replays(m)
         assert b.append(s2).version == 2
     assert replays  # B did not trust the words A tore
+    if timestamps == "unsealed":  # no seal vouched for anything: the metadata told
+        assert not list(cache.rglob("seal.json"))
     log = DeltaLog.open(tmp_path / "log")
     assert_same_bits(log.materialize(2), s2)
     log.verify(deep=True)

@@ -4,7 +4,8 @@
 
 The state is a ``--mib`` MiB bf16 Adam-like step (dcr_log.synthetic.adam_step_pair) cut into
 Llama-shaped tensors (tools/bench_delta.py; ``--layout transformer``: dcr_log.synthetic's
-transformer, whose rows are not whole pages), one new state per ``--rates`` target rate. Appends
+transformer, whose rows are not whole pages; ``--layers`` sets its depth, and with it how many
+tensors, norms among them, the state has), one new state per ``--rates`` target rate. Appends
 alternate new, base, new, ... so every timed append moves the same changes. Reported per
 operation: its speed as a fraction of xor's (the median of xor wall / op wall over the pairs),
 op seconds and CPU seconds (all threads), and for appends the CPU nanoseconds per changed
@@ -14,7 +15,8 @@ Usage:
 
     python tools/bench_encode.py [--mib 256] [--rates 0.01 0.10] [--repeats 1] [--workers N]
                                  [--json] [--profile RATE] [--phases RATE] [--breakdown RATE] [--gil]
-                                 [--find-path N] [--sync] [--layout rows|transformer] [--reopen]
+                                 [--find-path N] [--sync] [--layout rows|transformer] [--layers 4]
+                                 [--reopen]
 
 ``--profile RATE`` runs one append at that rate under cProfile and prints the top entries
 (cumulative and own time) instead of timing. ``--phases RATE`` runs ``--repeats`` appends at
@@ -82,13 +84,14 @@ def append_phases(writer, base_state, new_state, repeats: int) -> None:
     phases.report(t0, t1, f"append {i + 1} of {repeats}")
 
 
-def build(mib: int, rates: list[float], seed: int, layout_kind: str = "rows"):
+def build(mib: int, rates: list[float], seed: int, layout_kind: str = "rows", layers: int = 4):
     """The base, one new state per rate, and the function that cuts flat words into the
     layout's tensors (views, no copy): ``rows``, Llama-shaped matrices of 4096 columns
     (tools/bench_delta.py); ``transformer``, dcr_log.synthetic's transformer of that size,
-    whose odd widths (a hidden size of 1904 at 512 MiB) put its rows across page boundaries."""
+    whose odd widths (a hidden size of 1904 at 512 MiB, 4 layers) put its rows across page
+    boundaries, ``layers`` deep (nine tensors a layer, two of them norms)."""
     if layout_kind == "transformer":
-        specs = specs_for_params(mib * (1 << 20) // 2)
+        specs = specs_for_params(mib * (1 << 20) // 2, layers)
         n = sum(math.prod(spec.shape) for spec in specs)
         to_state = functools.partial(carve, specs=specs)
     else:
@@ -280,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="each timed append by a LogWriter.open of the log, as a new dcr append process does")
     ap.add_argument("--layout", choices=("rows", "transformer"), default="rows",
                     help="how the state is cut into tensors (see build)")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="--layout transformer: its layers (24 at 512 MiB: 219 tensors, as a 0.3B model has)")
     ap.add_argument("--sync", action="store_true",
                     help="os.sync before each timed append and xor (untimed): the baseline cache's pages clean")
     ap.add_argument("--find-path", type=int, default=None, metavar="N",
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     single = next((r for r in (args.profile, args.breakdown, args.phases) if r is not None), None)
     rates = [single] if single is not None else args.rates
     say = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    base, news, to_state = build(args.mib, rates, args.seed, args.layout)
+    base, news, to_state = build(args.mib, rates, args.seed, args.layout, args.layers)
     if args.breakdown is not None:
         report = breakdown(base, news[0], EncodePolicy().chunk_elements)
         print(json.dumps(report) if args.json else "\n".join(
@@ -306,9 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     policy = EncodePolicy() if args.workers is None else replace(EncodePolicy(), workers=args.workers)
     xor_out = np.zeros_like(base)  # pages faulted in before any timed xor
     work = Path(tempfile.mkdtemp(prefix="bench-encode-"))
-    report: dict = {"mib": args.mib, "elements": int(base.size), "workers": policy.workers, "appends": [],
-                    "machine": machine()}
+    report: dict = {"mib": args.mib, "elements": int(base.size), "tensors": len(base_state),
+                    "workers": policy.workers, "appends": [], "machine": machine()}
     say(machine_line(report["machine"]))
+    say(f"state: {base.size * 2 / (1 << 20):.0f} MiB of bf16 in {len(base_state)} tensors ({args.layout} layout)")
     try:
         writer = LogWriter.create(work / "log", base_state, cache_dir=work / "cache", policy=policy)
         if args.profile is not None:

@@ -120,23 +120,47 @@ def take_oldest(pending: deque[Future[R]]) -> R:
     return result
 
 
-def map_ordered(fn: Callable[[T], R], items: Sequence[T], workers: int,
-                parallel: bool = True) -> Generator[R, None, None]:
+# With weights, map_ordered keeps at most this many items in flight per worker, however light.
+LIGHT_ITEMS_PER_WORKER = 4
+
+
+def map_ordered(fn: Callable[[T], R], items: Sequence[T], workers: int, parallel: bool = True,
+                weights: Sequence[int] | None = None, budget: int = 0) -> Generator[R, None, None]:
     """``fn(item)`` for each item, on ``workers`` threads of the shared pool, yielded in order,
-    with at most ``workers + 1`` results in flight."""
+    with at most ``workers + 1`` results in flight. Given ``weights`` (what each item's result
+    may hold), more while the items in flight weigh at most ``budget`` together (up to
+    LIGHT_ITEMS_PER_WORKER per worker): with items of mixed sizes (a model's norms and small
+    matrices among its large ones), a thread that has ended a light item takes the next one
+    instead of idling until the heavy oldest is yielded."""
     if workers <= 1 or len(items) < 2 or not parallel:
         for item in items:
             yield fn(item)
         return
     pool = shared_pool(workers)
     pending: deque[Future[R]] = deque()
+    held: deque[int] = deque()  # the weights of the items in pending, in the same order
+    in_flight = 0
+    most = LIGHT_ITEMS_PER_WORKER * workers
+
+    def full(weight: int) -> bool:
+        if len(pending) <= workers:
+            return False
+        return weights is None or in_flight + weight > budget or len(pending) >= most
+
     try:
-        for item in items:
+        for n, item in enumerate(items):
+            weight = 0 if weights is None else weights[n]
+            while full(weight):
+                result = take_oldest(pending)
+                in_flight -= held.popleft()
+                yield result
             pending.append(pool.submit(fn, item))
-            if len(pending) > workers:
-                yield take_oldest(pending)
+            held.append(weight)
+            in_flight += weight
         while pending:
-            yield take_oldest(pending)
+            result = take_oldest(pending)
+            held.popleft()
+            yield result
     finally:
         # Abandoned early (an error, an interrupt, or the consumer stopped): let running items
         # finish so that no thread still reads or writes the caller's arrays after we return.

@@ -54,6 +54,63 @@ def test_map_grouped_groups_consecutive_items_up_to_the_grain(monkeypatch):
     assert [len(g) for g in seen.pop()] == [5] * 8
 
 
+@pytest.fixture
+def submitted(monkeypatch):
+    """The items handed to the shared pool (of two threads), in order."""
+    items: list = []
+    pool = parallel.shared_pool(2)
+    real_submit = pool.submit
+
+    def recorded(fn, item):
+        items.append(item)
+        return real_submit(fn, item)
+
+    monkeypatch.setattr(pool, "submit", recorded)
+    return items
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_map_ordered_keeps_its_weights_in_flight_within_the_budget(submitted, seed):
+    """Every result in order; at each one yielded, the items handed out and not yet yielded are
+    at most workers + 1, or more only while they weigh at most the budget together and are
+    at most LIGHT_ITEMS_PER_WORKER a worker. Without weights: at most workers + 1."""
+    rng = np.random.default_rng(seed)
+    n, budget = 200, 1000
+    weights = [int(w) for w in rng.choice([0, 1, 40, 400, 999, 3000], n)]
+    most = parallel.LIGHT_ITEMS_PER_WORKER * 2
+    for given in (weights, None):
+        submitted.clear()
+        for got, item in enumerate(parallel.map_ordered(lambda x: x, list(range(n)), 2, True, given, budget)):
+            assert item == got
+            ahead = submitted[got:]  # handed out, this one included, not yet yielded before it
+            if given is None or len(ahead) <= 3:
+                assert len(ahead) <= 3
+            else:
+                assert sum(weights[x] for x in ahead) <= budget and len(ahead) <= most
+        assert submitted == list(range(n))
+
+
+def test_map_ordered_gives_light_items_to_a_thread_while_a_heavy_one_runs(submitted):
+    """While the oldest item (heavy, slow) runs, the other thread takes the light ones after it,
+    up to LIGHT_ITEMS_PER_WORKER a worker in flight: with weights, a thread does not idle until
+    the oldest is yielded (without them, three items are in flight)."""
+    started: list[int] = []
+
+    def fn(x: int) -> int:
+        started.append(x)
+        if x == 0:
+            time.sleep(0.3)
+        return x
+
+    weights = [500] + [1] * 40
+    for given, expected in ((weights, parallel.LIGHT_ITEMS_PER_WORKER * 2), (None, 3)):
+        started.clear()
+        results = parallel.map_ordered(fn, list(range(41)), 2, True, given, 1000)
+        assert next(results) == 0
+        assert len(started) == expected, started
+        assert list(results) == list(range(1, 41))
+
+
 def test_map_grouped_raises_only_once_every_task_ended():
     started, ended = [], []
 

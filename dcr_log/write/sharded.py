@@ -452,7 +452,12 @@ class ShardedWriter:
 
             wholes = {} if digests.composable else {i: xxhash.xxh3_64() for i in range(len(infos))}
             parallel = sum(p.box.size for p in mine) >= (1 << 20)
-            for (i, (r0, r1)), new, delta in map_ordered(one, tasks, policy.workers, parallel):
+            # A chunk's result holds at most its elements' worth (positions, words, payload):
+            # in flight, what workers + 1 whole chunks hold, however small the chunks (a
+            # model's norms and small matrices keep every thread busy between its large ones).
+            weights = [(r1 - r0) * infos[i][0].row for i, (r0, r1) in tasks]
+            budget = (policy.workers + 1) * policy.chunk_elements
+            for (i, (r0, r1)), new, delta in map_ordered(one, tasks, policy.workers, parallel, weights, budget):
                 piece = infos[i][0]
                 if wholes:
                     wholes[i].update(np.ascontiguousarray(new).data.cast("B"))

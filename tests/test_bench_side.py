@@ -19,6 +19,22 @@ import bench_side  # noqa: E402
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_transformer_layout_reaches_every_child_process(capsys, monkeypatch):
+    """--layout transformer: the state is the transformer's tensors (two norms and seven
+    matrices a layer, the embeddings, the final norm and the head) in the run and in each
+    child (the peak-memory writer and receiver, the first applies, the checkpoints of the
+    CLI's peak), each of which checks its bits against the log's."""
+    monkeypatch.setattr(bench_side, "IDLE_SECONDS", 0.05)
+    assert bench_side.main(["--gib", "0.01", "--rates", "0.01", "--repeats", "1", "--json", "--no-minilm",
+                            "--layout", "transformer", "--layers", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["layout"], report["layers"], report["tensors"]) == ("transformer", 2, 2 * 9 + 3)
+    assert report["elements"] == sum(np.prod(s.shape) for s in bench_side.specs_for_params(int(0.01 * 2**30) // 2, 2))
+    assert report["pairs"][0]["spread"]["tensors"] >= 2 * 7 + 2  # the matrices and more: changes everywhere
+    assert report["peak_memory"]["receiver_numpy"]["peak_mib"] > 0
+    assert report["pairs"][0]["throughput"]["seconds"]["rx_numpy_first"] > 0
+
+
 def test_tiny_run_json_and_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench_side, "IDLE_SECONDS", 0.05)  # rx_numpy_idle's pause, shortened
     png = tmp_path / "p.png"

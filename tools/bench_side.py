@@ -5,7 +5,10 @@ Pairs:
 
 - Adam-like bf16 steps (dcr_log.synthetic.adam_step_pair, warm moments, fp32 master stored as
   bf16) of a ``--gib`` GiB state cut into Llama-shaped tensors, one pair per ``--rates`` target
-  changed fraction (the learning rate calibrated by lr_for_rate);
+  changed fraction (the learning rate calibrated by lr_for_rate). ``--layout rows`` (the
+  default) cuts it into matrices of 4096 columns, 12 at 0.5 GiB; ``--layout transformer``
+  into a transformer of ``--layers`` layers (219 tensors at 24, 49 of them norms, as a 0.3B
+  model has), where what each tensor and record costs whatever it changes shows (StateLayout);
 - a MiniLM trace (unless ``--no-minilm``): all-MiniLM-L6-v2 fine-tuned in fp32 with AdamW on a
   fixed random batch (8 x 32 token ids, loss = mean of the squared pooled output), 4 steps at
   each learning rate (1e-5, 1e-4, 1e-3); the pair is the bf16 state after step 3 and after
@@ -163,6 +166,7 @@ Usage:
 
     python tools/bench_side.py [--gib 0.5] [--rates 0.01 0.03 0.05 0.10] [--repeats 3]
                                [--json] [--plot F.png] [--no-minilm]
+                               [--layout rows|transformer] [--layers 24]
 
 ``--json`` prints the whole report as JSON on stdout (progress goes to stderr).
 """
@@ -175,6 +179,7 @@ import functools
 import gc
 import inspect
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -194,7 +199,7 @@ from dcr_log import DeltaLog, LogWriter, TensorBits, to_state  # noqa: E402
 from dcr_log.receiver import Receiver, write_checkpoint  # noqa: E402
 from dcr_log.receiver.batch import wal_budget, wal_image_min_bytes, wal_image_spread_bytes  # noqa: E402
 from dcr_log.state import to_torch  # noqa: E402
-from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
+from dcr_log.synthetic import adam_step_pair, carve, lr_for_rate, specs_for_params  # noqa: E402
 from timing import Pairing, Sample, machine, machine_line, paired  # noqa: E402
 
 ZSTD_LEVEL = 1
@@ -221,6 +226,36 @@ class Pair:
 def elements_for(gib: float) -> int:
     """bf16 elements of a ``gib`` GiB state, whole rows of ROW (as bench_delta.py)."""
     return max(ROW, int(gib * (1 << 30)) // 2 // ROW * ROW)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How a state's flat words are cut into tensors (views, no copy): ``rows``, Llama-shaped
+    matrices of ROW columns (12 tensors at 0.5 GiB; bench_delta.py); ``transformer``,
+    dcr_log.synthetic's transformer of ``layers`` layers: embeddings, head, and seven matrices
+    and two norms a layer (219 tensors at 24 layers, as a 0.3B model has). What each tensor
+    and record costs whatever it changes shows with the latter only."""
+
+    kind: str = "rows"
+    layers: int = 24
+
+    def _specs(self, gib: float):
+        return specs_for_params(int(gib * (1 << 30)) // 2, self.layers)
+
+    def elements(self, gib: float) -> int:
+        if self.kind == "transformer":
+            return sum(math.prod(spec.shape) for spec in self._specs(gib))
+        return elements_for(gib)
+
+    def cutter(self, gib: float):
+        """The function from a state's flat words to its tensors."""
+        if self.kind == "transformer":
+            return functools.partial(carve, specs=self._specs(gib))
+        return functools.partial(as_state, layout=tensor_rows(elements_for(gib)))
+
+    def argv(self) -> list[str]:
+        """The options that give a child process this layout."""
+        return ["--layout", self.kind, "--layers", str(self.layers)]
 
 
 # -- reference codecs ----------------------------------------------------------------------------
@@ -658,22 +693,21 @@ def _reset_hwm() -> bool:
         return False
 
 
-def _peak_state(gib: float, lr: float | None, seed: int):
+def _peak_state(gib: float, lr: float | None, seed: int, layout: StateLayout):
     """The child's own copy of the pair (a user holds the states it logs): base, and new
-    unless ``lr`` is None."""
-    n = elements_for(gib)
-    layout = tensor_rows(n)
+    unless ``lr`` is None, and the function that cuts them into tensors."""
+    n = layout.elements(gib)
     words = adam_step_pair(n, seed, () if lr is None else (lr,))
-    return n, layout, words
+    return n, layout.cutter(gib), words
 
 
-def peak_child_writer(gib: float, lr: float, seed: int, directory: Path) -> dict:
+def peak_child_writer(gib: float, lr: float, seed: int, directory: Path, layout: StateLayout) -> dict:
     """What a user of ``LogWriter`` does: create the log from the base, then append the new
     state, every default (the baseline cache under ``$DCR_CACHE_DIR``). The total peak RSS of
     the process, and the part of it that one append adds (the figure reported before)."""
     imports = _vm("VmRSS")
-    n, layout, (base, new) = _peak_state(gib, lr, seed)
-    base_state, new_state = as_state(base, layout), as_state(new, layout)
+    n, cut, (base, new) = _peak_state(gib, lr, seed, layout)
+    base_state, new_state = cut(base), cut(new)
     k = int(np.count_nonzero(base != new))
     gc.collect()
     held = _vm("VmRSS")
@@ -699,13 +733,13 @@ def peak_child_writer(gib: float, lr: float, seed: int, directory: Path) -> dict
             "delta_bytes": commit.delta_bytes}
 
 
-def peak_child_receiver(gib: float, seed: int, directory: Path, new_lr: float) -> dict:
+def peak_child_receiver(gib: float, seed: int, directory: Path, new_lr: float, layout: StateLayout) -> dict:
     """What a user of the numpy ``Receiver`` does: hold the weights at version 0, bind them
     (default: checked by state digest), apply version 1 (default verification). The total
     peak RSS of the process; the result is checked bit-exact after the peak is read."""
     imports = _vm("VmRSS")
-    n, layout, (base,) = _peak_state(gib, None, seed)
-    tensors = as_state(base, layout)
+    n, cut, (base,) = _peak_state(gib, None, seed, layout)
+    tensors = cut(base)
     gc.collect()
     held = _vm("VmRSS")
     if not _reset_hwm():  # the generator's scratch is no part of the receiver's peak
@@ -717,7 +751,7 @@ def peak_child_receiver(gib: float, seed: int, directory: Path, new_lr: float) -
     peak = _vm("VmHWM")
     if applied != [1]:
         raise SystemExit(f"peak child: the receiver applied {applied}, expected [1]")
-    _, _, (_, new) = _peak_state(gib, new_lr, seed)
+    _, _, (_, new) = _peak_state(gib, new_lr, seed, layout)
     if not np.array_equal(base, new):
         raise SystemExit("peak child: the receiver's words are not version 1's")
     return {"what": "numpy Receiver: bind(version 0), apply(to=1)", "model_bytes": 2 * n,
@@ -726,18 +760,18 @@ def peak_child_receiver(gib: float, seed: int, directory: Path, new_lr: float) -
             "method": "VmHWM (reset by clear_refs once the weights are held)"}
 
 
-def first_apply_child(gib: float, directory: Path, version: int) -> dict:
+def first_apply_child(gib: float, directory: Path, version: int, layout: StateLayout) -> dict:
     """``rx_numpy_first``: in this fresh process, the numpy receiver's first apply of
     ``version`` (from its parent, which ``base.npy`` in ``directory`` holds; ``new-V.npy`` the
     version), paired with one xor of the two states loaded the same way."""
-    layout = tensor_rows(elements_for(gib))
+    cut = layout.cutter(gib)
     words = np.load(directory / "base.npy")  # the receiver's weights
     base, new = np.load(directory / "base.npy"), np.load(directory / f"new-{version}.npy")
     scratch = np.empty_like(base)
     np.bitwise_xor(base, new, out=scratch)  # every page of the baseline's arrays touched, untimed
     log = DeltaLog.open(directory / "log")
     applied: list[int] = []
-    with Receiver.open(as_state(words, layout), directory / f"journal-first-{os.getpid()}") as rx:
+    with Receiver.open(cut(words), directory / f"journal-first-{os.getpid()}") as rx:
         rx.bind(log, version - 1, verify="none")
         pairing = paired(lambda: applied.extend(rx.apply(log, to=version)),
                          functools.partial(np.bitwise_xor, base, new, out=scratch), 1)
@@ -747,12 +781,12 @@ def first_apply_child(gib: float, directory: Path, version: int) -> dict:
             "baseline": [pairing.baseline[0].wall, pairing.baseline[0].cpu]}
 
 
-def time_first_applies(gib: float, directory: Path, version: int, repeats: int) -> Pairing:
+def time_first_applies(gib: float, directory: Path, version: int, repeats: int, layout: StateLayout) -> Pairing:
     """``rx_numpy_first``: one fresh process per repetition (``first_apply_child``)."""
     pairings = []
     for _ in range(repeats):
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--gib", str(gib), "--first-child",
-                               str(directory), "--first-version", str(version)],
+                               str(directory), "--first-version", str(version), *layout.argv()],
                               capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise SystemExit(f"first-apply child failed: {proc.stderr[-2000:]}")
@@ -792,17 +826,17 @@ def max_rss(cmd: list[str], what: str, model_bytes: int) -> dict:
             "method": "ru_maxrss (wait4)", "output": output}
 
 
-def peak_totals(gib: float, lr: float, seed: int, work: Path, say) -> dict:
+def peak_totals(gib: float, lr: float, seed: int, work: Path, say, layout: StateLayout) -> dict:
     """Peak RSS totals of the writer (LogWriter and the ``dcr`` CLI) and the receiver (numpy
     Receiver and ``dcr apply`` into a checkpoint directory), each in its own process."""
     here = str(Path(__file__).resolve())
-    n = elements_for(gib)
+    n = layout.elements(gib)
     model = 2 * n
     out: dict = {"rate_target": PEAK_RATE, "model_bytes": model, "model_mib": model / 2**20}
 
     def child(kind: str, directory: Path) -> dict:
         got = max_rss([sys.executable, here, "--peak-child", kind, "--peak-dir", str(directory), "--gib", repr(gib),
-                       "--peak-lr", repr(lr), "--seed", str(seed)], f"peak child {kind}", model)
+                       "--peak-lr", repr(lr), "--seed", str(seed), *layout.argv()], f"peak child {kind}", model)
         result = json.loads(got.pop("output").strip().splitlines()[-1])
         result["ru_maxrss_mib"] = got["peak_mib"]  # the kernel's figure for the whole run
         return result
@@ -817,11 +851,11 @@ def peak_totals(gib: float, lr: float, seed: int, work: Path, say) -> dict:
 
     cli = work / "peak-cli"
     cli.mkdir()
-    layout = tensor_rows(n)
+    cut = layout.cutter(gib)
     base, new = adam_step_pair(n, seed, (lr,))
     for name, words in (("ckpt-0", base), ("ckpt-1", new)):
         (cli / name).mkdir()
-        write_checkpoint(as_state(words, layout), cli / name)
+        write_checkpoint(cut(words), cli / name)
     del base, new
     dcr = [sys.executable, "-m", "dcr_log"]
     log = str(cli / "log")
@@ -887,15 +921,16 @@ def run(args, work: Path, say) -> dict:
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     repeats = args.repeats
 
-    n = elements_for(args.gib)
-    layout = tensor_rows(n)
+    layout = StateLayout(args.layout, args.layers)
+    n, cut = layout.elements(args.gib), layout.cutter(args.gib)
     dense_bytes = 2 * n
-    say(f"state: {n:,} bf16 elements ({dense_bytes / 2**30:.3f} GiB) in {len(layout)} tensors")
     t0 = time.perf_counter()
     lrs = tuple(lr_for_rate(r) for r in args.rates)
     flat = adam_step_pair(n, args.seed, lrs)
     base, news = flat[0], flat[1:]
-    base_state = as_state(base, layout)
+    base_state = cut(base)
+    say(f"state: {n:,} bf16 elements ({dense_bytes / 2**30:.3f} GiB) in {len(base_state)} tensors "
+        f"({layout.kind} layout)")
     say(f"generated the pairs in {time.perf_counter() - t0:.1f} s (lrs {', '.join(f'{lr:.3g}' for lr in lrs)})")
 
     scratch = np.empty(n, dtype=np.uint16)  # xor output and codec scratch, reused everywhere
@@ -926,7 +961,7 @@ def run(args, work: Path, say) -> dict:
     rows = []
     for rate, lr, new in zip(args.rates, lrs, news):
         pair = Pair(f"adam bf16 {100 * rate:g}%", "adam-bf16", rate, lr, base, new, base_state,
-                    as_state(new, layout))
+                    cut(new))
         sizes = codec_sizes(pair, scratch, cctx, zipnn)
         k = sizes["changed_elements"]
         xor = functools.partial(np.bitwise_xor, base, new, out=scratch)
@@ -962,7 +997,7 @@ def run(args, work: Path, say) -> dict:
             reader.apply_version(replay_state, writer.version)
         rx = time_receivers(reader, first_version, follow, base_state, pair.new_state, repeats, work, xor)
         np.save(work / f"new-{first_version}.npy", new)
-        rx["numpy_first"] = time_first_applies(args.gib, work, first_version, repeats)
+        rx["numpy_first"] = time_first_applies(args.gib, work, first_version, repeats, layout)
         (work / f"new-{first_version}.npy").unlink()
         cache_pairs = []
         for _ in range(repeats):  # to new and back: the writer, its log and the replayed state stay at base
@@ -1032,8 +1067,9 @@ def run(args, work: Path, say) -> dict:
 
     peak_lr = lrs[list(args.rates).index(PEAK_RATE)] if PEAK_RATE in args.rates else lr_for_rate(PEAK_RATE)
     clear_cache(cache_root)
-    peak = peak_totals(args.gib, peak_lr, args.seed, work, say)
-    return {"gib": dense_bytes / 2**30, "elements": n, "tensors": len(layout), "repeats": repeats,
+    peak = peak_totals(args.gib, peak_lr, args.seed, work, say, layout)
+    return {"gib": dense_bytes / 2**30, "elements": n, "tensors": len(base_state), "layout": layout.kind,
+            "layers": layout.layers if layout.kind == "transformer" else None, "repeats": repeats,
             "seed": args.seed, "zstd_level": ZSTD_LEVEL, "cpus": os.cpu_count(), "machine": machine(),
             "load_average": os.getloadavg()[0],
             "zipnn": {"available": zipnn is not None, "note": zipnn_note},
@@ -1186,6 +1222,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed pairs of op and baseline (the median pair is reported)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", choices=("rows", "transformer"), default="rows",
+                    help="how the state is cut into tensors (StateLayout): rows (default, 12 tensors at 0.5 GiB) "
+                         "or transformer (--layers deep: 219 tensors at 24)")
+    ap.add_argument("--layers", type=int, default=24, help="--layout transformer: its layers (default 24)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG plot of bytes against changed rate")
     ap.add_argument("--no-minilm", action="store_true", help="skip the MiniLM trace")
@@ -1197,14 +1237,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-child", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--first-version", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    layout = StateLayout(args.layout, args.layers)
     if args.first_child is not None:
-        print(json.dumps(first_apply_child(args.gib, args.first_child, args.first_version)))
+        print(json.dumps(first_apply_child(args.gib, args.first_child, args.first_version, layout)))
         return 0
     if args.peak_child == "writer":
-        print(json.dumps(peak_child_writer(args.gib, args.peak_lr, args.seed, args.peak_dir)))
+        print(json.dumps(peak_child_writer(args.gib, args.peak_lr, args.seed, args.peak_dir, layout)))
         return 0
     if args.peak_child == "receiver":
-        print(json.dumps(peak_child_receiver(args.gib, args.seed, args.peak_dir, args.peak_lr)))
+        print(json.dumps(peak_child_receiver(args.gib, args.seed, args.peak_dir, args.peak_lr, layout)))
         return 0
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")

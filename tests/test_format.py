@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -238,6 +241,44 @@ def test_invalid_sealed_commit_records_rejected(edit):
     data = _resealed(_commit(3).to_bytes(), lambda o: None)
     CommitRecord.from_bytes(data, expect_version=3)  # the unedited record is accepted
     with pytest.raises(IntegrityError):
+        CommitRecord.from_bytes(_resealed(data, edit), expect_version=3)
+
+
+def _reshaped(shape: list) -> Callable[[dict], None]:
+    """An edit giving the first tensor row ``shape``, the stats' total kept in step with it."""
+    def edit(obj: dict) -> None:
+        old = math.prod(obj["tensors"][0]["shape"])
+        obj["tensors"][0]["shape"] = shape
+        if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            obj["stats"]["total_elements"] += math.prod(shape) - old
+    return edit
+
+
+# Faults of one tensor row, each with the words its error names: the parse checks a good row
+# in one pass and names the fault only when that fails.
+TENSOR_ROW_FAULTS = {
+    "member missing": (lambda o: o["tensors"][0].pop("digest"), "members"),
+    "extra member": (lambda o: o["tensors"][0].update(extra=1), "members"),
+    "not an object": (lambda o: o["tensors"].__setitem__(0, list(o["tensors"][0].items())), "expected an object"),
+    "name not a string": (lambda o: o["tensors"][0].update(name=5), "bad tensor name"),
+    "dtype not a string": (lambda o: o["tensors"][0].update(dtype=["BF16"]), "unknown dtype"),
+    "shape not a list": (_reshaped("4"), "shape must be a list"),
+    "negative dimension": (_reshaped([-1]), "dimension must be an integer"),
+    "bool dimension": (_reshaped([True]), "dimension must be an integer"),
+    "dimension of 2^64": (_reshaped([1 << 64]), "dimension must be an integer"),
+    "dimension above the limit": (_reshaped([(1 << 48) + 1]), "a dimension above"),
+    "rank above the limit": (_reshaped([1] * 33), "rank 33 above"),
+    "more than 256 TiB": (_reshaped([1 << 47, 4]), "of 562949953421312 bytes"),
+    "digest not a string": (lambda o: o["tensors"][0].update(digest=5), "bad digest"),
+    "total elements off by one": (lambda o: o["stats"].update(total_elements=o["stats"]["total_elements"] + 1),
+                                  "total_elements"),
+}
+
+
+@pytest.mark.parametrize("edit,says", list(TENSOR_ROW_FAULTS.values()), ids=list(TENSOR_ROW_FAULTS))
+def test_a_faulty_tensor_row_is_refused_by_name(edit, says):
+    data = _commit(3).to_bytes()
+    with pytest.raises(IntegrityError, match=re.escape(says)):
         CommitRecord.from_bytes(_resealed(data, edit), expect_version=3)
 
 

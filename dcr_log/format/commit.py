@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dcr_log.coords import DTYPE_WIDTH, numel
+from dcr_log.coords import DTYPE_WIDTH
 from dcr_log.digest import SUM_DIGESTS
 from dcr_log.errors import IntegrityError, UsageError
 from dcr_log.format import limits as L
@@ -26,6 +27,7 @@ KNOWN_FEATURES: frozenset[str] = frozenset({SUM_DIGESTS, FILES, ULP_ENCODING, RA
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _UUID = re.compile(r"^[0-9a-f]{32}$")
+_TENSOR_MEMBERS = frozenset({"name", "dtype", "shape", "digest"})
 
 
 
@@ -54,6 +56,10 @@ def _text(v, what, name) -> str:
 
 
 def _shape(v, what) -> tuple[int, ...]:
+    # A commit has a shape per tensor: the common case checked in one pass, the checks below
+    # (which name the fault) only when it fails.
+    if type(v) is list and len(v) <= L.MAX_RANK and all(type(d) is int and 0 <= d <= L.MAX_DIM for d in v):
+        return tuple(v)
     _expect(isinstance(v, list), what, "shape must be a list")
     L.check(len(v) <= L.MAX_RANK, what, f"rank {len(v)} above {L.MAX_RANK}")
     shape = tuple(_int(d, what, "dimension") for d in v)
@@ -71,9 +77,10 @@ def _valid_name(name) -> bool:
         return False
 
 
-def _keys(obj: dict, what: str, keys: set[str]) -> None:
+def _keys(obj: dict, what: str, keys: set[str] | frozenset[str]) -> None:
     _expect(isinstance(obj, dict), what, "expected an object")
-    _expect(set(obj) == keys, what, f"members {sorted(obj)} differ from {sorted(keys)}")
+    if obj.keys() != keys:  # (the message only when it is needed: a commit has a table per tensor)
+        raise IntegrityError(f"{what}: members {sorted(obj)} differ from {sorted(keys)}")
 
 
 def check_features(features, what: str) -> tuple[str, ...]:
@@ -256,24 +263,30 @@ class CommitRecord:
         tensors = []
         _expect(isinstance(obj["tensors"], list), what, "tensors must be a list")
         L.check(len(obj["tensors"]) <= L.MAX_TENSORS, what, f"more than {L.MAX_TENSORS} tensors")
-        state_bytes = 0
+        state_bytes = elements = 0
+        # Once per tensor, and a model may have tens of thousands: no message is formatted
+        # unless its check fails.
         for t in obj["tensors"]:
-            _keys(t, what, {"name", "dtype", "shape", "digest"})
-            _expect(_valid_name(t["name"]), what, "bad tensor name")
-            _expect(isinstance(t["dtype"], str) and t["dtype"] in DTYPE_WIDTH, what,
-                    f"unknown dtype {str(t['dtype'])[:40]!r}")
+            _keys(t, what, _TENSOR_MEMBERS)
+            name, dtype, digest = t["name"], t["dtype"], t["digest"]
+            _expect(_valid_name(name), what, "bad tensor name")
+            if not (isinstance(dtype, str) and dtype in DTYPE_WIDTH):
+                raise IntegrityError(f"{what}: unknown dtype {str(dtype)[:40]!r}")
             shape = _shape(t["shape"], what)
-            nbytes = numel(shape) * DTYPE_WIDTH[t["dtype"]]
-            L.check(nbytes <= L.MAX_TENSOR_BYTES, what, f"tensor {t['name'][:80]!r} of {nbytes} bytes")
+            count = math.prod(shape)  # (numel, of a shape _shape checked to be ints)
+            nbytes = count * DTYPE_WIDTH[dtype]
+            if nbytes > L.MAX_TENSOR_BYTES:
+                L.check(False, what, f"tensor {name[:80]!r} of {nbytes} bytes")
+            if not (isinstance(digest, str) and _HEX16.fullmatch(digest)):
+                raise IntegrityError(f"{what}: bad digest")
             state_bytes += nbytes
-            tensors.append(TensorInfo(t["name"], t["dtype"], shape,
-                                      int(_str(t["digest"], what, "digest", _HEX16), 16)))
+            elements += count
+            tensors.append(TensorInfo(name, dtype, shape, int(digest, 16)))
         L.check(state_bytes <= L.MAX_STATE_BYTES, what, f"a state of {state_bytes} bytes")
         names = [t.name.encode() for t in tensors]
         _expect(names == sorted(set(names)), what, "tensor names must be unique and sorted")
         stats = parse_stats(obj["stats"], what)
-        _expect(stats.total_elements == sum(numel(t.shape) for t in tensors), what,
-                "stats.total_elements differs from the tensor table")
+        _expect(stats.total_elements == elements, what, "stats.total_elements differs from the tensor table")
         _expect(stats.records == sum(s.records for s in segments), what,
                 "stats.records differs from the sum of the segments' records")
         files = parse_files(obj["files"], what) if FILES in features else None

@@ -30,10 +30,11 @@ class ShardLayout:
 
 
 def _summary(pieces: list[ShardPiece], shapes: Mapping[str, tuple[int, ...]], names: Sequence[str]) -> dict:
+    named = set(names)  # (once: built per shape, it made the summary quadratic in the tensors)
     return {
         "names": sorted(names),
         "pieces": sorted((p.name, p.dtype, p.box.offset, p.box.shape) for p in pieces),
-        "shapes": {k: tuple(int(s) for s in v) for k, v in shapes.items() if k in set(names)},
+        "shapes": {k: tuple(int(s) for s in v) for k, v in shapes.items() if k in named},
     }
 
 

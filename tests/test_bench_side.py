@@ -22,8 +22,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def test_a_transformer_layout_reaches_every_child_process(capsys, monkeypatch):
     """--layout transformer: the state is the transformer's tensors (two norms and seven
     matrices a layer, the embeddings, the final norm and the head) in the run and in each
-    child (the peak-memory writer and receiver, the first applies, the checkpoints of the
-    CLI's peak), each of which checks its bits against the log's."""
+    child: the peak-memory writer and receiver (each reports its tensors), the first applies
+    (which check their bits against the log's) and the checkpoints of the CLI's peak."""
     monkeypatch.setattr(bench_side, "IDLE_SECONDS", 0.05)
     assert bench_side.main(["--gib", "0.01", "--rates", "0.01", "--repeats", "1", "--json", "--no-minilm",
                             "--layout", "transformer", "--layers", "2"]) == 0
@@ -31,7 +31,9 @@ def test_a_transformer_layout_reaches_every_child_process(capsys, monkeypatch):
     assert (report["layout"], report["layers"], report["tensors"]) == ("transformer", 2, 2 * 9 + 3)
     assert report["elements"] == sum(np.prod(s.shape) for s in bench_side.specs_for_params(int(0.01 * 2**30) // 2, 2))
     assert report["pairs"][0]["spread"]["tensors"] >= 2 * 7 + 2  # the matrices and more: changes everywhere
-    assert report["peak_memory"]["receiver_numpy"]["peak_mib"] > 0
+    peak = report["peak_memory"]
+    assert peak["writer_api"]["tensors"] == peak["receiver_numpy"]["tensors"] == 2 * 9 + 3
+    assert peak["receiver_numpy"]["peak_mib"] > 0
     assert report["pairs"][0]["throughput"]["seconds"]["rx_numpy_first"] > 0
 
 
@@ -334,3 +336,4 @@ def test_bench_encode_reopens_the_writer_for_each_append(capsys, monkeypatch):
     (append,) = report["appends"]
     assert 0.005 * report["elements"] < append["changed"] < 0.02 * report["elements"], append
     assert len(opened) == 4  # three timed appends, and one more back to the base
+

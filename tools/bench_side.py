@@ -725,6 +725,7 @@ def peak_child_writer(gib: float, lr: float, seed: int, directory: Path, layout:
     if not generated:
         raise SystemExit("peak child: /proc/self/clear_refs refused, so the peak would count the generator")
     return {"what": "LogWriter.create(base) then append(new)", "rate": k / n, "model_bytes": 2 * n,
+            "tensors": len(base_state),
             "imports_mib": imports / 2**20, "states_held_mib": (held - imports) / 2**20,
             "create_peak_mib": create_peak / 2**20, "append_peak_mib": append_peak / 2**20,
             "append_increase_mib": (append_peak - before) / 2**20 if reset else None,
@@ -754,7 +755,7 @@ def peak_child_receiver(gib: float, seed: int, directory: Path, new_lr: float, l
     _, _, (_, new) = _peak_state(gib, new_lr, seed, layout)
     if not np.array_equal(base, new):
         raise SystemExit("peak child: the receiver's words are not version 1's")
-    return {"what": "numpy Receiver: bind(version 0), apply(to=1)", "model_bytes": 2 * n,
+    return {"what": "numpy Receiver: bind(version 0), apply(to=1)", "model_bytes": 2 * n, "tensors": len(tensors),
             "imports_mib": imports / 2**20, "states_held_mib": (held - imports) / 2**20,
             "peak_mib": peak / 2**20, "peak_to_model": peak / (2 * n), "above_held_to_model": (peak - held) / (2 * n),
             "method": "VmHWM (reset by clear_refs once the weights are held)"}

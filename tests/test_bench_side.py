@@ -337,3 +337,17 @@ def test_bench_encode_reopens_the_writer_for_each_append(capsys, monkeypatch):
     assert 0.005 * report["elements"] < append["changed"] < 0.02 * report["elements"], append
     assert len(opened) == 4  # three timed appends, and one more back to the base
 
+
+def test_bench_tensors_times_each_fixed_cost_a_tensor(capsys):
+    """tools/bench_tensors.py: the commit parse, an append, a replay and a receiver's apply of
+    a state of many tiny tensors, each per tensor (the replay and the receiver end bit-exact:
+    the tool checks them)."""
+    import bench_tensors
+
+    assert bench_tensors.main(["--tensors", "40", "--elements", "64", "--repeats", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["tensors"], report["elements"]) == (40, 64)
+    assert set(report["ops"]) == {"commit parse", "append", "replay", "rx numpy"}
+    for op in report["ops"].values():
+        assert op["us_per_tensor"] > 0 and op["seconds"] == pytest.approx(op["us_per_tensor"] * 40 / 1e6)
+    assert report["commit_bytes"] > 40 * 60  # a row a tensor

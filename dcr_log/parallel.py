@@ -177,12 +177,21 @@ def task_grain(total: int, workers: int, grain: int = TASK_CHANGES) -> int:
 
 
 def map_grouped(fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int], grain: int, workers: int,
-                parallel: bool = True) -> Generator[R, None, None]:
+                parallel: bool = True, budget: int = 0) -> Generator[R, None, None]:
     """``map_ordered`` where consecutive items whose ``weights`` sum to less than ``grain`` run
     together as one task (``task_grain``: at least four tasks per worker): each task costs two
     hand-offs between threads (a queue and a future), and on a virtual machine whose idle
-    cores halt, each wakes a core."""
-    tasks = map_ordered(_each(fn), _groups(items, weights, grain, workers), workers, parallel)
+    cores halt, each wakes a core. With a ``budget``, tasks are handed out as map_ordered
+    hands out weighted items, each task weighing what its items weigh."""
+    groups = _groups(items, weights, grain, workers)
+    if budget:
+        sizes, at = [], 0
+        for group in groups:
+            sizes.append(sum(weights[at:at + len(group)]))
+            at += len(group)
+        tasks = map_ordered(_each(fn), groups, workers, parallel, sizes, budget)
+    else:
+        tasks = map_ordered(_each(fn), groups, workers, parallel)
     try:
         for results in tasks:
             yield from results

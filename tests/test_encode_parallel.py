@@ -143,3 +143,30 @@ def test_a_log_written_on_many_threads_is_the_log_written_on_one(tmp_path, monke
     threaded = write_log(tmp_path / "many" / "log", workers, monkeypatch)
     assert len([k for k in serial if k.startswith("segments/")]) > 8  # several segments a version
     assert serial == threaded
+
+
+def test_a_model_of_many_small_tensors_goes_to_the_pool_in_a_few_tasks(tmp_path, monkeypatch):
+    """The write pass hands the pool consecutive small chunks together (sharded.WRITE_GRAIN
+    elements or a quarter of each thread's share a task): 1200 tensors of a norm's size go in
+    a handful of tasks, not one each, and the log holds the bits."""
+    from dcr_log import DeltaLog, parallel
+
+    rng = np.random.default_rng(12)
+    base = {f"layers.{i:04d}.norm": TensorBits("BF16", (1024,), random_words(rng, np.dtype("<u2"), 1024))
+            for i in range(1200)}
+    new = {}
+    for name, bits in base.items():
+        words = bits.words.copy()
+        words[rng.choice(1024, 3, replace=False)] ^= np.uint16(1)
+        new[name] = TensorBits("BF16", (1024,), words)
+    policy = replace(EncodePolicy(), workers=2)
+    writer = LogWriter.create(tmp_path / "log", base, policy=policy, cache_dir=tmp_path / "cache")
+    pool = parallel.shared_pool(2)
+    tasks: list = []
+    real_submit = pool.submit
+    monkeypatch.setattr(pool, "submit", lambda fn, *a: tasks.append(fn) or real_submit(fn, *a))
+    writer.append(new)
+    writer.close()
+    assert 4 <= len(tasks) <= 16, len(tasks)  # at least four a thread's worth, far fewer than 1200
+    got = DeltaLog.open(tmp_path / "log").materialize(1)
+    assert all(np.array_equal(got[name].words, bits.words) for name, bits in new.items())

@@ -24,9 +24,10 @@ def test_map_grouped_yields_every_result_in_order(workers, parallel_on):
     for n in (0, 1, 2, 7, 100):
         for weights in (rng.integers(0, 1000, n), np.zeros(n, int), np.full(n, 10**9)):
             items = list(range(n))
-            got = list(parallel.map_grouped(lambda x: x * x, items, [int(w) for w in weights], 500, workers,
-                                            parallel_on))
-            assert got == [x * x for x in items]
+            for budget in (0, 2000):
+                got = list(parallel.map_grouped(lambda x: x * x, items, [int(w) for w in weights], 500, workers,
+                                                parallel_on, budget))
+                assert got == [x * x for x in items]
 
 
 def test_map_grouped_groups_consecutive_items_up_to_the_grain(monkeypatch):

@@ -51,7 +51,7 @@ from dcr_log.format.commit import RANS_ENCODING
 from dcr_log.format.keys import check_writer_id
 from dcr_log.format.tensors import TensorInfo, state_digest
 from dcr_log.log.deltalog import DeltaLog
-from dcr_log.parallel import map_ordered
+from dcr_log.parallel import map_grouped
 from dcr_log.signing import as_signing_key
 from dcr_log.store import Store
 from dcr_log.write.baseline import Baseline, BaselineCache, Generation, PieceKey, load_baseline
@@ -71,6 +71,12 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 
 # The features of a new log: the ulp-rans encoding and digests that update in O(changes).
 DEFAULT_FEATURES = (RANS_ENCODING, SUM_DIGESTS)
+
+
+# Chunks of the write pass go to the pool in tasks of at least this many elements
+# (parallel.map_grouped): a model's norms and other small tensors, a task each, cost more in
+# the hand-offs between threads than in their encoding.
+WRITE_GRAIN = 1 << 18
 
 
 class ShardedWriter:
@@ -457,7 +463,8 @@ class ShardedWriter:
             # model's norms and small matrices keep every thread busy between its large ones).
             weights = [(r1 - r0) * infos[i][0].row for i, (r0, r1) in tasks]
             budget = (policy.workers + 1) * policy.chunk_elements
-            for (i, (r0, r1)), new, delta in map_ordered(one, tasks, policy.workers, parallel, weights, budget):
+            grouped = map_grouped(one, tasks, weights, WRITE_GRAIN, policy.workers, parallel, budget)
+            for (i, (r0, r1)), new, delta in grouped:
                 piece = infos[i][0]
                 if wholes:
                     wholes[i].update(np.ascontiguousarray(new).data.cast("B"))

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -96,19 +97,25 @@ def test_map_ordered_gives_light_items_to_a_thread_while_a_heavy_one_runs(submit
     up to LIGHT_ITEMS_PER_WORKER a worker in flight: with weights, a thread does not idle until
     the oldest is yielded (without them, three items are in flight)."""
     started: list[int] = []
+    lock = threading.Lock()
+    all_in = threading.Event()
 
     def fn(x: int) -> int:
-        started.append(x)
-        if x == 0:
-            time.sleep(0.3)
+        with lock:
+            started.append(x)
+            if len(started) == expected:
+                all_in.set()
+        if x == 0:  # heavy: ends once the items expected in flight have started (or after 10 s)
+            all_in.wait(10)
         return x
 
     weights = [500] + [1] * 40
     for given, expected in ((weights, parallel.LIGHT_ITEMS_PER_WORKER * 2), (None, 3)):
         started.clear()
+        all_in.clear()
         results = parallel.map_ordered(fn, list(range(41)), 2, True, given, 1000)
         assert next(results) == 0
-        assert len(started) == expected, started
+        assert len(started) == expected, started  # (nothing more is handed out until 0 is yielded)
         assert list(results) == list(range(1, 41))
 
 

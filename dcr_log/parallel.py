@@ -184,14 +184,9 @@ def map_grouped(fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int]
     cores halt, each wakes a core. With a ``budget``, tasks are handed out as map_ordered
     hands out weighted items, each task weighing what its items weigh."""
     groups = _groups(items, weights, grain, workers)
-    if budget:
-        sizes, at = [], 0
-        for group in groups:
-            sizes.append(sum(weights[at:at + len(group)]))
-            at += len(group)
-        tasks = map_ordered(_each(fn), groups, workers, parallel, sizes, budget)
-    else:
-        tasks = map_ordered(_each(fn), groups, workers, parallel)
+    ends = itertools.accumulate(len(group) for group in groups)
+    sizes = [sum(weights[end - len(group):end]) for group, end in zip(groups, ends)] if budget else None
+    tasks = map_ordered(_each(fn), groups, workers, parallel, sizes, budget)
     try:
         for results in tasks:
             yield from results

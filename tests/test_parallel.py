@@ -37,9 +37,9 @@ def test_map_grouped_groups_consecutive_items_up_to_the_grain(monkeypatch):
     seen: list[list] = []
     real = parallel.map_ordered
 
-    def recorded(fn, groups, workers, on=True):
+    def recorded(fn, groups, workers, on=True, *weighed):
         seen.append(list(groups))
-        return real(fn, groups, workers, on)
+        return real(fn, groups, workers, on, *weighed)
 
     monkeypatch.setattr(parallel, "map_ordered", recorded)
     rng = np.random.default_rng(3)

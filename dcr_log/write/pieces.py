@@ -108,7 +108,7 @@ class ShardPiece:
 
     @functools.cached_property
     def key(self) -> PieceKey:
-        # Asked for about eighteen times a piece in an append: built once.
+        # Asked for many times a piece in each append (the layout, the cache, the digests): built once.
         return piece_key(self.name, self.box)
 
     @property

@@ -56,9 +56,13 @@ def __getattr__(name: str) -> Any:
         return segment_schema()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# Records are grouped into Arrow record batches of about this many payload bytes, so a reader
-# holds one batch at a time.
-BATCH_PAYLOAD_BYTES = 64 << 20
+# Records are grouped into Arrow record batches of about this many payload bytes: a reader
+# holds one batch at a time, and a writer to a local directory writes each batch as soon as it
+# is closed, while later records are encoded (write.uploader.SegmentUploader.feed). With 64 MiB,
+# a version of 22 MiB (10% changed of 512 MiB) was one batch, written after the last record,
+# and that write was a fifth of the append (tools/bench_encode.py --mib 512 --rates 0.10
+# --phases 0.10 --layout transformer --layers 24: 54-72 ms of 218-264).
+BATCH_PAYLOAD_BYTES = 4 << 20
 # A record with at least this many payload bytes gets a batch of its own, so that its payload
 # goes into the file without first being joined with its neighbours' (one copy less).
 OWN_BATCH_BYTES = 1 << 20
@@ -125,13 +129,15 @@ class SegmentBuilder:
 
     The file is written when it is finished, into one buffer sized from the records (an
     upper bound on the IPC framing), so the payloads are copied once: a growing output
-    stream would copy them again at every doubling, onto fresh pages each time.
+    stream would copy them again at every doubling, onto fresh pages each time. Or, into a
+    file, batch by batch as they close (``take_closed``, ``write_batches``).
     """
 
     def __init__(self, log_id: str, version: int):
         self._schema = segment_schema().with_metadata(_meta(log_id, version))
         self._batches: list[list[Record]] = [[]]
         self._pending_bytes = 0
+        self._taken = False  # batches were handed over (take_closed): only write_batches writes
         self.records = 0
         self.payload_bytes = 0
 
@@ -154,10 +160,35 @@ class SegmentBuilder:
                    for batch in self._batches for r in batch)
         return self.payload_bytes + text + 512 * self.records + (64 << 10) * len(self._batches) + (1 << 20)
 
-    def _write(self, sink) -> None:
+    @property
+    def closed_batches(self) -> int:
+        """Batches closed and not yet taken (the last one is open)."""
+        return len(self._batches) - 1
+
+    def take_closed(self, everything: bool = False) -> list[list[Record]]:
+        """Hand over the batches closed so far (with ``everything``, the open one too), for
+        ``write_batches``: the builder keeps only its counts. A segment taken from is written
+        by ``write_batches`` alone."""
+        keep = [] if everything else self._batches[-1:]
+        taken = [batch for batch in self._batches[:len(self._batches) - len(keep)] if batch]
+        self._batches = keep or [[]]
+        if everything:
+            self._pending_bytes = 0
+        self._taken = self._taken or bool(taken)
+        return taken
+
+    def write_batches(self, f, batches: Iterable[list[Record]]) -> None:
+        """Write the segment file to a binary file object from ``batches`` as they come (the
+        builder's own, taken by ``take_closed``)."""
+        pa = load_pyarrow()
+        self._write(pa.PythonFile(f, mode="w"), batches)
+
+    def _write(self, sink, batches: Iterable[list[Record]] | None = None) -> None:
+        if batches is None and self._taken:
+            raise ValueError("batches were taken from this segment: write them with write_batches")
         pa = load_pyarrow()
         writer = pa.ipc.new_file(sink, self._schema)
-        for batch in self._batches:
+        for batch in self._batches if batches is None else batches:
             if batch:
                 writer.write_batch(_batch(batch))
         writer.close()

@@ -31,13 +31,15 @@ def _write_segments(log: DeltaLog, version: int, prefix: str, records: Iterable[
     elements, every key tried)."""
     uploads = SegmentUploader(log.store)
     builder = SegmentBuilder(log.log_id, version)
+    key = f"{prefix}{writer_id}-{uuid.uuid4().hex}.arrow"
     count = changed = 0
 
     def flush() -> None:
-        nonlocal builder
+        nonlocal builder, key
         if builder.records:
-            uploads.put(f"{prefix}{writer_id}-{uuid.uuid4().hex}.arrow", builder)
+            uploads.put(key, builder)
             builder = SegmentBuilder(log.log_id, version)
+            key = f"{prefix}{writer_id}-{uuid.uuid4().hex}.arrow"
 
     try:
         for rec in records:
@@ -46,6 +48,8 @@ def _write_segments(log: DeltaLog, version: int, prefix: str, records: Iterable[
             changed += rec.n_changed
             if builder.payload_bytes >= segment_bytes:
                 flush()
+            else:
+                uploads.feed(key, builder)
         flush()
         uploads.finish()
     except BaseException:

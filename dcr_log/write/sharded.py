@@ -410,17 +410,19 @@ class ShardedWriter:
         writer_id = self.writer_id if self.group.size == 1 else f"{self.writer_id}-r{self.group.rank}"[-64:]
         store = self.log.store
         builder = SegmentBuilder(self.log.log_id, version)
+        key = segment_key(version, writer_id, uuid.uuid4().hex)
         digests = self.log.digests
         policy = self._differ.policy
 
         uploads = SegmentUploader(store)
 
         def flush() -> None:
-            nonlocal builder
+            nonlocal builder, key
             if builder.records == 0:
                 return
-            uploads.put(segment_key(version, writer_id, uuid.uuid4().hex), builder)
+            uploads.put(key, builder)
             builder = SegmentBuilder(self.log.log_id, version)
+            key = segment_key(version, writer_id, uuid.uuid4().hex)
 
         try:
             if early is not None:  # (in the try: a failure here is reported too)
@@ -480,6 +482,8 @@ class ShardedWriter:
                 records += 1
                 if builder.payload_bytes >= self.segment_bytes:
                     flush()
+                else:
+                    uploads.feed(key, builder)  # its closed batches written while encoding goes on
             for i, whole in wholes.items():
                 whole_digests[infos[i][0].name] = whole.intdigest()
             for (name, _, _), d in pending.contrib.items():  # the pieces' digest changes, per tensor
@@ -494,6 +498,7 @@ class ShardedWriter:
             error = exc
             report = RankReport(ok=False, error=describe(exc))
         except BaseException:  # an interrupt: the baseline as it was
+            uploads.abort()  # (a segment being written is not created; its thread ends)
             self._abandon(pending)
             raise
         pending.segment_keys = uploads.keys

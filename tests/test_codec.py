@@ -483,3 +483,56 @@ def test_ulp_garbage_and_flipped_bytes_never_escape_as_another_error():
             continue
         assert got.k == changes.k and got.values.dtype == U2 and np.all(got.values != 0)
         assert np.all(np.diff(got.positions) > 0) and got.positions[-1] < changes.n
+
+
+def _sparse_body(rng, k: int, n: int, gap_width: int, word, fault: str) -> bytes:
+    """A sparse payload (zstd frame of gap planes, then value planes) of k changes in a box
+    of n: valid, or with one gap of n or more (``gap``), or positions running past the box
+    (``past``: every gap valid, their sum too large)."""
+    top = min(n, 1 << (8 * gap_width)) - 1
+    gaps = rng.integers(0, max(1, min(top, max(1, n // max(k, 1)))) + 1, k, dtype=np.uint64)
+    if fault == "none":  # positions inside the box: rescale the gaps to fit
+        room = n - k
+        gaps = gaps * room // max(int(gaps.sum()), 1) if room >= 0 else gaps
+    elif fault == "gap" and n < 1 << (8 * gap_width):
+        gaps[rng.integers(k)] = rng.integers(n, 1 << (8 * gap_width), dtype=np.uint64)
+    elif fault == "past":
+        gaps[:] = top
+    gap_planes = np.concatenate([((gaps >> np.uint64(8 * j)) & np.uint64(0xFF)).astype(np.uint8)
+                                 for j in range(gap_width)])
+    values = rng.integers(0, np.iinfo(word).max, k, dtype=word, endpoint=True)
+    value_planes = np.concatenate([((values.astype(np.uint64) >> np.uint64(8 * j)) & np.uint64(0xFF)).astype(np.uint8)
+                                   for j in range(word.itemsize)])
+    body = np.concatenate([gap_planes, value_planes]).tobytes()
+    return zstandard.ZstdCompressor(write_content_size=True).compress(body)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(word=st.sampled_from(WORDS), gap_width=st.sampled_from([1, 2, 4, 8]),
+       k=st.one_of(st.integers(1, 5), st.integers(1, 3000)), extra=st.integers(0, 1 << 20),
+       fault=st.sampled_from(["none", "gap", "past"]), seed=st.integers(0, 2**32 - 1))
+def test_sparse_unpack_in_c_is_the_numpy_decode(word, gap_width, k, extra, fault, seed):
+    """The C unpacking of a sparse record (positions from gaps, values from byte planes) gives
+    the numpy decode's positions and values bit for bit, and refuses what it refuses with the
+    same error: a gap of the box's size or more, or positions that run past the box."""
+    from dcr_log import native
+
+    if native.changes is None:
+        pytest.skip("the C kernels are not built")
+    n = k + extra
+    payload = _sparse_body(np.random.default_rng(seed), k, n, gap_width, word, fault)
+    params = {"level": 1, "gap_bytes": gap_width}
+    outcomes = []
+    for kernels in (native.changes, None):
+        try:
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(native, "changes", kernels)
+                got = decode_changes("xor", "sparse", params, payload, n, k, word)
+        except IntegrityError as exc:
+            outcomes.append(("refused", str(exc)))
+        else:
+            assert got.positions.dtype == np.int64 and got.values.dtype == word
+            outcomes.append((got.positions.tobytes(), got.values.tobytes()))
+    assert outcomes[0] == outcomes[1]
+    if fault == "none":
+        assert outcomes[0][0] != "refused"

@@ -610,7 +610,7 @@ static PyObject *py_planes(PyObject *self, PyObject *args) {
  * gap_width bytes as byte planes, then k values of word_width bytes as byte planes;
  * positions[i] = sum(gap[0..i] + 1) - 1. Returns 0, or 1 when a gap is n or more, else 2
  * when a position reaches n (the order dcr_log.codec.base.positions_from_gaps checks them
- * in, whose numpy steps cost 15 numpy calls for a record of a few changes). */
+ * in, whose numpy steps are a dozen calls for a record of a few changes). */
 static uint64_t plane_word(const unsigned char *planes, Py_ssize_t k, int width, Py_ssize_t i) {
     uint64_t v = 0;
     for (int j = 0; j < width; j++)

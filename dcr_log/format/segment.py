@@ -60,8 +60,8 @@ def __getattr__(name: str) -> Any:
 # holds one batch at a time, and a writer to a local directory writes each batch as soon as it
 # is closed, while later records are encoded (write.uploader.SegmentUploader.feed). With 64 MiB,
 # a version of 22 MiB (10% changed of 512 MiB) was one batch, written after the last record,
-# and that write was a fifth of the append (tools/bench_encode.py --mib 512 --rates 0.10
-# --phases 0.10 --layout transformer --layers 24: 54-72 ms of 218-264).
+# and the append waited for that write (tools/bench_encode.py --mib 512 --rates 0.10 --phases
+# 0.10 --repeats 6 --no-create --layout transformer --layers 24: 72.6 ms of 295).
 BATCH_PAYLOAD_BYTES = 4 << 20
 # A record with at least this many payload bytes gets a batch of its own, so that its payload
 # goes into the file without first being joined with its neighbours' (one copy less).

@@ -183,10 +183,8 @@ def map_grouped(fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int]
     hand-offs between threads (a queue and a future), and on a virtual machine whose idle
     cores halt, each wakes a core. With a ``budget``, tasks are handed out as map_ordered
     hands out weighted items, each task weighing what its items weigh."""
-    groups = _groups(items, weights, grain, workers)
-    ends = itertools.accumulate(len(group) for group in groups)
-    sizes = [sum(weights[end - len(group):end]) for group, end in zip(groups, ends)] if budget else None
-    tasks = map_ordered(_each(fn), groups, workers, parallel, sizes, budget)
+    groups, sizes = _groups(items, weights, grain, workers)
+    tasks = map_ordered(_each(fn), groups, workers, parallel, sizes if budget else None, budget)
     try:
         for results in tasks:
             yield from results
@@ -194,18 +192,20 @@ def map_grouped(fn: Callable[[T], R], items: Sequence[T], weights: Sequence[int]
         tasks.close()
 
 
-def _groups(items: Sequence[T], weights: Sequence[int], grain: int, workers: int) -> list[list[T]]:
-    """Consecutive items, each group's weights summing to at least the task grain (but the last)."""
+def _groups(items: Sequence[T], weights: Sequence[int], grain: int, workers: int
+            ) -> tuple[list[list[T]], list[int]]:
+    """Consecutive items, each group's weights summing to at least the task grain (but the last),
+    and each group's summed weight."""
     grain = task_grain(sum(weights), workers, grain)
     groups: list[list[T]] = []
-    summed = grain
+    sizes: list[int] = []
     for item, weight in zip(items, weights):
-        if summed >= grain:
+        if not sizes or sizes[-1] >= grain:
             groups.append([])
-            summed = 0
+            sizes.append(0)
         groups[-1].append(item)
-        summed += weight
-    return groups
+        sizes[-1] += weight
+    return groups, sizes
 
 
 def start_grouped(fn: Callable[[T], object], items: Sequence[T], weights: Sequence[int], grain: int,
@@ -215,7 +215,7 @@ def start_grouped(fn: Callable[[T], object], items: Sequence[T], weights: Sequen
     for every future (``concurrent.futures.wait``) before it returns or touches what they
     read, and takes their errors from ``result()``."""
     pool = shared_pool(workers)
-    return [pool.submit(_each(fn), group) for group in _groups(items, weights, grain, workers)]
+    return [pool.submit(_each(fn), group) for group in _groups(items, weights, grain, workers)[0]]
 
 
 def _each(fn: Callable[[T], R]) -> Callable[[list[T]], list[R]]:

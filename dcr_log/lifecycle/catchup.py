@@ -30,16 +30,19 @@ def _write_segments(log: DeltaLog, version: int, prefix: str, records: Iterable[
     """Encode ``records`` into segment files under ``prefix``; returns (refs, records, changed
     elements, every key tried)."""
     uploads = SegmentUploader(log.store)
-    builder = SegmentBuilder(log.log_id, version)
-    key = f"{prefix}{writer_id}-{uuid.uuid4().hex}.arrow"
+
+    def new_segment() -> tuple[SegmentBuilder, str]:
+        # Its key from the start: a segment may be fed to the store while it is built.
+        return SegmentBuilder(log.log_id, version), f"{prefix}{writer_id}-{uuid.uuid4().hex}.arrow"
+
+    builder, key = new_segment()
     count = changed = 0
 
     def flush() -> None:
         nonlocal builder, key
         if builder.records:
             uploads.put(key, builder)
-            builder = SegmentBuilder(log.log_id, version)
-            key = f"{prefix}{writer_id}-{uuid.uuid4().hex}.arrow"
+            builder, key = new_segment()
 
     try:
         for rec in records:

@@ -409,8 +409,12 @@ class ShardedWriter:
         replicas = ReplicaHasher(p.key for p in mine + copies if p.key in replicated)
         writer_id = self.writer_id if self.group.size == 1 else f"{self.writer_id}-r{self.group.rank}"[-64:]
         store = self.log.store
-        builder = SegmentBuilder(self.log.log_id, version)
-        key = segment_key(version, writer_id, uuid.uuid4().hex)
+
+        def new_segment() -> tuple[SegmentBuilder, str]:
+            # Its key from the start: a segment may be fed to the store while it is built.
+            return SegmentBuilder(self.log.log_id, version), segment_key(version, writer_id, uuid.uuid4().hex)
+
+        builder, key = new_segment()
         digests = self.log.digests
         policy = self._differ.policy
 
@@ -421,8 +425,7 @@ class ShardedWriter:
             if builder.records == 0:
                 return
             uploads.put(key, builder)
-            builder = SegmentBuilder(self.log.log_id, version)
-            key = segment_key(version, writer_id, uuid.uuid4().hex)
+            builder, key = new_segment()
 
         try:
             if early is not None:  # (in the try: a failure here is reported too)

@@ -124,7 +124,9 @@ class Store:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise os_error(exc, f"cannot create {path}") from None
-            return Store(LocalStore(path), f"file://{path}", local_root=path)
+            # automatic_cleanup: a delete also removes the directories it leaves empty (the
+            # root excepted), so that gc does not leave a segments/<v>/ behind per version.
+            return Store(LocalStore(path, automatic_cleanup=True), f"file://{path}", local_root=path)
         if parsed.scheme == "memory":
             with _MEMORY_LOCK:
                 inner = _MEMORY_STORES.setdefault(text, MemoryStore())
@@ -263,18 +265,21 @@ class Store:
             raise UsageError(f"{self.url} is not a local directory: use put_new")
         final = self.local_root / key
         tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+        linked = False
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
+            with _create_in_place(final.parent, tmp) as f:
                 sink = _HashingWriter(f)
                 write(sink)
             os.link(tmp, final)
+            linked = True
         except FileExistsError:
             raise AlreadyExists(f"{self.url}: {key} already exists") from None
         except OSError as exc:  # no space, read-only, permission: one typed line
             raise os_error(exc, f"cannot write {self.url}/{key}") from None
         finally:
             tmp.unlink(missing_ok=True)
+            if not linked:  # as a delete does: no directory left that only the attempt made
+                _remove_empty_parents(final.parent, self.local_root)
         return sink.size, sink.sha.hexdigest()
 
     def head(self, key: str) -> ObjectInfo | None:
@@ -306,6 +311,38 @@ class Store:
             pass
         except Exception as exc:
             raise _failed(exc, "delete", self.url, key) from None
+
+
+# Tries to create a file in a directory that a delete's cleanup or another writer's failed
+# create may remove (while it is empty) between our mkdir and our open.
+CREATE_TRIES = 8
+
+
+def _create_in_place(directory: Path, path: Path) -> IO[bytes]:
+    """``path`` opened for writing, its ``directory`` created first, and again if it was
+    removed in between."""
+    for _ in range(CREATE_TRIES - 1):
+        try:
+            # (mkdir's exist_ok re-raises FileExistsError when the directory it found is gone
+            # by the time it looks again)
+            directory.mkdir(parents=True, exist_ok=True)
+            return open(path, "wb")
+        except (FileNotFoundError, FileExistsError):
+            if directory.exists() and not directory.is_dir():  # a file there: no retry helps
+                raise
+    directory.mkdir(parents=True, exist_ok=True)
+    return open(path, "wb")
+
+
+def _remove_empty_parents(directory: Path, root: Path) -> None:
+    """Remove ``directory`` and its parents below ``root`` while they are empty (what obstore's
+    automatic cleanup does after a delete)."""
+    while directory != root and root in directory.parents:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (another writer's file), or gone already
+            return
+        directory = directory.parent
 
 
 def _check_size(key: str, actual: int, size: int | None, max_size: int | None) -> None:

@@ -302,6 +302,8 @@ def test_gc_waits_for_the_grace_period_and_removes_orphans(tmp_path):
     assert later.expired_start == 6 and later.deleted_versions == 6
     assert not (root / orphan).exists()
     assert (root / future).exists()
+    # The expired versions' segment directories went with their last segment.
+    assert sorted(int(p.name) for p in (root / "segments").iterdir()) == list(range(6, 11))
     assert gc(DeltaLog.open(root), keep_last=4, grace=0).deleted_objects == 0  # idempotent
     orphan2 = "segments/8/ghost-" + "2" * 32 + ".arrow"
     log.store.put_new(orphan2, b"lost")

@@ -126,6 +126,7 @@ def test_a_segment_given_up_leaves_no_file(tmp_path, monkeypatch, how):
             uploads.finish()
         assert not _upload_threads()
     assert _files(root) == [] and uploads.refs == []
+    assert list(root.iterdir()) == []  # nor the directory made for it
 
 
 def test_a_failed_write_is_raised_while_the_segment_is_fed(tmp_path, monkeypatch):
@@ -153,6 +154,7 @@ def test_a_failed_write_is_raised_while_the_segment_is_fed(tmp_path, monkeypatch
     assert raised is not None and "space" in str(raised)
     uploads.finish(raise_errors=False)
     assert _files(root) == [] and not _upload_threads()
+    assert list(root.iterdir()) == []
 
 
 def _failing_create_file(write_fails):
@@ -211,6 +213,7 @@ def test_an_append_interrupted_while_its_segment_is_written(tmp_path, monkeypatc
     assert fed  # the interrupt came while the segment was being fed
     _wait_until(lambda: not _upload_threads(), "the writing thread ended")
     assert _files(tmp_path / "log") == before
+    assert not (tmp_path / "log" / "segments" / "1").exists()
     commit = writer.append(s1)
     writer.close()
     assert commit.version == 1

@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 
-from dcr_log.errors import NotFoundError, UsageError
+from dcr_log.errors import NotFoundError, StoreError, UsageError
 from dcr_log.store import HASH_BESIDE_BYTES, AlreadyExists, Store, _HashingWriter
 
 
@@ -119,6 +119,70 @@ def test_local_store_leaves_no_staging_files(tmp_path):
         store.put_new("a/b", b"2")
     files = sorted(str(p.relative_to(tmp_path / "root")) for p in (tmp_path / "root").rglob("*") if p.is_file())
     assert files == ["a/b"]
+
+
+def _directories(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir())
+
+
+def test_deletes_remove_the_directories_they_leave_empty(tmp_path):
+    """As gc deletes a version's segments, its segments/<v>/ goes with the last of them (an
+    empty directory means nothing, FORMAT.md section 15); the root stays."""
+    root = tmp_path / "root"
+    store = Store.open(root, create=True)
+    for key in ("a/b/c", "a/d", "e/f"):
+        store.put_new(key, b"1")
+    store.delete("a/b/c")
+    assert _directories(root) == ["a", "e"]
+    store.delete("a/d")
+    store.delete("e/f")
+    assert root.is_dir() and _directories(root) == [] and list(root.iterdir()) == []
+
+
+def test_a_failed_create_leaves_no_directory_it_made(tmp_path):
+    """A create that fails (a full disk, an abandoned segment) removes its temporary file and
+    the directories only it needed; a directory holding another object stays."""
+    root = tmp_path / "root"
+    store = Store.open(root, create=True)
+
+    def fail(f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(StoreError, match="no space left"):
+        store.create_file("segments/7/x", fail)
+    assert list(root.iterdir()) == []
+    store.put_new("segments/7/y", b"kept")
+    with pytest.raises(StoreError, match="no space left"):
+        store.create_file("segments/7/x", fail)
+    assert [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()] == ["segments/7/y"]
+
+
+def test_creates_and_deletes_in_one_directory_race_without_errors(tmp_path):
+    """Writers create objects in a directory while deletes empty it and remove it (as gc
+    does to a version's orphan segments while a writer retries that version): a create
+    whose directory vanished between its mkdir and its open makes it again."""
+    root = tmp_path / "root"
+    store = Store.open(root, create=True)
+    errors: list[BaseException] = []
+
+    def churn(name: str) -> None:
+        try:
+            for i in range(400):
+                key = f"segments/3/{name}-{i}"
+                store.put_new(key, b"x")
+                assert bytes(store.get(key)) == b"x"
+                store.delete(key)
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(f"w{n}",)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert list(root.iterdir()) == []
 
 
 def test_memory_stores_are_shared_by_name():

@@ -4,7 +4,7 @@ directory receivers at ~1% and ~3% changed bf16 values (``--rates``), next to ``
 of the whole model in the same process, and the journal's share of the apply time (LMDB
 transactions, synced, over the whole apply).
 
-    python tools/bench_apply.py [--gib 0.25] [--reps 3] [--verify none,sample,full] [--dir DIR]
+    python tools/bench_apply.py [--gib 0.25] [--reps 3] [--layers 4] [--verify none,sample,full] [--dir DIR]
                                 [--receivers numpy,torch,ckpt] [--phases] [--task-changes N]
                                 [--rates 0.01,0.03] [--ckpt-writes MIB]
 
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.25, help="model size in GiB of bf16 (default 0.25)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4,
+                    help="transformer layers the model is cut into (default 4; 24: 219 tensors at 0.5 GiB)")
     ap.add_argument("--verify", default="none,sample", help="comma-separated verify levels")
     ap.add_argument("--receivers", default="numpy,torch,ckpt")
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, work: Path) -> int:
-    specs = specs_for_params(int(args.gib * (1 << 30) / 2))
+    specs = specs_for_params(int(args.gib * (1 << 30) / 2), args.layers)
     n = sum(math.prod(s.shape) for s in specs)
     model_bytes = 2 * n
     print(machine_line())

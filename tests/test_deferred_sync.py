@@ -386,13 +386,25 @@ def spread_positions(rng: np.random.Generator, count: int, top: int, most_gap: i
 
 @settings(max_examples=300, deadline=None)
 @given(name=st.text(min_size=1, max_size=8), width=st.sampled_from([1, 2, 4, 8]), count=st.integers(0, 40),
-       kind=st.sampled_from(["span", "u1", "u2", "u4", "u8"]), start=st.integers(0, 1 << 40),
-       lead=st.integers(0, 9), seed=st.integers(0, 2**32 - 1), floats=st.booleans(), edge=st.booleans())
-def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, start, lead, seed, floats, edge):
+       kind=st.sampled_from(["span", "u1", "u2", "u4", "u8", "unsorted"]), start=st.integers(0, 1 << 40),
+       lead=st.integers(0, 9), seed=st.integers(0, 2**32 - 1), floats=st.booleans(), edge=st.booleans(),
+       c_path=st.booleans())
+def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, start, lead, seed, floats, edge,
+                                                  c_path):
     """A batch lays its images into a reused buffer: each must be exactly the bytes
     RECEIVER.md 5.6 lays out (whatever an earlier batch left there), with the smallest kind
     that holds its positions, and nothing outside it is touched. Words given in a float
-    dtype (NaN payloads, -0.0 among random bits) are kept as bits, not converted."""
+    dtype (NaN payloads, -0.0 among random bits) are kept as bits, not converted. The same
+    bytes from the C module's gaps (``c_path``, where it is built) as from numpy's."""
+    from dcr_log import native
+
+    with pytest.MonkeyPatch.context() as patch:
+        if not c_path:
+            patch.setattr(native, "changes", None)
+        _check_image_laid(name, width, count, kind, start, lead, seed, floats, edge)
+
+
+def _check_image_laid(name, width, count, kind, start, lead, seed, floats, edge):
     from dcr_log.receiver.journal_entries import decode_wal_image, encode_wal_image, wal_image_bound
 
     rng = np.random.default_rng(seed)
@@ -405,6 +417,8 @@ def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, star
     elif kind in ("u1", "u2"):  # gaps up to the kind's largest, or one past it (edge)
         most = (1 << (8 if kind == "u1" else 16)) - 1 + edge
         where = spread_positions(rng, count, 1 << 40, most)
+    elif kind == "unsorted":  # close together, but not increasing: no gaps
+        where = rng.permutation(spread_positions(rng, count, 1 << 20, 3))
     else:
         where = spread_positions(rng, count, (1 << 32) if kind == "u4" else (1 << 48), None)
     whole = bytes(encode_wal_image(name, where, words))
@@ -415,7 +429,7 @@ def test_an_image_laid_into_a_buffer_is_the_image(name, width, count, kind, star
         kind_byte, located = 0, struct.pack("<Q", start)
     else:
         gaps = np.diff(where) - 1
-        if count >= 2 and int(gaps.max()) < (1 << 16):
+        if count >= 2 and int(gaps.min()) >= 0 and int(gaps.max()) < (1 << 16):
             kind_byte = 1 if int(gaps.max()) < (1 << 8) else 2
             located = struct.pack("<Q", int(where[0])) + gaps.astype(f"<u{kind_byte}").tobytes()
         else:

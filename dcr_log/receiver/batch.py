@@ -442,11 +442,12 @@ class BatchWriter:
             w, at, bound = item
             return encode_wal_image(w.record.tensor, w.where, w.target, buffer[at:at + bound])
 
-        # On the pool's threads (the copies release the GIL): laid on this thread, they held
-        # the prefault and the stage back behind them (tools/bench_apply.py --gib 0.5 --reps 9
-        # --verify sample --receivers ckpt, two alternating pairs: 0.054 s at 1% changed
-        # against 0.058-0.059, 0.116-0.122 s at 3% against 0.121-0.128; tools/bench_side.py's
-        # checkpoint columns did not move beyond their spread).
+        # On the pool's threads (the C module lays an image in one call, the GIL released):
+        # laid on this thread, they held the prefault and the stage back behind them
+        # (tools/bench_apply.py --gib 0.5 --reps 9 --verify sample --receivers ckpt, two
+        # alternating pairs: 0.054 s at 1% changed against 0.058-0.059, 0.116-0.122 s at 3%
+        # against 0.121-0.128; tools/bench_side.py's checkpoint columns did not move beyond
+        # their spread).
         laid = list(map_grouped(lay, list(zip(work, starts, bounds)), [w.record.n_changed for w in work],
                                 TASK_CHANGES, APPLY_WORKERS, parallel))
         size = sum(len(image) for image in laid)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from dcr_log import native
 from dcr_log.errors import IntegrityError
 from dcr_log.format import file_name_problem
 from dcr_log.format.tensors import digest_hex
@@ -102,6 +103,27 @@ def _position_kind(where: np.ndarray) -> tuple[int, np.ndarray | None]:
     return (4 if count == 0 or int(where.max()) < (1 << 32) else 8), None
 
 
+def _lay_native(name: bytes, where: slice | np.ndarray, words: np.ndarray, out: np.ndarray | None
+                ) -> memoryview | None:
+    """encode_wal_image's image of gap kind 1 or 2 in one C call (the GIL released: the
+    receiver lays a batch's images on the pool's threads), or None where the C module, the
+    positions or their gaps do not allow it."""
+    changes = native.changes
+    count = words.size
+    if (changes is None or not isinstance(where, np.ndarray) or where.dtype != np.int64 or where.ndim != 1
+            or not where.flags.c_contiguous or count < 2 or where.size != count):
+        return None
+    at = _WAL_HEAD.size + len(name) + _WAL_FIELDS.size
+    bound = at + 8 + 2 * (count - 1) + words.itemsize * count
+    buf = np.empty(bound, np.uint8) if out is None else out[:bound]
+    kind = changes.image_lay(where, words, words.itemsize, buf[at:])
+    if not kind:
+        return None
+    head = _WAL_HEAD.pack(len(name)) + name + _WAL_FIELDS.pack(words.itemsize, kind, count)
+    buf[:at] = np.frombuffer(head, np.uint8)
+    return buf[:at + 8 + kind * (count - 1) + words.itemsize * count].data
+
+
 def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
                      out: np.ndarray | None = None) -> memoryview:
     """One written record's image, laid into ``out`` (uint8, at least wal_image_bound bytes:
@@ -109,6 +131,10 @@ def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
     exactly its bytes. The positions take the smallest kind that holds them."""
     name = tensor.encode()
     count, width = int(words.size), words.itemsize
+    word = f"<u{width}"  # the words' bits, whatever their dtype says
+    laid = _lay_native(name, where, np.ascontiguousarray(words).reshape(-1).view(word), out)
+    if laid is not None:
+        return laid
     gaps = None
     if isinstance(where, slice):
         kind, located = 0, 8
@@ -128,7 +154,6 @@ def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
     else:
         np.copyto(buf[at:at + located].view("<u4" if kind == 4 else "<u8"), where, casting="unsafe")
     at += located
-    word = f"<u{width}"  # the words' bits, whatever their dtype says
     np.copyto(buf[at:].view(word), np.ascontiguousarray(words).reshape(-1).view(word))
     return buf.data
 

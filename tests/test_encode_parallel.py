@@ -148,8 +148,13 @@ def test_a_log_written_on_many_threads_is_the_log_written_on_one(tmp_path, monke
 def test_a_model_of_many_small_tensors_goes_to_the_pool_in_a_few_tasks(tmp_path, monkeypatch):
     """The write pass hands the pool consecutive small chunks together (sharded.WRITE_GRAIN
     elements or a quarter of each thread's share a task): 1200 tensors of a norm's size go in
-    a handful of tasks, not one each, and the log holds the bits."""
+    a handful of tasks, not one each, and the log holds the bits. (Such a model alone is
+    encoded on the calling thread, PARALLEL_MIN_PIECE_ELEMENTS, below; here the pool is
+    required, as for the small tensors of a model whose large ones take it.)"""
     from dcr_log import DeltaLog, parallel
+    from dcr_log.write import sharded
+
+    monkeypatch.setattr(sharded, "PARALLEL_MIN_PIECE_ELEMENTS", 0)
 
     rng = np.random.default_rng(12)
     base = {f"layers.{i:04d}.norm": TensorBits("BF16", (1024,), random_words(rng, np.dtype("<u2"), 1024))
@@ -170,3 +175,43 @@ def test_a_model_of_many_small_tensors_goes_to_the_pool_in_a_few_tasks(tmp_path,
     assert 4 <= len(tasks) <= 16, len(tasks)  # at least four a thread's worth, far fewer than 1200
     got = DeltaLog.open(tmp_path / "log").materialize(1)
     assert all(np.array_equal(got[name].words, bits.words) for name, bits in new.items())
+
+
+@pytest.mark.parametrize("elements, create_pooled, append_pooled",
+                         [(1024, False, False), (1 << 14, True, False), (1 << 20, True, True)])
+def test_a_model_of_small_pieces_is_encoded_on_the_calling_thread(tmp_path, monkeypatch, elements,
+                                                                  create_pooled, append_pooled):
+    """The write pass goes to the pool only where the pieces' C passes are expected to
+    outweigh their Python (sharded.PARALLEL_MIN_PIECE_ELEMENTS): two threads would take turns
+    at the GIL for it and run slower than one. A create writes every element; an append is
+    expected to change what the last version changed (here 3 words a piece). Either way the
+    log holds the bits."""
+    from dcr_log import DeltaLog, parallel
+
+    rng = np.random.default_rng(13)
+    count = max(4, (1 << 21) // elements)  # at least the 1 Mi elements the pool starts at
+    states = [{f"layers.{i:04d}.w": TensorBits("BF16", (elements,), random_words(rng, np.dtype("<u2"), elements))
+               for i in range(count)}]
+    for _ in range(2):
+        new = {}
+        for name, bits in states[-1].items():
+            words = bits.words.copy()
+            words[rng.choice(elements, 3, replace=False)] ^= np.uint16(1)
+            new[name] = TensorBits("BF16", (elements,), words)
+        states.append(new)
+    pool = parallel.shared_pool(2)
+    tasks: list = []
+    real_submit = pool.submit
+    monkeypatch.setattr(pool, "submit", lambda fn, *a: tasks.append(fn) or real_submit(fn, *a))
+    writer = LogWriter.create(tmp_path / "log", states[0], policy=replace(EncodePolicy(), workers=2),
+                              cache_dir=tmp_path / "cache")
+    assert bool(tasks) == create_pooled, len(tasks)
+    writer.append(states[1])  # expected to change every element (the last version was the create)
+    tasks.clear()
+    writer.append(states[2])  # expected to change 3 words a piece
+    writer.close()
+    assert bool(tasks) == append_pooled, len(tasks)
+    log = DeltaLog.open(tmp_path / "log")
+    for version in (1, 2):
+        got = log.materialize(version)
+        assert all(np.array_equal(got[name].words, bits.words) for name, bits in states[version].items())

@@ -77,6 +77,15 @@ DEFAULT_FEATURES = (RANS_ENCODING, SUM_DIGESTS)
 # (parallel.map_grouped): a model's norms and other small tensors, a task each, cost more in
 # the hand-offs between threads than in their encoding.
 WRITE_GRAIN = 1 << 18
+# The write pass goes to the pool only where its C passes, which release the GIL, average
+# at least what finding the changes in this many unchanged elements costs a piece. Each piece
+# also costs the encoding thread about 100 us of Python (the encodings tried, the digests, the
+# record); two threads running that at once take turns at the GIL and run slower than one, so
+# a model of small pieces at a low rate is encoded on the calling thread. A changed element
+# costs about CHANGE_ELEMENTS unchanged ones (tools/bench_encode.py --mib 512 --breakdown 0.10:
+# finding 1.9 ns a change at 10%, 0.19 a word; the coder, copies and digests 7.9 a change).
+PARALLEL_MIN_PIECE_ELEMENTS = 1 << 19
+CHANGE_ELEMENTS = 40
 
 
 class ShardedWriter:
@@ -462,7 +471,7 @@ class ShardedWriter:
                 return task, new, delta
 
             wholes = {} if digests.composable else {i: xxhash.xxh3_64() for i in range(len(infos))}
-            parallel = sum(p.box.size for p in mine) >= (1 << 20)
+            parallel = _parallel_pays(mine, kept, self._last_rate())
             # A chunk's result holds at most its elements' worth (positions, words, payload):
             # in flight, what workers + 1 whole chunks hold, however small the chunks (a
             # model's norms and small matrices keep every thread busy between its large ones).
@@ -506,6 +515,14 @@ class ShardedWriter:
             raise
         pending.segment_keys = uploads.keys
         return report, pending, error
+
+    def _last_rate(self) -> float:
+        """The fraction of elements the last version changed (1 before the first: a create
+        writes every element)."""
+        if self._version < 0:
+            return 1.0
+        stats = self.log.commit(self._version).stats
+        return stats.changed_elements / max(stats.total_elements, 1)
 
     def _abandon(self, pending: Pending) -> None:
         """A version not committed: its early writes undone, and the cache sealed again where
@@ -572,6 +589,14 @@ class ShardedWriter:
             return CommitOutcome(failure="unknown",
                                  error=f"version {version}: commit failed ({type(exc).__name__}: {exc})")
         return CommitOutcome(commit=commit.to_bytes())
+
+
+def _parallel_pays(mine: list[ShardPiece], kept: set[PieceKey], rate: float) -> bool:
+    """Whether a write pass over ``mine`` goes to the pool (PARALLEL_MIN_PIECE_ELEMENTS): kept
+    pieces expected to change at ``rate`` (the last version's), new ones whole."""
+    total = sum(p.box.size for p in mine)
+    work = sum(p.box.size * (1 + CHANGE_ELEMENTS * (rate if p.key in kept else 1.0)) for p in mine)
+    return total >= (1 << 20) and work >= PARALLEL_MIN_PIECE_ELEMENTS * len(mine)
 
 
 def _try(fn):

@@ -528,7 +528,7 @@ def test_images_laid_on_the_pool_are_each_records_own(tmp_path, monkeypatch, log
     at another's offset would overwrite that one's bytes, or leave a hole that does not parse)."""
     log, states = logged
     # Every batch on the pool, a record per task, however few its changes.
-    monkeypatch.setattr(batch_module, "PARALLEL_MIN_CHANGES", 0)
+    monkeypatch.setattr(batch_module, "pool_pays", lambda changes, records: True)
     monkeypatch.setattr(batch_module, "TASK_CHANGES", 1)
     threads: set[int] = set()
     real = batch_module.encode_wal_image

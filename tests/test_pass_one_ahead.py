@@ -104,6 +104,38 @@ def test_large_segments_are_classified_on_pool_threads(tmp_path, ahead, receiver
     assert ahead["threads"] and threading.current_thread().name not in ahead["threads"]
 
 
+def test_many_small_records_stay_on_the_calling_thread(tmp_path, ahead, monkeypatch):
+    """A version of many small records (about 800 changes each, 80 thousand in all) is
+    decoded, classified and written on the calling thread: on the pool their Python would
+    take turns at the GIL (context.PARALLEL_MIN_RECORD_CHANGES). The bits are the log's."""
+    from dcr_log.receiver import batch, context
+
+    log, base, new = flip_log(tmp_path / "log", tensors=100, n=1 << 14, rate=0.05, seed=6)
+    records = [r for r in log.records(1)]
+    changes = sum(r.n_changed for r in records)
+    assert changes >= context.PARALLEL_MIN_CHANGES and not context.pool_pays(changes, len(records))
+    threads: set[str] = set()
+    for owner, name in ((checks.PassOne, "_decode_ahead"), (batch.BatchWriter, "_write")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, real=real: threads.add(threading.current_thread().name)
+                            or real(*a))
+    tensors = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
+    with Receiver.open(tensors, tmp_path / "j") as rx:
+        rx.bind(log, 0, verify="none")
+        rx.apply(log, to=1, verify="sample")
+    assert_same_bits(tensors, new)
+    assert ahead["threads"] == threads == {threading.current_thread().name}
+
+
+def test_the_pool_takes_records_that_average_enough_changes():
+    from dcr_log.receiver.context import PARALLEL_MIN_CHANGES, PARALLEL_MIN_RECORD_CHANGES, pool_pays
+
+    assert pool_pays(PARALLEL_MIN_CHANGES, 1) and not pool_pays(PARALLEL_MIN_CHANGES - 1, 1)
+    many = PARALLEL_MIN_CHANGES // PARALLEL_MIN_RECORD_CHANGES + 10
+    assert pool_pays(PARALLEL_MIN_RECORD_CHANGES * many, many)
+    assert not pool_pays(PARALLEL_MIN_RECORD_CHANGES * many - 1, many)
+
+
 def test_the_write_pass_decodes_nothing_pass_one_gathered(tmp_path, monkeypatch):
     """A record whose words, target and flat positions pass 1 kept is written from them: the
     write pass decodes no record again, and pass 1 lets go of the record's decoded changes

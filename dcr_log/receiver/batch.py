@@ -27,7 +27,7 @@ from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.records import decode_record, flat_positions, record_bases, record_targets
 from dcr_log.parallel import TASK_CHANGES, map_grouped, start_grouped
 from dcr_log.receiver.checks import sampled
-from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, ApplyContext, GroupDigests
+from dcr_log.receiver.context import APPLY_WORKERS, ApplyContext, GroupDigests, pool_pays
 from dcr_log.receiver.journal import Journal, SegmentProgress
 from dcr_log.receiver.journal_entries import encode_wal_image, wal_image_bound
 from dcr_log.receiver.segments import SegmentCache
@@ -292,7 +292,7 @@ class BatchWriter:
             parts = (self.digests.part(place, where, cur), self.digests.part(place, where, target))
             return _Gathered(i, rec, info, place, where, cur, values, target, parts)
 
-        parallel = sum(it.record.n_changed for it in items) >= PARALLEL_MIN_CHANGES
+        parallel = pool_pays(sum(it.record.n_changed for it in items), len(items))
         # Records pass 1 kept ready take no work here: they skip the pool (a task each would
         # only hand them to a thread and back).
         ready = [prepare(it) for it in items if it.gathered is not None]

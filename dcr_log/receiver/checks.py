@@ -26,7 +26,7 @@ from dcr_log.log.deltalog import Step
 from dcr_log.log.records import decode_record, flat_positions, record_targets
 from dcr_log.log.steps import StepRules
 from dcr_log.parallel import TASK_CHANGES, map_grouped
-from dcr_log.receiver.context import APPLY_WORKERS, PARALLEL_MIN_CHANGES, GroupDigests
+from dcr_log.receiver.context import APPLY_WORKERS, GroupDigests, pool_pays
 from dcr_log.receiver.journal import SegmentProgress
 from dcr_log.receiver.segments import SegmentCache
 from dcr_log.receiver.storage import Storage
@@ -176,7 +176,7 @@ class PassOne:
 
             weights = [r.n_changed for r in recs]
             decoded = map_grouped(decode, range(len(recs)), weights, TASK_CHANGES, APPLY_WORKERS,
-                                  sum(weights) >= PARALLEL_MIN_CHANGES)
+                                  pool_pays(sum(weights), len(recs)))
             try:
                 with contextlib.closing(decoded):
                     self._segment(cache, seg, recs, prog, classify, decoded, pending)

@@ -29,6 +29,20 @@ APPLY_WORKERS = DEFAULT_WORKERS
 # written by records on the shared pool's threads; smaller ones on the calling thread (a hop
 # costs more).
 PARALLEL_MIN_CHANGES = 1 << 16
+# ... and only where their records average this many changes: each record also costs its
+# thread tens of microseconds of Python, which two threads take turns at (the GIL), so many
+# small records ran slower on the pool than on one thread. tools/bench_apply.py --gib 0.0625
+# --layers 24 --reps 9 --receivers numpy,torch,ckpt --verify sample --rates 0.01 (219
+# records of 1450 changes on average), two runs each way, alternating: numpy 0.022-0.023 s on
+# the calling thread against 0.026 on the pool, torch 0.023-0.024 against 0.038, a checkpoint
+# directory 0.038 against 0.054-0.058; with --gib 0.125 (2970 changes a record, the pool
+# either way) the same.
+PARALLEL_MIN_RECORD_CHANGES = 1 << 11
+
+
+def pool_pays(changes: int, records: int) -> bool:
+    """Whether ``records`` holding ``changes`` in all go to the pool's threads."""
+    return changes >= max(PARALLEL_MIN_CHANGES, PARALLEL_MIN_RECORD_CHANGES * records)
 
 
 @dataclass(frozen=True, slots=True)

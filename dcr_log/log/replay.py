@@ -46,6 +46,10 @@ def _covers_exactly(pieces: list | None, count: int) -> bool:
 
 # Records of boxes smaller than this are applied on the calling thread: a hop costs more.
 PARALLEL_MIN_ELEMENTS = 1 << 16
+# ... and all of a version's where its records average fewer changes than this: each costs
+# tens of microseconds of Python besides its C passes, which the pool's threads would take
+# turns at (the GIL), as a receiver's would (dcr_log.receiver.context).
+PARALLEL_MIN_RECORD_CHANGES = 1 << 11
 
 
 def _decode_and_apply(rec: Record, info, bits: TensorBits, digests: DigestScheme) -> None:
@@ -68,8 +72,10 @@ class _ParallelApply:
     in flight; on the first error the rest are drained and the error is raised.
     """
 
-    def __init__(self, digests: DigestScheme, grain: int = TASK_CHANGES, window: int = 2 * DEFAULT_WORKERS):
+    def __init__(self, digests: DigestScheme, grain: int = TASK_CHANGES, window: int = 2 * DEFAULT_WORKERS,
+                 pooled: bool = True):
         self._digests = digests
+        self._pooled = pooled  # else every record on the calling thread
         self._grain = grain
         self._window = window
         self._pending: deque[Future] = deque()
@@ -86,7 +92,7 @@ class _ParallelApply:
             self._drain()  # may overlap an earlier record: let everything before it land first
             self._span_end.clear()
         self._span_end[rec.tensor] = max(end, self._span_end.get(rec.tensor, 0))
-        if rec.box.size < PARALLEL_MIN_ELEMENTS:
+        if not self._pooled or rec.box.size < PARALLEL_MIN_ELEMENTS:
             _decode_and_apply(rec, info, bits, self._digests)
             return
         self._group.append((rec, info, bits))
@@ -161,7 +167,9 @@ def apply_step(log: DeltaLog, state: dict[str, TensorBits], step: Step, check_al
     # cover the tensor exactly once compose to its digest (each one's target digest was
     # checked against the words it wrote), so no second pass hashes the tensor.
     spans: dict[str, list | None] = {n: [] for n in created} if log.digests.composable else {}
-    with _ParallelApply(log.digests, task_grain(step.stats.changed_elements, DEFAULT_WORKERS)) as applier:
+    stats = step.stats
+    pooled = stats.changed_elements >= PARALLEL_MIN_RECORD_CHANGES * stats.records
+    with _ParallelApply(log.digests, task_grain(stats.changed_elements, DEFAULT_WORKERS), pooled=pooled) as applier:
         for rec in log.records(step):
             info = rules.record(rec)
             if rec.tensor in wanted:

@@ -2,7 +2,7 @@
 """SIGKILL ``dcr apply`` at random instants, run it again, and check every run ends bit-exact.
 
     python tools/crash_apply.py [--kills 1000] [--mb 4] [--versions 6] [--seed 0] [--dir DIR] [--catchup]
-                                [--segment-bytes 2048]
+                                [--segment-bytes 2048] [--chunk-elements 4096]
 
 A log of a small bf16 model is built (versions with 1-5% changes, many segments, a tensor
 added, one dropped, one reshaped, an overwrite version; its files, feature files: a config
@@ -384,6 +384,11 @@ def main() -> int:
     ap.add_argument("--segment-bytes", type=int, default=2048,
                     help="writer segment size (default 2048: many segments, kills between them; "
                          "64 MiB: one segment per version, whose records a receiver writes in parallel)")
+    ap.add_argument("--chunk-elements", type=int, default=4096,
+                    help="the writer's records cover at most this many elements (default 4096: about 50 "
+                         "changes a record; 262144 with --segment-bytes 67108864 --rates 0.02 0.03: a record "
+                         "a tensor, about 3000 changes, which a receiver decodes, checks and writes on the "
+                         "pool's threads: dcr_log.receiver.context.pool_pays)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--catchup", action="store_true", help="receivers catch up through a squash and a snapshot")
@@ -396,7 +401,8 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         fx = build_fixture(work / "fixture", mb=args.mb, versions=args.versions, seed=args.seed,
-                           catchup=args.catchup, segment_bytes=args.segment_bytes, rates=tuple(args.rates))
+                           catchup=args.catchup, segment_bytes=args.segment_bytes, rates=tuple(args.rates),
+                           chunk_elements=args.chunk_elements)
         log = DeltaLog.open(fx.log)
         segs = [len(log.commit(v).segments) for v in log.versions()[1:]]
         print(f"log: {len(fx.expected)} versions, {sum(segs)} segments after version 0, "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dcr_log import DeltaLog, create_log, state_equal
 from dcr_log.codec import (
@@ -293,3 +295,79 @@ def test_small_changes_choose_as_before():
     assert (_one(plain, base, new), _one(ulp, base, new), _one(rans, base, new)) == ("sparse", "ulp", "ulp-rans")
     base, new = _pair(rng, 8000, ulp_steps=False)
     assert (_one(plain, base, new), _one(ulp, base, new), _one(rans, base, new)) == ("dense", "dense", "dense")
+
+
+@settings(max_examples=150, deadline=None)
+@given(k=st.integers(1, 400), n=st.sampled_from([16, 64, 1000, N]), ulp_steps=st.booleans(),
+       seed=st.integers(0, 2**32 - 1), width=st.sampled_from([2, 4]))
+def test_records_too_small_for_ulp_rans_choose_as_if_it_were_tried(k, n, ulp_steps, seed, width):
+    """ulp-rans is not encoded where the smallest candidate so far is MIN_PAYLOAD bytes or
+    less (its payload could not win, FORMAT.md section 11): the records (encoding, params,
+    payload) are those of a writer that encodes it every time, at every size and rate."""
+    from dcr_log.codec import ulp_rans
+
+    rng = np.random.default_rng(seed)
+    dtype, word = ("BF16", np.uint16) if width == 2 else ("F32", np.uint32)
+    base = rng.integers(0, 1 << (8 * width - 2), n, dtype=np.uint64).astype(word)
+    new = base.copy()
+    where = np.sort(rng.choice(n, min(k, n), replace=False))
+    new[where] = (new[where] + 1) if ulp_steps else new[where] ^ word(0b1011)
+    a, b = TensorBits(dtype, (n,), base), TensorBits(dtype, (n,), new)
+    differ = Differ(EncodePolicy(workers=1), features=(RANS_ENCODING,))
+    shortcut = [(r.encoding, r.params, bytes(r.payload)) for r in differ.diff("t", a, b)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ulp_rans, "MIN_PAYLOAD", 0)  # every record encoded
+        every = [(r.encoding, r.params, bytes(r.payload)) for r in differ.diff("t", a, b)]
+    assert shortcut == every
+
+
+def test_no_ulp_rans_payload_is_below_its_bound():
+    """MIN_PAYLOAD is a lower bound: a record of one change, whose streams hold one symbol
+    each, is at least that long, and one of a few changes of one bin meets it."""
+    from dcr_log.codec.base import ChangeSet
+    from dcr_log.codec.ulp_rans import MIN_PAYLOAD
+
+    sizes = []
+    for k in (1, 2, 3, 8):
+        positions = np.arange(k, dtype=np.int64)
+        distances = np.ones(k, dtype=np.uint16)
+        _, payload = UlpRansEncoding().encode("xor", ChangeSet(1000, positions, distances, relative=True))
+        sizes.append(len(payload))
+    assert min(sizes) >= MIN_PAYLOAD and MIN_PAYLOAD in sizes, sizes
+
+
+def test_a_norms_few_changes_are_not_rans_coded(monkeypatch):
+    """A record of three changes: raw's 30 bytes are below MIN_PAYLOAD, so the coder is not run."""
+    from dcr_log.codec import ulp_rans
+
+    calls: list[int] = []
+    real = UlpRansEncoding.encode
+    monkeypatch.setattr(UlpRansEncoding, "encode", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    rng = np.random.default_rng(12)
+    differ = Differ(EncodePolicy(workers=1), features=(RANS_ENCODING,))
+    base, new = _pair(rng, 3, ulp_steps=True)
+    assert _one(differ, base, new) in ("raw", "sparse") and calls == []
+    base, new = _pair(rng, 200, ulp_steps=True)
+    assert _one(differ, base, new) == "ulp-rans" and calls == [1]
+    assert ulp_rans.MIN_PAYLOAD == 104
+
+
+@pytest.mark.parametrize("n, k", [(64, 8), (100, 6), (N, 3)])
+def test_a_record_too_small_for_ulp_rans_steers_the_rest_as_if_tried(tried, monkeypatch, n, k):
+    """Not encoding ulp-rans leaves the other encodings tried as its payload would have: dense
+    still waits for ulp_dense_min_rate (8 changes in 64 words, 12.5%, are above dense_min_rate
+    and below it), and sparse is still tried."""
+    from dcr_log.codec import ulp_rans
+
+    rng = np.random.default_rng(13)
+    base = rng.integers(0, 1 << 14, n, dtype=np.uint16)
+    new = base.copy()
+    new[np.sort(rng.choice(n, k, replace=False))] += np.uint16(1)
+    a, b = TensorBits("BF16", (n,), base), TensorBits("BF16", (n,), new)
+    differ = Differ(EncodePolicy(workers=1), features=(RANS_ENCODING,))
+    list(differ.diff("t", a, b))
+    shortcut = list(tried)
+    tried.clear()
+    monkeypatch.setattr(ulp_rans, "MIN_PAYLOAD", 0)
+    list(differ.diff("t", a, b))
+    assert "ulp-rans" in tried and shortcut == [name for name in tried if name != "ulp-rans"], (shortcut, tried)

@@ -23,6 +23,7 @@ import numpy as np
 
 from dcr_log.codec.attempt import Attempt, Candidate
 from dcr_log.codec.base import ChangeSet, Encoding, check_params, delta_positions
+from dcr_log.codec.raw import payload_size
 from dcr_log.codec.ulp import from_key, steer
 from dcr_log.errors import IntegrityError
 from dcr_log.format.commit import RANS_ENCODING
@@ -43,6 +44,12 @@ def _rans():
 # A stream's length is a 32-bit field (FORMAT.md section 11): records of more changes than
 # this could need longer streams, and take another encoding.
 MAX_CHANGES = (1 << 31) - (1 << 16)
+
+# The fewest bytes a payload can take (FORMAT.md section 11): B, two frequency tables of at
+# least one symbol (32 + 2 bytes each), three stream lengths and four streams of at least an
+# initial state each. A record whose raw or sparse candidate is already this small (a norm's
+# few changes) is not encoded at all: it could not win.
+MIN_PAYLOAD = 8 + 2 * (32 + 2) + 3 * 4 + 4 * 4
 
 # What dcr_log._rans.decode's error codes mean.
 _DECODE_ERRORS = {
@@ -67,6 +74,15 @@ class UlpRansEncoding(Encoding):
         """Not above ``policy.sparse_max_rate`` (nor past MAX_CHANGES). Like ``ulp``, once
         tried it steers the rest (dcr_log.codec.ulp.steer)."""
         if attempt.rate > attempt.policy.sparse_max_rate or attempt.changes.k > MAX_CHANGES:
+            return None
+        policy = attempt.policy
+        if (attempt.size_to_beat is not None and attempt.size_to_beat <= MIN_PAYLOAD
+                and MIN_PAYLOAD > policy.ulp_sparse_ratio * payload_size(attempt.kind, attempt.changes.k,
+                                                                         attempt.word_size)):
+            # Its payload would lose (a candidate wins only when smaller), and would steer the
+            # rest only as this does: MIN_PAYLOAD is above that share of raw's, so it would not
+            # have ruled sparse out.
+            attempt.whole_box_min_rate = max(attempt.whole_box_min_rate, policy.ulp_dense_min_rate)
             return None
         params, payload = cls().encode(attempt.kind, attempt.changes, base=attempt.base_values,
                                        new=attempt.new_values, buffer=attempt.buffer)

@@ -47,8 +47,8 @@ MAX_CHANGES = (1 << 31) - (1 << 16)
 
 # The fewest bytes a payload can take (FORMAT.md section 11): B, two frequency tables of at
 # least one symbol (32 + 2 bytes each), three stream lengths and four streams of at least an
-# initial state each. A record whose raw or sparse candidate is already this small (a norm's
-# few changes) is not encoded at all: it could not win.
+# initial state each. A record whose candidates so far (raw's, tried first) are already this
+# small (a norm's few changes) is not encoded at all: it could not win.
 MIN_PAYLOAD = 8 + 2 * (32 + 2) + 3 * 4 + 4 * 4
 
 # What dcr_log._rans.decode's error codes mean.

@@ -11,7 +11,7 @@ import numpy as np
 from dcr_log.coords import DTYPE_WIDTH, numel
 from dcr_log.digest import DigestScheme
 from dcr_log.errors import IntegrityError, NotFoundError, UsageError
-from dcr_log.format import CommitStats, Record, SegmentBuilder
+from dcr_log.format import CommitStats, Record
 from dcr_log.format.keys import check_writer_id
 from dcr_log.format.lifecycle import CatchUp
 from dcr_log.format.tensors import TensorInfo
@@ -22,7 +22,7 @@ from dcr_log.state import TensorBits
 from dcr_log.store import AlreadyExists
 from dcr_log.write.differ import Differ, EncodePolicy
 from dcr_log.write.sharded import DEFAULT_SEGMENT_BYTES, default_writer_id, utc_now
-from dcr_log.write.uploader import SegmentUploader
+from dcr_log.write.uploader import SegmentSeries, SegmentUploader
 
 
 def _write_segments(log: DeltaLog, version: int, prefix: str, records: Iterable[Record], writer_id: str,
@@ -30,30 +30,15 @@ def _write_segments(log: DeltaLog, version: int, prefix: str, records: Iterable[
     """Encode ``records`` into segment files under ``prefix``; returns (refs, records, changed
     elements, every key tried)."""
     uploads = SegmentUploader(log.store)
-
-    def new_segment() -> tuple[SegmentBuilder, str]:
-        # Its key from the start: a segment may be fed to the store while it is built.
-        return SegmentBuilder(log.log_id, version), f"{prefix}{writer_id}-{uuid.uuid4().hex}.arrow"
-
-    builder, key = new_segment()
+    segments = SegmentSeries(uploads, log.log_id, version, lambda: f"{prefix}{writer_id}-{uuid.uuid4().hex}.arrow",
+                             segment_bytes)
     count = changed = 0
-
-    def flush() -> None:
-        nonlocal builder, key
-        if builder.records:
-            uploads.put(key, builder)
-            builder, key = new_segment()
-
     try:
         for rec in records:
-            builder.add(rec)
+            segments.add(rec)
             count += 1
             changed += rec.n_changed
-            if builder.payload_bytes >= segment_bytes:
-                flush()
-            else:
-                uploads.feed(key, builder)
-        flush()
+        segments.flush()
         uploads.finish()
     except BaseException:
         uploads.finish(raise_errors=False)

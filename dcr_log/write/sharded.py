@@ -44,7 +44,6 @@ from dcr_log.format import (
     CommitStats,
     FileEntry,
     LogIdentity,
-    SegmentBuilder,
     segment_key,
 )
 from dcr_log.format.commit import RANS_ENCODING
@@ -63,7 +62,7 @@ from dcr_log.write.outcomes import CommitOutcome, CreateOutcome, RankReport, des
 from dcr_log.write.pending import Pending
 from dcr_log.write.pieces import Shard, ShardPiece, carried_shapes, resolve_pieces, shard_lists
 from dcr_log.write.replicas import ReplicaHasher, replica_mismatch, replicated_keys
-from dcr_log.write.uploader import SegmentUploader
+from dcr_log.write.uploader import SegmentSeries, SegmentUploader
 
 # A segment file is closed and uploaded once it holds this many payload bytes.
 DEFAULT_SEGMENT_BYTES = 64 << 20
@@ -417,24 +416,11 @@ class ShardedWriter:
         whole_digests: dict[str, int] = {}
         replicas = ReplicaHasher(p.key for p in mine + copies if p.key in replicated)
         writer_id = self.writer_id if self.group.size == 1 else f"{self.writer_id}-r{self.group.rank}"[-64:]
-        store = self.log.store
-
-        def new_segment() -> tuple[SegmentBuilder, str]:
-            # Its key from the start: a segment may be fed to the store while it is built.
-            return SegmentBuilder(self.log.log_id, version), segment_key(version, writer_id, uuid.uuid4().hex)
-
-        builder, key = new_segment()
         digests = self.log.digests
         policy = self._differ.policy
-
-        uploads = SegmentUploader(store)
-
-        def flush() -> None:
-            nonlocal builder, key
-            if builder.records == 0:
-                return
-            uploads.put(key, builder)
-            builder, key = new_segment()
+        uploads = SegmentUploader(self.log.store)
+        segments = SegmentSeries(uploads, self.log.log_id, version,
+                                 lambda: segment_key(version, writer_id, uuid.uuid4().hex), self.segment_bytes)
 
         try:
             if early is not None:  # (in the try: a failure here is reported too)
@@ -489,18 +475,14 @@ class ShardedWriter:
                 if delta is None:
                     continue
                 pending.add(piece, r0 * piece.row, delta)
-                builder.add(delta.record)
+                segments.add(delta.record)
                 changed += delta.record.n_changed
                 records += 1
-                if builder.payload_bytes >= self.segment_bytes:
-                    flush()
-                else:
-                    uploads.feed(key, builder)  # its closed batches written while encoding goes on
             for i, whole in wholes.items():
                 whole_digests[infos[i][0].name] = whole.intdigest()
             for (name, _, _), d in pending.contrib.items():  # the pieces' digest changes, per tensor
                 contrib[name] = (contrib.get(name, 0) + d) & MASK64
-            flush()
+            segments.flush()
             replicas.hash_pieces(copies, policy.chunk_elements)
             uploads.finish()
             report = RankReport(ok=True, segments=list(uploads.refs), contrib=contrib, whole=whole_digests,

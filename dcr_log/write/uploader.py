@@ -95,9 +95,7 @@ class SegmentUploader:
             stream.batches.put(None)
             self._stream = None
             return
-        while len(self._pending) >= self._in_flight:
-            self._wait_one()  # its buffer is free again
-        self.keys.append(key)
+        self._slot(key)  # (and with it the buffer of the upload it waited for)
         records = builder.records
         if self._store.local_root is not None:
             def job():
@@ -115,9 +113,7 @@ class SegmentUploader:
         self._submit(job)
 
     def _start(self, stream: _Stream) -> _Stream:
-        while len(self._pending) >= self._in_flight:
-            self._wait_one()
-        self.keys.append(stream.key)
+        self._slot(stream.key)
         builder = stream.builder
 
         def job():
@@ -125,6 +121,21 @@ class SegmentUploader:
             return SegmentRef(stream.key, size, sha, builder.records)  # (final: put came first)
         stream.future = self._submit(job)
         return stream
+
+    def _slot(self, key: str) -> None:
+        """Wait until fewer than UPLOADS_IN_FLIGHT segments are being written, and record
+        ``key`` as tried (what an abort deletes)."""
+        while len(self._pending) >= self._in_flight:
+            self._wait_one()
+        self.keys.append(key)
+
+    def _give_up_stream(self) -> bool:
+        """Abandon the segment being fed, if any: its file is not created. Whether there was one."""
+        if self._stream is None:
+            return False
+        self._stream.batches.put(SegmentAborted)
+        self._stream = None
+        return True
 
     def _submit(self, job: Callable[[], SegmentRef]) -> Future[SegmentRef]:
         if self._pool is None:
@@ -140,9 +151,7 @@ class SegmentUploader:
         """Give up the segment being fed, if any (its file is not created), and let the writing
         threads end once their segments are written, without waiting for them (an interrupt
         goes through at once). ``finish`` gives the fed segment up too, then waits."""
-        if self._stream is not None:
-            self._stream.batches.put(SegmentAborted)
-            self._stream = None
+        self._give_up_stream()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -150,10 +159,9 @@ class SegmentUploader:
     def finish(self, raise_errors: bool = True) -> None:
         try:
             error: Exception | None = None
-            if self._stream is not None:
-                error = UsageError(f"segment {self._stream.key} was fed and never put")
-                self._stream.batches.put(SegmentAborted)
-                self._stream = None
+            key = None if self._stream is None else self._stream.key
+            if self._give_up_stream():
+                error = UsageError(f"segment {key} was fed and never put")
             while self._pending:
                 try:
                     self._wait_one()
@@ -172,3 +180,30 @@ class SegmentUploader:
                 self._pool = None
             # Arrow's pool keeps the segments' buffers for reuse; a trainer needs them back.
             load_pyarrow().default_memory_pool().release_unused()
+
+
+class SegmentSeries:
+    """A version's records cut into segments of about ``segment_bytes`` of payload, each
+    written by ``uploads``: fed batch by batch while it is built (``SegmentUploader.feed``:
+    its key is drawn with the segment, by ``new_key()``), and put once full or at ``flush``."""
+
+    def __init__(self, uploads: SegmentUploader, log_id: str, version: int, new_key: Callable[[], str],
+                 segment_bytes: int):
+        self._uploads = uploads
+        self._new = lambda: (SegmentBuilder(log_id, version), new_key())
+        self._segment_bytes = segment_bytes
+        self._builder, self._key = self._new()
+
+    def add(self, rec: Record) -> None:
+        builder = self._builder
+        builder.add(rec)
+        if builder.payload_bytes >= self._segment_bytes:
+            self.flush()
+        else:
+            self._uploads.feed(self._key, builder)  # its closed batches written while encoding goes on
+
+    def flush(self) -> None:
+        """Put the segment being built, if it holds a record, and start the next."""
+        if self._builder.records:
+            self._uploads.put(self._key, self._builder)
+            self._builder, self._key = self._new()

@@ -22,6 +22,21 @@ DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
 # (map_grouped): at 1% changed, about four records of a few million elements.
 TASK_CHANGES = 1 << 17
 
+# Records go to the pool only where they average at least this many changes (receivers' pass
+# one and writes, replay): each record also costs its thread tens of microseconds of Python,
+# which two threads take turns at (the GIL), so many small records ran slower on the pool than
+# on one thread. tools/bench_apply.py --gib 0.0625 --layers 24 --reps 9 --receivers
+# numpy,torch,ckpt --verify sample --rates 0.01 (219 records of 1450 changes on average), two
+# runs each way, alternating: numpy 0.022-0.023 s on the calling thread against 0.026 on the
+# pool, torch 0.023-0.024 against 0.038, a checkpoint directory 0.038 against 0.054-0.058; with
+# --gib 0.125 (2970 changes a record, the pool either way) the same.
+RECORD_MIN_CHANGES = 1 << 11
+
+
+def records_large_enough(changes: int, records: int) -> bool:
+    """Whether ``records`` holding ``changes`` in all average RECORD_MIN_CHANGES or more."""
+    return changes >= RECORD_MIN_CHANGES * records
+
 
 T = TypeVar("T")
 R = TypeVar("R")

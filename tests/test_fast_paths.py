@@ -183,9 +183,9 @@ def test_threaded_diff_gives_the_serial_records(kind):
 
 
 def test_threaded_replay_of_many_large_records(tmp_path, monkeypatch):
-    from dcr_log.log import replay
+    from dcr_log import parallel
 
-    monkeypatch.setattr(replay, "PARALLEL_MIN_RECORD_CHANGES", 0)  # records of ~650 changes, on the pool
+    monkeypatch.setattr(parallel, "RECORD_MIN_CHANGES", 0)  # records of ~650 changes, on the pool
     rng = np.random.default_rng(6)
     base, new = _pair(rng, 64, PARALLEL_MIN_ELEMENTS, 0.01)
     other_base, other_new = _pair(rng, 7, 1000, 0.3)  # small records, applied inline
@@ -253,9 +253,9 @@ def test_overlapping_records_apply_as_in_order(tmp_path):
 
 
 def test_a_failing_record_in_a_worker_is_raised(tmp_path, monkeypatch):
-    from dcr_log.log import replay
+    from dcr_log import parallel
 
-    monkeypatch.setattr(replay, "PARALLEL_MIN_RECORD_CHANGES", 0)  # records of ~1300 changes, on the pool
+    monkeypatch.setattr(parallel, "RECORD_MIN_CHANGES", 0)  # records of ~1300 changes, on the pool
     rows, cols = 8, PARALLEL_MIN_ELEMENTS
     shape = (rows, cols)
     words = np.arange(rows * cols, dtype=np.uint16)

@@ -164,12 +164,11 @@ def test_an_apply_hands_the_pool_a_task_per_group_of_records(tmp_path, pool_task
     together, and the write pass sends it none of the records pass 1 already gathered (a task
     a record was three hand-offs per record). The bits are the log's. (verify=full's
     whole-state digests go to the pool in spans of their own: counted apart.)"""
-    from dcr_log.receiver import context
     from dcr_log.receiver.storage import base as storage_base
 
     # Records of ~1600 changes stay on the calling thread by default (pool_pays): here the
     # pool's hand-offs are what is checked.
-    monkeypatch.setattr(context, "PARALLEL_MIN_RECORD_CHANGES", 0)
+    monkeypatch.setattr(parallel, "RECORD_MIN_CHANGES", 0)
 
     digest_tasks: list[int] = []
     real_digests = storage_base.tensor_digests
@@ -200,9 +199,7 @@ def test_a_replay_hands_the_pool_a_task_per_group_of_records(tmp_path, pool_task
     """Records large enough for the pool (replay.PARALLEL_MIN_ELEMENTS) but with few changes go
     to it together; the state ends at the log's bits. (With the pool required: records that
     average so few changes stay on the calling thread by default.)"""
-    from dcr_log.log import replay
-
-    monkeypatch.setattr(replay, "PARALLEL_MIN_RECORD_CHANGES", 0)
+    monkeypatch.setattr(parallel, "RECORD_MIN_CHANGES", 0)
     log, base, new = _many_records(tmp_path / "log", n=1 << 17, rate=0.005)
     state = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
     pool_tasks.clear()
@@ -338,7 +335,7 @@ def test_an_interrupted_replay_lets_the_records_in_flight_finish(tmp_path, monke
     caller: nothing writes the state after."""
     from dcr_log.log import replay
 
-    monkeypatch.setattr(replay, "PARALLEL_MIN_RECORD_CHANGES", 0)  # (the pool required, as above)
+    monkeypatch.setattr(parallel, "RECORD_MIN_CHANGES", 0)  # (the pool required, as above)
     log, base, _ = _many_records(tmp_path / "log", n=1 << 17, rate=0.005)
     state = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
     real_group = replay._apply_group
@@ -362,15 +359,13 @@ def test_an_interrupted_replay_lets_the_records_in_flight_finish(tmp_path, monke
 
 
 def test_a_replay_of_records_with_few_changes_stays_on_the_calling_thread(tmp_path, pool_tasks):
-    """A version whose records average fewer than replay.PARALLEL_MIN_RECORD_CHANGES changes
+    """A version whose records average fewer than parallel.RECORD_MIN_CHANGES changes
     is applied without the pool (their Python would take turns at the GIL there); one whose
     records hold more goes to it. Both end at the log's bits."""
-    from dcr_log.log import replay
-
     for rate, pooled in ((0.005, False), (0.05, True)):
         log, base, new = _many_records(tmp_path / f"log-{rate}", n=1 << 17, rate=rate)
         stats = log.commit(1).stats
-        assert (stats.changed_elements >= replay.PARALLEL_MIN_RECORD_CHANGES * stats.records) == pooled
+        assert (stats.changed_elements >= parallel.RECORD_MIN_CHANGES * stats.records) == pooled
         state = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
         pool_tasks.clear()
         log.apply_version(state, 1)

@@ -107,7 +107,7 @@ def test_large_segments_are_classified_on_pool_threads(tmp_path, ahead, receiver
 def test_many_small_records_stay_on_the_calling_thread(tmp_path, ahead, monkeypatch):
     """A version of many small records (about 800 changes each, 80 thousand in all) is
     decoded, classified and written on the calling thread: on the pool their Python would
-    take turns at the GIL (context.PARALLEL_MIN_RECORD_CHANGES). The bits are the log's."""
+    take turns at the GIL (parallel.RECORD_MIN_CHANGES). The bits are the log's."""
     from dcr_log.receiver import batch, context
 
     log, base, new = flip_log(tmp_path / "log", tensors=100, n=1 << 14, rate=0.05, seed=6)
@@ -128,12 +128,13 @@ def test_many_small_records_stay_on_the_calling_thread(tmp_path, ahead, monkeypa
 
 
 def test_the_pool_takes_records_that_average_enough_changes():
-    from dcr_log.receiver.context import PARALLEL_MIN_CHANGES, PARALLEL_MIN_RECORD_CHANGES, pool_pays
+    from dcr_log.parallel import RECORD_MIN_CHANGES
+    from dcr_log.receiver.context import PARALLEL_MIN_CHANGES, pool_pays
 
     assert pool_pays(PARALLEL_MIN_CHANGES, 1) and not pool_pays(PARALLEL_MIN_CHANGES - 1, 1)
-    many = PARALLEL_MIN_CHANGES // PARALLEL_MIN_RECORD_CHANGES + 10
-    assert pool_pays(PARALLEL_MIN_RECORD_CHANGES * many, many)
-    assert not pool_pays(PARALLEL_MIN_RECORD_CHANGES * many - 1, many)
+    many = PARALLEL_MIN_CHANGES // RECORD_MIN_CHANGES + 10
+    assert pool_pays(RECORD_MIN_CHANGES * many, many)
+    assert not pool_pays(RECORD_MIN_CHANGES * many - 1, many)
 
 
 def test_the_write_pass_decodes_nothing_pass_one_gathered(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from dcr_log.format.tensors import state_digest
 from dcr_log.log.records import apply_to_words, decode_record, empty_words
 from dcr_log.log.routes import Step
 from dcr_log.log.steps import StepRules
-from dcr_log.parallel import DEFAULT_WORKERS, TASK_CHANGES, shared_pool, take_oldest, task_grain
+from dcr_log.parallel import DEFAULT_WORKERS, TASK_CHANGES, records_large_enough, shared_pool, take_oldest, task_grain
 from dcr_log.state import TensorBits
 
 if TYPE_CHECKING:
@@ -46,10 +46,8 @@ def _covers_exactly(pieces: list | None, count: int) -> bool:
 
 # Records of boxes smaller than this are applied on the calling thread: a hop costs more.
 PARALLEL_MIN_ELEMENTS = 1 << 16
-# ... and all of a version's where its records average fewer changes than this: each costs
-# tens of microseconds of Python besides its C passes, which the pool's threads would take
-# turns at (the GIL), as a receiver's would (dcr_log.receiver.context).
-PARALLEL_MIN_RECORD_CHANGES = 1 << 11
+# ... and none of a version's whose records average too few changes
+# (parallel.records_large_enough).
 
 
 def _decode_and_apply(rec: Record, info, bits: TensorBits, digests: DigestScheme) -> None:
@@ -168,7 +166,7 @@ def apply_step(log: DeltaLog, state: dict[str, TensorBits], step: Step, check_al
     # checked against the words it wrote), so no second pass hashes the tensor.
     spans: dict[str, list | None] = {n: [] for n in created} if log.digests.composable else {}
     stats = step.stats
-    pooled = stats.changed_elements >= PARALLEL_MIN_RECORD_CHANGES * stats.records
+    pooled = records_large_enough(stats.changed_elements, stats.records)
     with _ParallelApply(log.digests, task_grain(stats.changed_elements, DEFAULT_WORKERS), pooled=pooled) as applier:
         for rec in log.records(step):
             info = rules.record(rec)

@@ -12,7 +12,7 @@ from dcr_log.digest import MASK64, DigestScheme
 from dcr_log.errors import IntegrityError
 from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.deltalog import Step
-from dcr_log.parallel import DEFAULT_WORKERS
+from dcr_log.parallel import DEFAULT_WORKERS, records_large_enough
 from dcr_log.receiver.reports import ApplyReport
 from dcr_log.receiver.segments import SegmentCache
 from dcr_log.receiver.storage import Storage, Where
@@ -27,22 +27,13 @@ APPLY_WORKERS = DEFAULT_WORKERS
 
 # Batches (and pass one's segments) with at least this many changes are gathered, checked and
 # written by records on the shared pool's threads; smaller ones on the calling thread (a hop
-# costs more).
+# costs more), and only where their records average enough changes (parallel.records_large_enough).
 PARALLEL_MIN_CHANGES = 1 << 16
-# ... and only where their records average this many changes: each record also costs its
-# thread tens of microseconds of Python, which two threads take turns at (the GIL), so many
-# small records ran slower on the pool than on one thread. tools/bench_apply.py --gib 0.0625
-# --layers 24 --reps 9 --receivers numpy,torch,ckpt --verify sample --rates 0.01 (219
-# records of 1450 changes on average), two runs each way, alternating: numpy 0.022-0.023 s on
-# the calling thread against 0.026 on the pool, torch 0.023-0.024 against 0.038, a checkpoint
-# directory 0.038 against 0.054-0.058; with --gib 0.125 (2970 changes a record, the pool
-# either way) the same.
-PARALLEL_MIN_RECORD_CHANGES = 1 << 11
 
 
 def pool_pays(changes: int, records: int) -> bool:
     """Whether ``records`` holding ``changes`` in all go to the pool's threads."""
-    return changes >= max(PARALLEL_MIN_CHANGES, PARALLEL_MIN_RECORD_CHANGES * records)
+    return changes >= PARALLEL_MIN_CHANGES and records_large_enough(changes, records)
 
 
 @dataclass(frozen=True, slots=True)

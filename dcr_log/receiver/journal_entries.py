@@ -103,6 +103,12 @@ def _position_kind(where: np.ndarray) -> tuple[int, np.ndarray | None]:
     return (4 if count == 0 or int(where.max()) < (1 << 32) else 8), None
 
 
+def _image_head(name: bytes, width: int, kind: int, count: int) -> bytes:
+    """An image's head (RECEIVER.md 5.6): the tensor's name, the word width, the positions'
+    kind, the count."""
+    return _WAL_HEAD.pack(len(name)) + name + _WAL_FIELDS.pack(width, kind, count)
+
+
 def _lay_native(name: bytes, where: slice | np.ndarray, words: np.ndarray, out: np.ndarray | None
                 ) -> memoryview | None:
     """encode_wal_image's image of gap kind 1 or 2 in one C call (the GIL released: the
@@ -119,8 +125,7 @@ def _lay_native(name: bytes, where: slice | np.ndarray, words: np.ndarray, out: 
     kind = changes.image_lay(where, words, words.itemsize, buf[at:])
     if not kind:
         return None
-    head = _WAL_HEAD.pack(len(name)) + name + _WAL_FIELDS.pack(words.itemsize, kind, count)
-    buf[:at] = np.frombuffer(head, np.uint8)
+    buf[:at] = np.frombuffer(_image_head(name, words.itemsize, kind, count), np.uint8)
     return buf[:at + 8 + kind * (count - 1) + words.itemsize * count].data
 
 
@@ -131,8 +136,8 @@ def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
     exactly its bytes. The positions take the smallest kind that holds them."""
     name = tensor.encode()
     count, width = int(words.size), words.itemsize
-    word = f"<u{width}"  # the words' bits, whatever their dtype says
-    laid = _lay_native(name, where, np.ascontiguousarray(words).reshape(-1).view(word), out)
+    bits = np.ascontiguousarray(words).reshape(-1).view(f"<u{width}")  # whatever their dtype says
+    laid = _lay_native(name, where, bits, out)
     if laid is not None:
         return laid
     gaps = None
@@ -141,7 +146,7 @@ def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
     else:
         kind, gaps = _position_kind(where)
         located = 8 + kind * (count - 1) if gaps is not None else kind * count
-    head = _WAL_HEAD.pack(len(name)) + name + _WAL_FIELDS.pack(width, kind, count)
+    head = _image_head(name, width, kind, count)
     size = len(head) + located + width * count
     buf = np.empty(size, np.uint8) if out is None else out[:size]
     at = len(head)
@@ -154,7 +159,7 @@ def encode_wal_image(tensor: str, where: slice | np.ndarray, words: np.ndarray,
     else:
         np.copyto(buf[at:at + located].view("<u4" if kind == 4 else "<u8"), where, casting="unsafe")
     at += located
-    np.copyto(buf[at:].view(word), np.ascontiguousarray(words).reshape(-1).view(word))
+    np.copyto(buf[at:].view(bits.dtype), bits)
     return buf.data
 
 

@@ -19,7 +19,11 @@ def test_pages_are_faulted_in_beside_the_stage(tmp_path, monkeypatch, rate, pref
     """At 1% of two 8 MiB bf16 tensors (spans 32 times the images' bytes) every written
     record's pages are prepared on pool threads, while the stage transaction runs (it waits
     here for the first one), and all before the first write; at 10% (images a third of the
-    spans) none are, and the writes fault their pages themselves. The bits are the log's."""
+    spans) none are, and the writes fault their pages themselves. Each record's pages are
+    faulted in once either way (a write does not again what prepare_write did). The bits are
+    the log's."""
+    from dcr_log import native
+
     log, base, new = flip_log(tmp_path / "log", tensors=2, n=1 << 22, rate=rate, seed=7)
     (tmp_path / "ckpt").mkdir()
     write_checkpoint(base, tmp_path / "ckpt")
@@ -44,8 +48,17 @@ def test_pages_are_faulted_in_beside_the_stage(tmp_path, monkeypatch, rate, pref
         real_stage(self, *args, **kwargs)
         events.append(("staged", threading.current_thread().name))
 
+    assert native.changes is not None
+    real_populate = native.changes.populate_write
+    populated: list[tuple[int, int]] = []
+
+    def populate_write(buffer, start, length):
+        populated.append((start, length))
+        return real_populate(buffer, start, length)
+
     with Receiver.open(tmp_path / "ckpt") as rx:
         rx.bind(log, 0, verify="none")
+        monkeypatch.setattr(native.changes, "populate_write", populate_write)
         monkeypatch.setattr(CheckpointStorage, "prepare_write", prepare_write)
         monkeypatch.setattr(CheckpointStorage, "write", write)
         monkeypatch.setattr(Journal, "stage", stage)
@@ -55,6 +68,7 @@ def test_pages_are_faulted_in_beside_the_stage(tmp_path, monkeypatch, rate, pref
     kinds = [e for e, _ in events]
     writes = kinds.count("write")
     assert writes == len([r for r in log.records(1) if r.kind == "xor"]) > 1
+    assert len(populated) == len(set(populated)) == writes, populated
     if prefaulted:
         assert kinds.count("prepare") == kinds.count("prepared") == writes
         assert max(i for i, e in enumerate(kinds) if e == "prepared") < kinds.index("write")

@@ -13,8 +13,10 @@ materialize, and ``open_directory(...).apply(verify=...)`` at a random level. Ta
   extension, insertion), the commit record unchanged (so the sha256 catches it);
 - ``segment-resealed``: the same, with the commit record re-sealed around the new bytes (so
   only the Arrow, record and payload checks can catch it);
-- ``record-reencoded``: one record's payload decoded, one value changed and encoded again with
-  its own encoding, segment and commit record re-sealed (only the record digests can catch it);
+- ``record-reencoded``: one record's payload (of version 0, 2 or 3: version 0's are dense
+  tensor records, which replay decodes straight into new tensors) decoded, one value changed
+  and encoded again with its own encoding, segment and commit record re-sealed (only the record
+  digests can catch it);
 - ``payload-resealed``: one record's payload bytes damaged as ``segment``'s are, segment and
   commit record re-sealed (only the encodings' own checks and the record digests can catch
   it: a decoder's checks, the ulp-rans tables, streams and bit stream among them);
@@ -425,7 +427,7 @@ def damage(rng: random.Random, target: str, log: Path, rx: Path) -> str:
             _reseal_segment(log, version, index, path.read_bytes())
         return f"{target} v{version}#{index}"
     if target == "record-reencoded":
-        return reencode_record(rng, log, rng.choice((2, 3)))
+        return reencode_record(rng, log, rng.choice((0, 2, 3)))
     if target == "payload-resealed":
         return damage_payload(rng, log, rng.choice((2, 3)))
     if target == "segment-null":
@@ -525,7 +527,7 @@ def run_case(rng: random.Random, t: Template, work: Path, case: int, report: Rep
             if step == "verify":
                 DeltaLog.open(log).verify(deep=True)
             elif step == "materialize":
-                version = rng.choice((1, 2, 3))
+                version = rng.choice((0, 1, 2, 3))
                 got = DeltaLog.open(log).materialize(version)
                 if raw and _state_bytes(got) != _state_bytes(t.states[version]):
                     report.bug("wrong", case, what, f"materialize {version}")

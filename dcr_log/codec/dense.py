@@ -66,6 +66,12 @@ class DenseEncoding(Encoding):
             return {"level": 1}, zstd_compress_planes(planes, full.size, FAST_LITERALS)
         return {"level": self.level}, zstd_compress_planes(planes, full.size, self.level)
 
+    def decode_tensor_into(self, params, payload, out: np.ndarray) -> None:
+        """A ``tensor`` record's words decoded straight into ``out`` (its box's words, unsigned,
+        contiguous): decode's checks, without the array of values it returns."""
+        check_params(self.name, params, {"level": ZSTD_LEVELS})
+        from_planes(zstd_decompress_exact(payload, out.nbytes), out.size, out.dtype, out=out)
+
     def decode(self, kind, params, payload, n, k, word) -> ChangeSet:
         self.check_kind(kind)
         check_params(self.name, params, {"level": ZSTD_LEVELS})

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dcr_log.codec.dense import DenseEncoding
 from dcr_log.coords import flat_span, numel
 from dcr_log.digest import MASK64, DigestScheme
 from dcr_log.errors import IntegrityError, NotFoundError
@@ -50,13 +51,39 @@ PARALLEL_MIN_ELEMENTS = 1 << 16
 # (parallel.records_large_enough).
 
 
-def _decode_and_apply(rec: Record, info, bits: TensorBits, digests: DigestScheme) -> None:
+def _decode_and_apply(rec: Record, info, bits: TensorBits, digests: DigestScheme, created: bool) -> None:
+    if created and rec.kind == "tensor" and rec.encoding == DenseEncoding.name and rec.box.is_row_block(info.shape):
+        _decode_in_place(rec, info, bits, digests)
+        return
     apply_to_words(rec, decode_record(rec, info), bits.words, bits.shape, digests)
 
 
-def _apply_group(group: list[tuple[Record, Any, TensorBits]], digests: DigestScheme) -> None:
-    for rec, info, bits in group:
-        _decode_and_apply(rec, info, bits, digests)
+def _decode_in_place(rec: Record, info, bits: TensorBits, digests: DigestScheme) -> None:
+    """A dense tensor record of a tensor this step created, decoded straight into its words
+    (a dense version's every record): no array of values in new memory to copy from
+    (tools/bench_read.py --mib 512 --rates 0.01 --repeats 7, its materialize, three runs each
+    way alternating: 0.425-0.496 s and 0.66-0.83 s of CPU against 0.457-0.526 s and
+    0.74-0.85 s). Its target digest is checked on the words written; on a mismatch the new
+    tensor holds other words, and the step fails, as apply_step says."""
+    if rec.tensor != info.name:  # (decode_record's and decode_changes' checks)
+        raise IntegrityError(f"record for {rec.tensor!r} checked against {info.name!r}")
+    rec.box.check_inside(info.shape)
+    if rec.n_changed != rec.box.size:
+        raise IntegrityError(f"tensor record declares {rec.n_changed} changes in a box of {rec.box.size}")
+    start = rec.box.flat_start(info.shape)
+    where = slice(start, start + rec.box.size)
+    try:
+        DenseEncoding().decode_tensor_into(rec.params, rec.payload, bits.words[where])
+    finally:
+        if rec.done is not None:
+            rec.done()
+    if digests.at(where, bits.words[where]) != rec.target_digest:
+        raise IntegrityError(f"{rec.tensor}: values to write differ from the record's target")
+
+
+def _apply_group(group: list[tuple[Record, Any, TensorBits, bool]], digests: DigestScheme) -> None:
+    for rec, info, bits, created in group:
+        _decode_and_apply(rec, info, bits, digests, created)
 
 
 class _ParallelApply:
@@ -77,23 +104,24 @@ class _ParallelApply:
         self._grain = grain
         self._window = window
         self._pending: deque[Future] = deque()
-        self._group: list[tuple[Record, Any, TensorBits]] = []
+        self._group: list[tuple[Record, Any, TensorBits, bool]] = []
         self._group_changes = 0
         self._span_end: dict[str, int] = {}  # per tensor: end of the flat spans submitted
 
     def __enter__(self) -> _ParallelApply:
         return self
 
-    def submit(self, rec: Record, info, bits: TensorBits) -> None:
+    def submit(self, rec: Record, info, bits: TensorBits, created: bool = False) -> None:
+        """``created``: the tensor is new in this step (its words zeros until its records)."""
         start, end = flat_span(rec.box, info.shape)
         if start < self._span_end.get(rec.tensor, 0):
             self._drain()  # may overlap an earlier record: let everything before it land first
             self._span_end.clear()
         self._span_end[rec.tensor] = max(end, self._span_end.get(rec.tensor, 0))
         if not self._pooled or rec.box.size < PARALLEL_MIN_ELEMENTS:
-            _decode_and_apply(rec, info, bits, self._digests)
+            _decode_and_apply(rec, info, bits, self._digests, created)
             return
-        self._group.append((rec, info, bits))
+        self._group.append((rec, info, bits, created))
         self._group_changes += rec.n_changed
         if self._group_changes >= self._grain:
             self._flush()
@@ -171,7 +199,7 @@ def apply_step(log: DeltaLog, state: dict[str, TensorBits], step: Step, check_al
         for rec in log.records(step):
             info = rules.record(rec)
             if rec.tensor in wanted:
-                applier.submit(rec, info, state[rec.tensor])
+                applier.submit(rec, info, state[rec.tensor], rec.tensor in created)
                 pieces = spans.get(rec.tensor)
                 if pieces is not None:
                     if rec.kind == "tensor" and rec.box.is_row_block(info.shape):

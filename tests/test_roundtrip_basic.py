@@ -48,3 +48,33 @@ def test_writer_baseline_follows_each_append_and_owns_its_words(tmp_path):
         s = expected
     log = DeltaLog.open(tmp_path / "log")
     assert state_equal(log.materialize(), to_state(s))
+
+
+def test_append_returns_the_record_it_wrote_without_parsing_it_again(tmp_path, monkeypatch):
+    """A one-rank writer keeps the commit record it serialized and wrote (tensors inserted out
+    of order, files, a reopened log reading it back): the record append returns equals the one
+    a reader parses from the store, and the writer parses none of its own."""
+    from dcr_log import TensorBits
+    from dcr_log.format.commit import CommitRecord
+    from dcr_log.write import LogWriter
+
+    rng = np.random.default_rng(2)
+    names = ["z.w", "a.w", "m.w", "é", "B", "b"]
+    state = {n: TensorBits("BF16", (16, 8), rng.integers(0, 1 << 16, 128, dtype=np.uint16)) for n in names}
+    writer = LogWriter.create(tmp_path / "log", state, cache_dir=False, files={"config.json": b"{}"})
+    parsed = []
+    real = CommitRecord.from_bytes
+
+    def from_bytes(data, expect_version=None):
+        parsed.append(expect_version)
+        return real(data, expect_version)
+
+    monkeypatch.setattr(CommitRecord, "from_bytes", staticmethod(from_bytes))
+    for v in (1, 2):
+        state = {n: TensorBits(b.dtype, b.shape, b.words ^ v) for n, b in state.items()}
+        record = writer.append(state, files={"z.json": b"%d" % v, "config.json": b"{}"})
+        assert parsed == [], parsed
+        assert record == DeltaLog.open(tmp_path / "log").commit(v)
+        assert parsed == [v]
+        parsed.clear()
+    writer.close()

@@ -250,8 +250,9 @@ class DeltaLog:
             raise IntegrityError(f"commit record {record.version} does not belong to this log")
         self._commits.setdefault(record.version, record)
 
-    def write_commit(self, record: CommitRecord) -> None:
-        """Create the commit record with put-if-absent: exactly one writer wins a version."""
+    def write_commit(self, record: CommitRecord) -> bytes:
+        """Create the commit record with put-if-absent: exactly one writer wins a version.
+        Returns the bytes written."""
         if record.log_id != self.log_id:
             raise UsageError("commit record of another log")
         key = version_key(record.version)
@@ -273,6 +274,7 @@ class DeltaLog:
             if stored != data:
                 raise CommitConflict(f"version {record.version} already exists in {self.store.url}") from None
         self._commits[record.version] = record
+        return data
 
     # -- files (feature files, spec/FORMAT.md section 22) ------------------------------------
 

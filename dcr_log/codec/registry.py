@@ -90,9 +90,14 @@ def choose(attempt: Attempt, features: Collection[str]) -> tuple[str, dict, byte
     return best.encoding, params, payload
 
 
-def decode_changes(kind, encoding, params, payload, n, k, word) -> ChangeSet:
+def check_counts(kind: str, n: int, k: int) -> None:
+    """A record's kind and its ``k`` changes in a box of ``n`` elements (a tensor record's all)."""
     if kind not in KINDS:
         raise IntegrityError(f"unknown record kind {kind!r}")
     if not 0 <= k <= n or (kind == "tensor" and k != n):
         raise IntegrityError(f"{kind} record declares {k} changes in a box of {n}")
+
+
+def decode_changes(kind, encoding, params, payload, n, k, word) -> ChangeSet:
+    check_counts(kind, n, k)
     return get_encoding(encoding).decode(kind, params, payload, n, k, word)

@@ -8,6 +8,8 @@ import numpy as np
 
 from dcr_log import buffers, native
 from dcr_log.codec import ChangeSet, decode_changes
+from dcr_log.codec.dense import DenseEncoding
+from dcr_log.codec.registry import check_counts
 from dcr_log.codec.ulp import step_from
 from dcr_log.coords import box_to_tensor_flat, numel, word_dtype
 from dcr_log.digest import XXH3, DigestScheme
@@ -16,11 +18,15 @@ from dcr_log.format import Record
 from dcr_log.format.tensors import TensorInfo
 
 
-def decode_record(record: Record, info: TensorInfo) -> ChangeSet:
-    """Decode a record's payload for a tensor of the given (new) dtype and shape."""
+def _check_placed(record: Record, info: TensorInfo) -> None:
     if record.tensor != info.name:
         raise IntegrityError(f"record for {record.tensor!r} checked against {info.name!r}")
     record.box.check_inside(info.shape)
+
+
+def decode_record(record: Record, info: TensorInfo) -> ChangeSet:
+    """Decode a record's payload for a tensor of the given (new) dtype and shape."""
+    _check_placed(record, info)
     try:
         return decode_changes(
             record.kind, record.encoding, record.params, record.payload,
@@ -29,6 +35,21 @@ def decode_record(record: Record, info: TensorInfo) -> ChangeSet:
     finally:
         if record.done is not None:
             record.done()
+
+
+def decode_dense_tensor_into(record: Record, info: TensorInfo, words: np.ndarray) -> slice:
+    """A ``dense`` ``tensor`` record of a row block decoded straight into the tensor's flat
+    ``words`` (unsigned), with decode_record's checks and no array of values; where it wrote."""
+    _check_placed(record, info)
+    check_counts(record.kind, record.box.size, record.n_changed)
+    start = record.box.flat_start(info.shape)
+    where = slice(start, start + record.box.size)
+    try:
+        DenseEncoding().decode_tensor_into(record.params, record.payload, words[where])
+    finally:
+        if record.done is not None:
+            record.done()
+    return where
 
 
 def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -> np.ndarray | slice:

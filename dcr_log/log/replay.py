@@ -20,7 +20,7 @@ from dcr_log.digest import MASK64, DigestScheme
 from dcr_log.errors import IntegrityError, NotFoundError
 from dcr_log.format import Record
 from dcr_log.format.tensors import state_digest
-from dcr_log.log.records import apply_to_words, decode_record, empty_words
+from dcr_log.log.records import apply_to_words, decode_dense_tensor_into, decode_record, empty_words
 from dcr_log.log.routes import Step
 from dcr_log.log.steps import StepRules
 from dcr_log.parallel import DEFAULT_WORKERS, TASK_CHANGES, records_large_enough, shared_pool, take_oldest, task_grain
@@ -65,18 +65,7 @@ def _decode_in_place(rec: Record, info, bits: TensorBits, digests: DigestScheme)
     way alternating: 0.425-0.496 s and 0.66-0.83 s of CPU against 0.457-0.526 s and
     0.74-0.85 s). Its target digest is checked on the words written; on a mismatch the new
     tensor holds other words, and the step fails, as apply_step says."""
-    if rec.tensor != info.name:  # (decode_record's and decode_changes' checks)
-        raise IntegrityError(f"record for {rec.tensor!r} checked against {info.name!r}")
-    rec.box.check_inside(info.shape)
-    if rec.n_changed != rec.box.size:
-        raise IntegrityError(f"tensor record declares {rec.n_changed} changes in a box of {rec.box.size}")
-    start = rec.box.flat_start(info.shape)
-    where = slice(start, start + rec.box.size)
-    try:
-        DenseEncoding().decode_tensor_into(rec.params, rec.payload, bits.words[where])
-    finally:
-        if rec.done is not None:
-            rec.done()
+    where = decode_dense_tensor_into(rec, info, bits.words)
     if digests.at(where, bits.words[where]) != rec.target_digest:
         raise IntegrityError(f"{rec.tensor}: values to write differ from the record's target")
 

@@ -19,9 +19,9 @@ SPEC = {"a": ("BF16", (300, 257)), "b": ("F32", (1000,)), "c": ("U8", (7, 5)), "
         "e": ("F16", (0, 4)), "f": ("F64", (3, 4, 5))}
 
 
-def _spy(monkeypatch) -> list[str]:
-    """The tensors whose records decode_tensor_into decoded, in order."""
-    seen: list[str] = []
+def _spy(monkeypatch) -> list[int]:
+    """The sizes of the boxes decode_tensor_into decoded in place, in order."""
+    seen: list[int] = []
     real = DenseEncoding.decode_tensor_into
 
     def decode_tensor_into(self, params, payload, out):

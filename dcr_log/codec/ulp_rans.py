@@ -73,9 +73,9 @@ class UlpRansEncoding(Encoding):
     def try_encode(cls, attempt: Attempt) -> Candidate | None:
         """Not above ``policy.sparse_max_rate`` (nor past MAX_CHANGES). Like ``ulp``, once
         tried it steers the rest (dcr_log.codec.ulp.steer)."""
-        if attempt.rate > attempt.policy.sparse_max_rate or attempt.changes.k > MAX_CHANGES:
-            return None
         policy = attempt.policy
+        if attempt.rate > policy.sparse_max_rate or attempt.changes.k > MAX_CHANGES:
+            return None
         if (attempt.size_to_beat is not None and attempt.size_to_beat <= MIN_PAYLOAD
                 and MIN_PAYLOAD > policy.ulp_sparse_ratio * payload_size(attempt.kind, attempt.changes.k,
                                                                          attempt.word_size)):

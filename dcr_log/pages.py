@@ -12,12 +12,16 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import threading
 import time
+from collections.abc import Hashable, Sequence
+from concurrent.futures import wait
 from pathlib import Path
 
 import numpy as np
 
 from dcr_log import native
+from dcr_log.parallel import side_thread
 
 PAGE_BYTES = mmap.PAGESIZE
 
@@ -62,19 +66,91 @@ def still_writable(path: Path, start: int, length: int, written_at: float) -> bo
     return time.monotonic() - written_at <= dirty_expiry()
 
 
-def remap_for_writing(words: np.ndarray) -> bool:
-    """Drop the page-table entries of ``words`` (MADV_DONTNEED), then fault its pages in for
-    writing (MADV_POPULATE_WRITE), each with the GIL released. ONLY for words in a shared
-    file map (a numpy memmap opened ``r+`` or ``w+``, or a view of one; anything else is a
-    ValueError): there the page cache keeps every byte; on private or anonymous memory the
-    drop would discard them. No byte changes. False where the C kernels or the kernel's
-    advice are missing (the writes then fault the pages in one at a time, as without this)."""
+def _shared_map_bytes(words: np.ndarray) -> np.ndarray | None:
+    """``words`` as bytes, where they lie in a shared file map (a numpy memmap opened ``r+``
+    or ``w+``, or a view of one; anything else is a ValueError); None where they are empty
+    or the C kernels are missing."""
     if words.nbytes == 0:
-        return False  # (numpy gives an empty slice of a memmap as a plain array)
+        return None  # (numpy gives an empty slice of a memmap as a plain array)
     if not (isinstance(words, np.memmap) and words.mode in ("r+", "w+")):
         raise ValueError("only the words of a shared file map can be dropped and faulted in again")
-    kernels = native.changes
-    if kernels is None:
-        return False
-    raw = words.reshape(-1).view(np.uint8)
-    return bool(kernels.drop_pages(raw, 0, raw.nbytes)) and bool(kernels.populate_write(raw, 0, raw.nbytes))
+    if native.changes is None:
+        return None
+    return words.reshape(-1).view(np.uint8)
+
+
+def drop_page_entries(words: np.ndarray) -> bool:
+    """Drop the page-table entries of ``words`` (MADV_DONTNEED), the GIL released. ONLY for
+    words in a shared file map (see _shared_map_bytes): there the page cache keeps every
+    byte; on private or anonymous memory the drop would discard them. False where the C
+    kernels or the kernel's advice are missing."""
+    raw = _shared_map_bytes(words)
+    return raw is not None and bool(native.changes.drop_pages(raw, 0, raw.nbytes))  # type: ignore[union-attr]
+
+
+def fault_in_for_writing(words: np.ndarray) -> bool:
+    """Fault the pages of ``words`` in for writing (MADV_POPULATE_WRITE), the GIL released;
+    after drop_page_entries, a folio at a time. No byte changes. False as drop_page_entries."""
+    raw = _shared_map_bytes(words)
+    return raw is not None and bool(native.changes.populate_write(raw, 0, raw.nbytes))  # type: ignore[union-attr]
+
+
+def remap_for_writing(words: np.ndarray) -> bool:
+    """drop_page_entries, then fault_in_for_writing. No byte changes. False where the C
+    kernels or the kernel's advice are missing (the writes then fault the pages in one at a
+    time, as without this)."""
+    return drop_page_entries(words) and fault_in_for_writing(words)
+
+
+class RemapAhead:
+    """Arrays of shared file maps remapped for writing ahead of the tasks that write them:
+    every array's page-table entries dropped at once, on the calling thread, then each
+    faulted in for writing, in order, on the side thread, while the pool's tasks work on the
+    arrays before it; a task calls ``wait(key)`` before it reads or writes an array. The drops
+    come first, all on this thread, before the tasks start: a drop while the pool's threads
+    run has the kernel interrupt their CPUs to flush their TLBs. The faults stay on one
+    thread: taken by the encoding threads themselves, each task its own rows, they cost more
+    CPU, not less wall time. ``close`` waits until the side thread is done with them."""
+
+    def __init__(self, arrays: Sequence[tuple[Hashable, np.ndarray]]):
+        self._ready = {key: threading.Event() for key, _ in arrays}
+        self._error: BaseException | None = None
+        self._future = None
+        try:
+            for _, words in arrays:
+                drop_page_entries(words)
+            if arrays:
+                self._future = side_thread().submit(self._fault_in, list(arrays))
+        finally:
+            if self._future is None:
+                self._release()
+
+    def _fault_in(self, arrays: list[tuple[Hashable, np.ndarray]]) -> None:
+        try:
+            for key, words in arrays:
+                fault_in_for_writing(words)
+                self._ready[key].set()
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        for event in self._ready.values():
+            event.set()
+
+    def wait(self, key: Hashable) -> None:
+        """Until the array ``key`` (if it is one of them) is faulted in; the error faulting
+        any of them in raised, if one did."""
+        event = self._ready.get(key)
+        if event is None:
+            return
+        event.wait()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Until the side thread has left every array (it changes no byte, but a fault for
+        writing stamps the file's modification time)."""
+        if self._future is not None:
+            wait([self._future])

@@ -334,7 +334,7 @@ def sabotage(shards: dict, how: str, model: RankModel, step: int) -> None:
 
         def refuse(self, density):
             raise OSError(f"madvise refused on rank {rank}")
-        Baseline.ready_for_writes = refuse  # (this process ends with the failed append)
+        Baseline.pieces_to_remap = refuse  # (this process ends with the failed append)
     elif how == "kill-converter":
         shards[L0 + "self_attn.q_proj.weight"] = [Shard.converted(
             lambda: os.kill(os.getpid(), signal.SIGKILL), offset=(model.q[0], 0))]

@@ -631,23 +631,30 @@ def test_a_cache_directory_that_cannot_be_made_is_said(tmp_path):
 @pytest.mark.parametrize("dirty_count", ["kernel", "counted", "none"])
 def test_an_append_maps_its_cache_for_writing_once_writeback_cleaned_it(tmp_path, monkeypatch, dirty_count):
     """Before its find pass an append drops each piece's page-table entries and faults them
-    in again for writing (pages.remap_for_writing) where writeback may have cleaned the
-    cache: in a new process (LogWriter.open), and once the pages are clean
-    (helpers.DirtyCount: the kernel's count, a count the test sets, or the dirty expiry).
-    Not right after another append of the same writer (its pages still dirty and mapped for
-    writing), and not after a version that changed fewer than one word on eight pages. Every
-    version replays bit-exact: the words under the map stay the cache's."""
+    in again for writing (pages.RemapAhead) where writeback may have cleaned the cache: in a
+    new process (LogWriter.open), and once the pages are clean (helpers.DirtyCount: the
+    kernel's count, a count the test sets, or the dirty expiry). Not right after another
+    append of the same writer (its pages still dirty and mapped for writing), and not after
+    a version that changed fewer than one word on eight pages. Every piece dropped is
+    faulted in again. Every version replays bit-exact: the words under the map stay the
+    cache's."""
     from dcr_log import pages
 
     count = DirtyCount(monkeypatch, dirty_count, tmp_path)
-    remapped: list[int] = []
-    real = pages.remap_for_writing
+    dropped: list[int] = []
+    faulted: list[int] = []
+    real_drop, real_fault = pages.drop_page_entries, pages.fault_in_for_writing
 
-    def remap(words):
-        remapped.append(words.nbytes)
-        return real(words)
+    def drop(words):
+        dropped.append(words.nbytes)
+        return real_drop(words)
 
-    monkeypatch.setattr(pages, "remap_for_writing", remap)
+    def fault(words):
+        faulted.append(words.nbytes)
+        return real_fault(words)
+
+    monkeypatch.setattr(pages, "drop_page_entries", drop)
+    monkeypatch.setattr(pages, "fault_in_for_writing", fault)
     rng = np.random.default_rng(5)
     states = [make_state(rng, {"a": ("BF16", (1024, 1024)), "b": ("F32", (256, 1024))})]  # 512 and 256 pages
     step = lambda: {name: change_words(rng, bits, 0.01) for name, bits in states[0].items()}  # noqa: E731
@@ -661,11 +668,13 @@ def test_an_append_maps_its_cache_for_writing_once_writeback_cleaned_it(tmp_path
                              (one_word, True), (states[0], True)):
             if clean:
                 count.clean()
-            remapped.clear()
+            dropped.clear()
+            faulted.clear()
             writer.append(state)
             count.written()
             states.append(state)
-            remaps.append(sorted(remapped))
+            assert sorted(faulted) == sorted(dropped), (faulted, dropped)  # (the append waited for them)
+            remaps.append(sorted(dropped))
     pieces = sorted(v.words.nbytes for v in states[0].values())
     # A new process; back to back; cleaned; back to back; cleaned; cleaned, after a version
     # one word away from its parent.
@@ -678,30 +687,79 @@ def test_an_append_maps_its_cache_for_writing_once_writeback_cleaned_it(tmp_path
         assert_same_bits(log.materialize(v), s)
 
 
+def test_an_append_reads_no_piece_before_it_is_mapped_for_writing(tmp_path, monkeypatch):
+    """The pieces are faulted in for writing on the side thread, in the encoding tasks'
+    order, while the tasks encode the pieces before them: no task reads a piece's words
+    before its fault-in has ended, and the append does not end while one is running."""
+    import threading
+
+    from dcr_log import pages
+    from dcr_log.write import differ
+
+    rng = np.random.default_rng(31)
+    spec = {f"t{i}": ("BF16", (256, 1024)) for i in range(4)}
+    s0 = make_state(rng, spec)
+    cache = tmp_path / "cache"
+    LogWriter.create(tmp_path / "log", s0, cache_dir=cache).close()
+    events: list[tuple[str, int, float]] = []
+    lock = threading.Lock()
+    real_fault, real_diff = pages.fault_in_for_writing, differ.Differ.diff_box
+
+    def slow_fault(words):
+        time.sleep(0.05)  # slower than a task's encoding: a task that did not wait would run ahead
+        done = real_fault(words)
+        with lock:
+            events.append(("mapped", words.ctypes.data, time.monotonic()))
+        return done
+
+    def diff_box(self, name, box, shape, old, new, *args, **kwargs):
+        with lock:
+            events.append(("read", old.ctypes.data - box.offset[0] * old.itemsize * 1024, time.monotonic()))
+        return real_diff(self, name, box, shape, old, new, *args, **kwargs)
+
+    monkeypatch.setattr(pages, "fault_in_for_writing", slow_fault)
+    monkeypatch.setattr(differ.Differ, "diff_box", diff_box)
+    s1 = {name: change_words(rng, bits, 0.01) for name, bits in s0.items()}
+    with LogWriter.open(tmp_path / "log", cache_dir=cache, policy=_early_policy()) as writer:
+        writer.append(s1)
+        ended = time.monotonic()
+    mapped = {at: t for kind, at, t in events if kind == "mapped"}
+    reads = [(at, t) for kind, at, t in events if kind == "read"]
+    assert len(mapped) == len(spec) and len(reads) == 4 * len(spec), events
+    assert all(at in mapped and t >= mapped[at] for at, t in reads), events
+    assert max(mapped.values()) <= ended
+    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(1), s1)
+
+
 def test_a_failure_mapping_the_cache_for_writing_fails_the_append_and_loses_nothing(tmp_path, monkeypatch):
-    """A failure in Baseline.ready_for_writes (before any word is encoded) is the append's
-    error, reported like an encoding failure: nothing is committed, and the next append of
-    the same state, by the same writer, commits it bit-exact from the cache (no replay)."""
+    """A failure deciding what to map for writing (before any word is encoded), or faulting
+    a piece in on the side thread, is the append's error, reported like an encoding
+    failure: nothing is committed, and the next append of the same state, by the same
+    writer, commits it bit-exact from the cache (no replay)."""
+    from dcr_log import pages
     from dcr_log.errors import StoreError
     from dcr_log.write.baseline import Baseline
 
-    rng = np.random.default_rng(13)
-    cache = tmp_path / "cache"
-    s0 = make_state(rng, {"a": ("BF16", (512, 1024))})
-    s1 = {"a": change_words(rng, s0["a"], 0.01)}
-    LogWriter.create(tmp_path / "log", s0, cache_dir=cache).close()
-    with LogWriter.open(tmp_path / "log", cache_dir=cache) as writer:
-        with monkeypatch.context() as m:
-            def fail(self, density):
-                raise StoreError("madvise refused")
-            m.setattr(Baseline, "ready_for_writes", fail)
-            with pytest.raises(StoreError, match="madvise refused"):
-                writer.append(s1)
-        assert DeltaLog.open(tmp_path / "log").latest_version() == 0
-        with monkeypatch.context() as m:
-            _no_replay(m)
-            assert writer.append(s1).version == 1
-    assert_same_bits(DeltaLog.open(tmp_path / "log").materialize(1), s1)
+    def refuse(*args):
+        raise StoreError("madvise refused")
+
+    for patched in ((Baseline, "pieces_to_remap"), (pages, "fault_in_for_writing")):
+        rng = np.random.default_rng(13)
+        cache = tmp_path / patched[1] / "cache"
+        log_path = tmp_path / patched[1] / "log"
+        s0 = make_state(rng, {"a": ("BF16", (512, 1024))})
+        s1 = {"a": change_words(rng, s0["a"], 0.01)}
+        LogWriter.create(log_path, s0, cache_dir=cache).close()
+        with LogWriter.open(log_path, cache_dir=cache) as writer:
+            with monkeypatch.context() as m:
+                m.setattr(*patched, refuse)
+                with pytest.raises(StoreError, match="madvise refused"):
+                    writer.append(s1)
+            assert DeltaLog.open(log_path).latest_version() == 0
+            with monkeypatch.context() as m:
+                _no_replay(m)
+                assert writer.append(s1).version == 1
+        assert_same_bits(DeltaLog.open(log_path).materialize(1), s1)
 
 
 def _hashed_words(monkeypatch) -> list[int]:
@@ -782,7 +840,8 @@ def test_no_seal_while_an_append_writes_the_cache(tmp_path, monkeypatch):
                                                            lambda *a, **k: k.get("advance")))
     monkeypatch.setattr(baseline_module, "scatter_changes", watched("a scatter", baseline_module.scatter_changes))
     monkeypatch.setattr(pending_module, "scatter_changes", watched("an undo", pending_module.scatter_changes))
-    monkeypatch.setattr(pages, "remap_for_writing", watched("the remap", pages.remap_for_writing))
+    monkeypatch.setattr(pages, "drop_page_entries", watched("the remap", pages.drop_page_entries))
+    monkeypatch.setattr(pages, "fault_in_for_writing", watched("the remap", pages.fault_in_for_writing))
     monkeypatch.setattr(baseline_module.Generation, "write",
                         watched("a generation", baseline_module.Generation.write))
     s1 = _step(rng, s0, rate=0.2)

@@ -20,8 +20,9 @@ Usage:
 
 ``--profile RATE`` runs one append at that rate under cProfile and prints the top entries
 (cumulative and own time) instead of timing. ``--phases RATE`` runs ``--repeats`` appends at
-that rate (to new and back) and prints the last one's timeline (tools/phases.py): the
-encoding on the pool's threads, the segment's finish, the commit and the baseline's advance.
+that rate (to new and back; with ``--sync``, each after an os.sync) and prints the last one's
+timeline (tools/phases.py): the cache's pages mapped for writing, the encoding on the pool's
+threads, the segment's finish, the commit and the baseline's advance.
 ``--breakdown RATE`` runs the stages of one append's encoding one after another on the
 calling thread, chunk by chunk as the writer cuts them, and prints each stage's CPU
 nanoseconds per change and per byte of the model: where the CPU goes per change (the
@@ -66,17 +67,21 @@ from dcr_log.write.differ import EncodePolicy  # noqa: E402
 from timing import Pairing, machine, machine_line, paired  # noqa: E402
 
 
-def append_phases(writer, base_state, new_state, repeats: int) -> None:
-    """Appends alternating new and base; the last one's timeline."""
+def append_phases(writer, base_state, new_state, repeats: int, sync: bool = False) -> None:
+    """Appends alternating new and base (each after an untimed ``os.sync`` with ``sync``); the
+    last one's timeline."""
     import time
 
+    from dcr_log import pages
     from dcr_log.write import baseline, differ, sharded, uploader
     from phases import Phases
 
-    targets = [(differ.Differ, "diff_box"), (uploader.SegmentUploader, "put"),
+    targets = [(pages, "remap_for_writing"), (differ.Differ, "diff_box"), (uploader.SegmentUploader, "put"),
                (uploader.SegmentUploader, "finish"), (sharded.ShardedWriter, "_decide"),
                (baseline.Baseline, "advance"), (baseline, "scatter_changes")]
     for i in range(repeats):
+        if sync:
+            os.sync()
         with Phases(targets) as phases:
             t0 = time.perf_counter()
             writer.append(new_state if i % 2 == 0 else base_state)
@@ -329,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             stats.print_callers("acquire")
             return 0
         if args.phases is not None:
-            append_phases(writer, base_state, to_state(news[0]), max(1, args.repeats))
+            append_phases(writer, base_state, to_state(news[0]), max(1, args.repeats), args.sync)
             return 0
         reopen = None
         if args.reopen:  # a writer per append; the creating one lets go of its baseline

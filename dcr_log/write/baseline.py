@@ -286,26 +286,25 @@ class Baseline:
         if self.slot is not None:
             (self.slot / SEAL).unlink(missing_ok=True)
 
-    def ready_for_writes(self, density: float) -> None:
-        """Before an append scatters its changes into the mapped cache: each piece's pages
-        dropped from the page table and faulted in again for writing (pages.remap_for_writing).
-        The find pass reads every page first, and once writeback has cleaned them (in a new
-        process, as ``dcr append`` is, or after the dirty expiry or a sync) each page a
-        scatter reached took a write-protect fault of its own. Skipped where this process's
-        last append wrote the map and its pages are still dirty (pages.still_writable), and
-        for pieces where ``density`` (the changed fraction of the last version) puts fewer
-        than one change on eight pages: the prefault dirties every page, and most of those
-        would have stayed clean."""
+    def pieces_to_remap(self, density: float) -> set[PieceKey]:
+        """The pieces whose pages an append drops from the page table and faults in again for
+        writing before it scatters its changes into the mapped cache (pages.RemapAhead, ahead
+        of the encoding tasks: ShardedWriter._write_rank). The find pass reads
+        every page first, and once writeback has cleaned them (in a new process, as ``dcr
+        append`` is, or after the dirty expiry or a sync) each page a scatter reached took a
+        write-protect fault of its own. None where this process's last append wrote the map
+        and its pages are still dirty (pages.still_writable), nor pieces where ``density``
+        (the changed fraction of the last version) puts fewer than one change on eight
+        pages: the prefault dirties every page, and most of those would have stayed clean."""
         if self.slot is None:
-            return
+            return set()
         if self._written_at is not None and self._layout:
             first = min(at for _, at in self._layout)
             end = max(at + self.arrays[key].nbytes for key, at in self._layout)
             if pages.still_writable(self.slot / self._file, first, end - first, self._written_at):
-                return
-        for words in self.arrays.values():
-            if density * (pages.PAGE_BYTES // words.itemsize) * 8 >= 1:
-                pages.remap_for_writing(words)
+                return set()
+        return {key for key, words in self.arrays.items()
+                if density * (pages.PAGE_BYTES // words.itemsize) * 8 >= 1}
 
     def has(self, key: PieceKey) -> bool:
         return key in self.arrays

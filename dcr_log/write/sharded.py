@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from dcr_log import buffers
+from dcr_log import buffers, pages
 from dcr_log.collective import Group, as_group
 from dcr_log.coords import DTYPE_WIDTH, numel, word_dtype
 from dcr_log.digest import MASK64, SUM_DIGESTS
@@ -428,16 +428,26 @@ class ShardedWriter:
         segments = SegmentSeries(uploads, self.log.log_id, version,
                                  lambda: segment_key(version, writer_id, uuid.uuid4().hex), self.segment_bytes)
 
+        remapping = pages.RemapAhead([])
         try:
+            remap: set[PieceKey] = set()
             if early is not None:  # (in the try: a failure here is reported too)
                 base.unseal()  # before any word of the cache is written
                 if self._version >= 0:
                     stats = self.log.commit(self._version).stats
-                    base.ready_for_writes(stats.changed_elements / max(stats.total_elements, 1))
+                    remap = base.pieces_to_remap(stats.changed_elements / max(stats.total_elements, 1))
             # Every chunk of every piece in one ordered stream, so the encoding threads never
             # wait at a tensor boundary.
             infos = [(p, _kept(p.name, layout, previous), layout.tensors[p.name][1]) for p in mine]
             bases = [base.words(p.key) if kept else None for p, kept, _ in infos]
+            # The pieces mapped for writing on the side thread, in the order the tasks take
+            # them, while the encoding threads work on those before: mapped all on this thread
+            # first, they held every task back (after a sync, the first task of an append of
+            # 512 MiB in 219 tensors began 40-65 ms into it, now 11-15 ms: tools/bench_encode.py
+            # --mib 512 --rates 0.01 --repeats 5 --no-create --layout transformer --layers 24
+            # --sync --phases 0.01). A task waits for its piece before it reads a word of it.
+            remapping = pages.RemapAhead([(i, words) for i, ((p, _, _), words) in enumerate(zip(infos, bases))
+                                          if words is not None and p.key in remap])
             tasks = [(i, chunk) for i, (p, _, _) in enumerate(infos) for chunk in p.chunks(policy.chunk_elements)]
             if generation is None:
                 # The baseline's words of new pieces, filled by the encoding threads (their
@@ -452,6 +462,7 @@ class ShardedWriter:
                 row, base = piece.row, bases[i]
                 new = piece.words(r0, r1)
                 old = None if base is None else base[r0 * row:r1 * row]
+                remapping.wait(i)
                 delta = self._differ.diff_box(piece.name, piece.sub_box(r0, r1), shape, old, new, piece.kind,
                                               advance=early is not None and kept)
                 if delta is not None and delta.advanced:
@@ -484,6 +495,7 @@ class ShardedWriter:
                 segments.add(delta.record)
                 changed += delta.record.n_changed
                 records += 1
+            remapping.close()
             for i, whole in wholes.items():
                 whole_digests[infos[i][0].name] = whole.intdigest()
             for (name, _, _), d in pending.contrib.items():  # the pieces' digest changes, per tensor
@@ -494,10 +506,12 @@ class ShardedWriter:
             report = RankReport(ok=True, segments=list(uploads.refs), contrib=contrib, whole=whole_digests,
                                 replicas=replicas.digests(), changed=changed, records=records)
         except Exception as exc:  # reported to the coordinator, re-raised on this rank after
+            remapping.close()  # (before the early writes are undone and the cache sealed again)
             uploads.finish(raise_errors=False)
             error = exc
             report = RankReport(ok=False, error=describe(exc))
         except BaseException:  # an interrupt: the baseline as it was
+            remapping.close()
             uploads.abort()  # (a segment being written is not created; its thread ends)
             self._abandon(pending)
             raise

@@ -21,8 +21,9 @@ Usage:
 ``--profile RATE`` runs one append at that rate under cProfile and prints the top entries
 (cumulative and own time) instead of timing. ``--phases RATE`` runs ``--repeats`` appends at
 that rate (to new and back; with ``--sync``, each after an os.sync) and prints the last one's
-timeline (tools/phases.py): the cache's pages mapped for writing, the encoding on the pool's
-threads, the segment's finish, the commit and the baseline's advance.
+timeline (tools/phases.py): the cache's pages dropped and faulted in for writing (the faults
+on the side thread, shown with the pool's), the encoding on the pool's threads, the segment's
+finish, the commit and the baseline's advance.
 ``--breakdown RATE`` runs the stages of one append's encoding one after another on the
 calling thread, chunk by chunk as the writer cuts them, and prints each stage's CPU
 nanoseconds per change and per byte of the model: where the CPU goes per change (the
@@ -76,7 +77,8 @@ def append_phases(writer, base_state, new_state, repeats: int, sync: bool = Fals
     from dcr_log.write import baseline, differ, sharded, uploader
     from phases import Phases
 
-    targets = [(pages, "remap_for_writing"), (differ.Differ, "diff_box"), (uploader.SegmentUploader, "put"),
+    targets = [(pages, "drop_page_entries"), (pages, "fault_in_for_writing"), (differ.Differ, "diff_box"),
+               (uploader.SegmentUploader, "put"),
                (uploader.SegmentUploader, "finish"), (sharded.ShardedWriter, "_decide"),
                (baseline.Baseline, "advance"), (baseline, "scatter_changes")]
     for i in range(repeats):

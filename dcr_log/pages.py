@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-import threading
 import time
 from collections.abc import Hashable, Sequence
 from concurrent.futures import wait
@@ -110,47 +109,24 @@ class RemapAhead:
     come first, all on this thread, before the tasks start: a drop while the pool's threads
     run has the kernel interrupt their CPUs to flush their TLBs. The faults stay on one
     thread: taken by the encoding threads themselves, each task its own rows, they cost more
-    CPU, not less wall time. ``close`` waits until the side thread is done with them."""
+    CPU, not less wall time."""
 
     def __init__(self, arrays: Sequence[tuple[Hashable, np.ndarray]]):
-        self._ready = {key: threading.Event() for key, _ in arrays}
-        self._error: BaseException | None = None
-        self._future = None
-        try:
-            for _, words in arrays:
-                drop_page_entries(words)
-            if arrays:
-                self._future = side_thread().submit(self._fault_in, list(arrays))
-        finally:
-            if self._future is None:
-                self._release()
-
-    def _fault_in(self, arrays: list[tuple[Hashable, np.ndarray]]) -> None:
-        try:
-            for key, words in arrays:
-                fault_in_for_writing(words)
-                self._ready[key].set()
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        for event in self._ready.values():
-            event.set()
+        for _, words in arrays:
+            drop_page_entries(words)
+        side = side_thread()  # (one thread: its tasks run in the order they were given)
+        self._faults = {key: side.submit(fault_in_for_writing, words) for key, words in arrays}
 
     def wait(self, key: Hashable) -> None:
-        """Until the array ``key`` (if it is one of them) is faulted in; the error faulting
-        any of them in raised, if one did."""
-        event = self._ready.get(key)
-        if event is None:
-            return
-        event.wait()
-        if self._error is not None:
-            raise self._error
+        """Until the array ``key`` (if it is one of them) is faulted in; the error faulting it
+        in raised, if one did."""
+        fault = self._faults.get(key)
+        if fault is not None:
+            fault.result()
 
     def close(self) -> None:
-        """Until the side thread has left every array (it changes no byte, but a fault for
-        writing stamps the file's modification time)."""
-        if self._future is not None:
-            wait([self._future])
+        """The faults not begun yet cancelled, and the side thread done with the array it is
+        on (a fault for writing changes no byte, but stamps the file's modification time)."""
+        for fault in self._faults.values():
+            fault.cancel()
+        wait(self._faults.values())

@@ -82,7 +82,8 @@ def drop_page_entries(words: np.ndarray) -> bool:
     """Drop the page-table entries of ``words`` (MADV_DONTNEED), the GIL released. ONLY for
     words in a shared file map (see _shared_map_bytes): there the page cache keeps every
     byte; on private or anonymous memory the drop would discard them. False where the C
-    kernels or the kernel's advice are missing."""
+    kernels or the kernel's advice are missing (the writes then fault the pages in one at a
+    time)."""
     raw = _shared_map_bytes(words)
     return raw is not None and bool(native.changes.drop_pages(raw, 0, raw.nbytes))  # type: ignore[union-attr]
 
@@ -92,13 +93,6 @@ def fault_in_for_writing(words: np.ndarray) -> bool:
     after drop_page_entries, a folio at a time. No byte changes. False as drop_page_entries."""
     raw = _shared_map_bytes(words)
     return raw is not None and bool(native.changes.populate_write(raw, 0, raw.nbytes))  # type: ignore[union-attr]
-
-
-def remap_for_writing(words: np.ndarray) -> bool:
-    """drop_page_entries, then fault_in_for_writing. No byte changes. False where the C
-    kernels or the kernel's advice are missing (the writes then fault the pages in one at a
-    time, as without this)."""
-    return drop_page_entries(words) and fault_in_for_writing(words)
 
 
 class RemapAhead:

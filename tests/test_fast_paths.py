@@ -532,8 +532,8 @@ def test_dirty_pages_counts_the_pages_writeback_has_not_cleaned(tmp_path):
 
 
 def test_remap_for_writing_keeps_every_byte_and_refuses_memory_it_could_lose(tmp_path):
-    """pages.remap_for_writing drops a shared file map's page-table entries and faults its
-    pages in for writing, as a writer does to its baseline cache: the bytes written through
+    """pages.RemapAhead drops a shared file map's page-table entries and faults its pages in
+    for writing (on the side thread), as a writer does to its baseline cache: the bytes written through
     the map and not synced are still what the map and the file read, and every page of the
     words is mapped dirty after. Anonymous memory and a copy-on-write map, where the drop
     would lose what was written, are refused before any advice is given."""
@@ -555,7 +555,9 @@ def test_remap_for_writing_keeps_every_byte_and_refuses_memory_it_could_lose(tmp
     int(np.asarray(mm[::page]).sum())  # clean, and every page mapped read-only by the read
     words[5 * page // 2] ^= 1  # one unsynced write
     written[5 * page // 2] ^= 1
-    assert pages.remap_for_writing(words) is True
+    remapping = pages.RemapAhead([("words", words)])
+    remapping.wait("words")
+    remapping.close()
     assert np.array_equal(np.asarray(words), written)
     with open(path, "rb") as f:
         assert f.read()[64:64 + 60 * page] == written.tobytes()
@@ -563,7 +565,9 @@ def test_remap_for_writing_keeps_every_byte_and_refuses_memory_it_could_lose(tmp
     assert dirty >= 59 * page // 1024
     for other in (np.zeros(4 * page, np.uint16), np.memmap(path, dtype=np.uint16, mode="c")):
         other[:] = 7
-        with pytest.raises(ValueError):
-            pages.remap_for_writing(other)
+        for refused in (lambda: pages.RemapAhead([("other", other)]), lambda: pages.drop_page_entries(other),
+                        lambda: pages.fault_in_for_writing(other)):
+            with pytest.raises(ValueError):
+                refused()
         assert (np.asarray(other) == 7).all()
     del mm, words

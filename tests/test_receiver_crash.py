@@ -8,10 +8,13 @@ listed in that file's docstring and counted here."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
-from dcr_log import DeltaLog
+from dcr_log import DeltaLog, state_equal
+from dcr_log.checkpoint import load_checkpoint
+from dcr_log.receiver import batch, checks, open_directory
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "crash_apply.py"
 
@@ -59,3 +62,45 @@ def test_sigkill_inside_catch_up_steps_ends_bit_exact(tmp_path):
     counts = runner.run(kills=30)
     assert counts.failures == [], counts.failures
     assert counts.kills >= 30 and counts.mid_apply >= 5 and counts.rounds >= 4
+
+
+def test_sigkill_on_the_pools_paths_ends_bit_exact(tmp_path, monkeypatch):
+    """The same kills with records large enough for the shared pool's paths (the other tests'
+    records hold too few changes): pass one decodes and classifies on the pool, the
+    checkpoint's redo images are laid there and its pages prefaulted beside the journal's
+    sync, and the records are written in parallel (tools/crash_apply.py --mb 8
+    --chunk-elements 262144 --segment-bytes 67108864 --rates 0.02 0.035)."""
+    tool = load_tool()
+    fx = tool.build_fixture(tmp_path / "fx", mb=8, versions=3, seed=5, segment_bytes=64 << 20,
+                            chunk_elements=1 << 18, rates=(0.02, 0.035))
+    log = DeltaLog.open(fx.log)
+    # The fixture reaches those paths: an apply in this process, its pool calls seen.
+    seen: set[tuple[str, bool]] = set()
+
+    def spying(real):
+        def spy(fn, items, weights, grain, workers, parallel=True, *rest):
+            seen.add((fn.__name__, bool(parallel) and len(items) > 1))
+            return real(fn, items, weights, grain, workers, parallel, *rest)
+        return spy
+
+    def spy_start(fn, items, weights, grain, workers):
+        seen.add(("prefault", len(items) > 1))
+        return real_start(fn, items, weights, grain, workers)
+
+    real_start = batch.start_grouped
+    monkeypatch.setattr(checks, "map_grouped", spying(checks.map_grouped))
+    monkeypatch.setattr(batch, "map_grouped", spying(batch.map_grouped))
+    monkeypatch.setattr(batch, "start_grouped", spy_start)
+    probe = tmp_path / "probe"
+    shutil.copytree(fx.pristine["single"], probe)
+    with open_directory(log, probe) as rx:
+        assert rx.apply(log) == [1, 2, 3]
+    assert state_equal(load_checkpoint(probe), fx.expected[-1])
+    assert {("decode", True), ("lay", True), ("prefault", True), ("write", True)} <= seen, seen
+    monkeypatch.undo()
+
+    runner = tool.CrashRunner(fx, tmp_path, seed=5, kills_per_round=(2, 5))
+    runner.calibrate()
+    counts = runner.run(kills=30)
+    assert counts.failures == [], counts.failures
+    assert counts.kills >= 30 and counts.mid_apply >= 5 and counts.resumed >= 3

@@ -571,3 +571,75 @@ def test_remap_for_writing_keeps_every_byte_and_refuses_memory_it_could_lose(tmp
                 refused()
         assert (np.asarray(other) == 7).all()
     del mm, words
+
+
+def test_flat_positions_of_a_row_block_at_the_start_are_the_decoded_ones():
+    """Such a record's box-local positions are its flat ones: flat_positions gives the decoded
+    array itself; any other box gets a new array (or a slice for a dense record)."""
+    from types import SimpleNamespace
+
+    from dcr_log.coords import box_to_tensor_flat
+    from dcr_log.log.records import flat_positions
+
+    shape = (6, 5)
+    values = np.arange(4, dtype=np.uint16)
+    pos = np.array([0, 3, 7, 11], np.int64)
+    cases = [Box((0, 0), (3, 5)), Box((3, 0), (3, 5)), Box((1, 1), (3, 4)), Box((0, 1), (6, 4))]
+    for box in cases:
+        where = flat_positions(SimpleNamespace(box=box), shape, ChangeSet(box.size, pos, values))
+        assert np.array_equal(where, box_to_tensor_flat(box, shape, pos)) and where.dtype == np.int64
+        assert np.shares_memory(where, pos) == (box == cases[0])
+    dense = flat_positions(SimpleNamespace(box=cases[1]), shape, ChangeSet(15, None, np.zeros(15, np.uint16)))
+    assert dense == slice(15, 30)
+    scalar = np.array([0], np.int64)
+    assert flat_positions(SimpleNamespace(box=Box((), ())), (), ChangeSet(1, scalar, values[:1])) is scalar
+
+
+@pytest.mark.parametrize("receiver", ["numpy", "checkpoint"])
+def test_an_apply_leaves_the_decoded_positions_as_they_were(tmp_path, monkeypatch, receiver):
+    """flat_positions hands the decoded positions themselves to the storage, the gathers, the
+    digests and the writes (a row block at its tensor's start): none of them may write into
+    them. Every record's positions are copied as decoded and compared after the apply."""
+    from dcr_log.receiver import Receiver, batch, checks, open_directory, write_checkpoint
+
+    rng = np.random.default_rng(11)
+    states = [{f"t{i}": TensorBits("BF16", (64, 256), rng.integers(0, 1 << 16, 64 * 256, dtype=np.uint16))
+               for i in range(3)}]
+    for _ in range(2):
+        nxt = {}
+        for name, bits in states[-1].items():
+            words = bits.words.copy()
+            words[rng.choice(words.size, words.size // 20, replace=False)] ^= 1
+            nxt[name] = TensorBits("BF16", bits.shape, words)
+        states.append(nxt)
+    writer = create_log(tmp_path / "log", states[0], cache_dir=False, policy=EncodePolicy(chunk_elements=4096))
+    for st_ in states[1:]:
+        writer.append(st_)
+    log = DeltaLog.open(tmp_path / "log")
+    decoded: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def keeping(real):
+        def decode(rec, info):
+            changes = real(rec, info)
+            if changes.positions is not None:
+                decoded.append((changes.positions, changes.positions.copy()))
+            return changes
+        return decode
+
+    monkeypatch.setattr(checks, "decode_record", keeping(checks.decode_record))
+    monkeypatch.setattr(batch, "decode_record", keeping(batch.decode_record))
+    if receiver == "numpy":
+        held = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in states[0].items()}
+        with Receiver.open(held, tmp_path / "journal") as rx:
+            rx.bind(log, 0, verify="none")
+            assert rx.apply(log, verify="full") == [1, 2]
+        got = held
+    else:
+        (tmp_path / "rx").mkdir()
+        write_checkpoint(states[0], tmp_path / "rx")
+        with open_directory(log, tmp_path / "rx", to=0) as rx:
+            assert rx.apply(log, verify="full") == [1, 2]
+            got = {k: TensorBits(v.dtype, v.shape, rx.storage.words(k).copy()) for k, v in states[0].items()}
+    assert all(np.array_equal(got[k].words.reshape(-1), states[-1][k].words) for k in states[-1])
+    assert len(decoded) >= 2 * 3 * 4  # every version's records, each tensor four row blocks
+    assert all(np.array_equal(now, then) for now, then in decoded)

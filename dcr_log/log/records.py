@@ -53,12 +53,19 @@ def decode_dense_tensor_into(record: Record, info: TensorInfo, words: np.ndarray
 
 
 def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -> np.ndarray | slice:
-    """Where the record's values go in the tensor's flat words: indices, or a slice for whole boxes."""
-    if changes.positions is None and record.box.is_row_block(shape):
-        start = record.box.flat_start(shape)
-        return slice(start, start + record.box.size)
-    positions = np.arange(record.box.size) if changes.positions is None else changes.positions
-    return box_to_tensor_flat(record.box, shape, positions)
+    """Where the record's values go in the tensor's flat words: indices, or a slice for whole
+    boxes. A row block at the tensor's start has flat positions equal to its box-local ones:
+    the decoded array itself, not a copy (every caller only reads it): a receiver's pass one
+    then makes no second array of positions for the record, nor reads and writes one."""
+    box = record.box
+    if box.is_row_block(shape):
+        start = box.flat_start(shape)
+        if changes.positions is None:
+            return slice(start, start + box.size)
+        if start == 0:
+            return np.asarray(changes.positions, dtype=np.int64)
+    positions = np.arange(box.size) if changes.positions is None else changes.positions
+    return box_to_tensor_flat(box, shape, positions)
 
 
 def _native_moves(words: np.ndarray, where) -> bool:

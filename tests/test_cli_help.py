@@ -80,3 +80,27 @@ def test_arguments_named_in_usage(capsys, monkeypatch):
     assert main(["apply", "--help"]) == 0
     text = capsys.readouterr().out
     assert "apply [OPTIONS] LOG" in text and "--receiver" in text and " DIR " in text
+
+
+@pytest.mark.parametrize("path", [(), ("cache",)], ids=["dcr", "dcr cache"])
+def test_a_group_without_a_command_prints_its_help_then_one_usage_line(path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(list(path)) == 2
+    captured = capsys.readouterr()
+    usage = captured.out.splitlines()[0]
+    assert usage.startswith("Usage: ") and usage.endswith(" ".join((*path, "[OPTIONS] COMMAND [ARGS]...")))
+    assert "Commands:" in captured.out
+    assert captured.err.splitlines() == ["dcr: usage: missing command (see --help)"]
+
+
+def test_the_command_list_gives_each_first_paragraph_whole(capsys, monkeypatch):
+    """click would cut a command's line at its first sentence, with "...". (Compared without
+    whitespace: the lines are wrapped, at a hyphen too.)"""
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["--help"]) == 0
+    text = "".join(capsys.readouterr().out.split())
+    for path, cmd in _commands():
+        if len(path) == 1:
+            first = "".join((cmd.help or "").split("\n\n")[0].split())
+            assert first and first in text, (path, first)
+    assert "..." not in text.replace("[ARGS]...", "")

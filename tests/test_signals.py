@@ -311,7 +311,7 @@ HEAVY = ("numpy", "pyarrow", "typer", "rich", "dcr_log.log", "dcr_log.cli")
 
 
 @pytest.mark.parametrize("args,imported", [
-    (["--help"], {"typer", "rich", "dcr_log.cli"}),  # the help needs no library
+    (["--help"], {"typer", "dcr_log.cli"}),  # the help needs no library, nor rich (plain text)
     (["log", "{tmp}/missing"], set(HEAVY) - {"pyarrow"}),  # opening a log: all but pyarrow (no segment read)
 ])
 def test_handlers_come_before_the_heavy_imports(tmp_path, args, imported):
@@ -330,7 +330,10 @@ def test_handlers_come_before_the_heavy_imports(tmp_path, args, imported):
         class Watch:
             def find_spec(self, name, path=None, target=None):
                 if name in heavy and name not in seen:
-                    seen[name] = [signal.getsignal(s) is e.exit_on_signal for s in (signal.SIGINT, signal.SIGTERM)]
+                    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+                    seen[name] = ["entry" if h is e.exit_on_signal else
+                                  "none" if h in (signal.SIG_DFL, signal.default_int_handler) else "command"
+                                  for h in handlers]
                 return None
 
         sys.meta_path.insert(0, Watch())
@@ -346,8 +349,10 @@ def test_handlers_come_before_the_heavy_imports(tmp_path, args, imported):
     assert got["light"] == []
     assert set(got["seen"]) == imported
     # The command's own handlers are installed while it runs (dcr_log.cli's, not the entry's):
-    # only the imports before the command (typer, rich, dcr_log.cli) find the entry's.
-    assert all(got["seen"][m] == [True, True] for m in ("typer", "rich", "dcr_log.cli")), got["seen"]
+    # the imports before the command (typer, dcr_log.cli) find the entry's, the later ones
+    # (rich when a line is printed, the library) the command's; none finds no handler.
+    assert all(got["seen"][m] == ["entry", "entry"] for m in ("typer", "dcr_log.cli")), got["seen"]
+    assert all("none" not in h for h in got["seen"].values()), got["seen"]
 
 
 @pytest.mark.parametrize("sig", SIGS)

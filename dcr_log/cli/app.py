@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from dcr_log import _entry
@@ -41,6 +40,14 @@ class _FlagsWithoutPlaceholder:
 class DcrGroup(_FlagsWithoutPlaceholder, TyperGroup):
     """dcr's command groups (``dcr``, ``dcr cache``)."""
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:
+            # The help on stdout, then the one line of a usage error (click would make the
+            # whole help the error's message, which that line would run together).
+            typer.echo(ctx.get_help())
+            ctx.fail("missing command (see --help)")
+        return super().parse_args(ctx, args)
+
 
 class DcrCommand(_FlagsWithoutPlaceholder, TyperCommand):
     """A command as its help should read: the usage line names arguments by their
@@ -57,7 +64,16 @@ class DcrCommand(_FlagsWithoutPlaceholder, TyperCommand):
         return pieces
 
 
-app = typer.Typer(cls=DcrGroup, add_completion=False, no_args_is_help=True,
+# The help as click writes it (plain text, wrapped to the terminal), not typer's rich panels:
+# typer.rich_utils imports rich's markdown, syntax and traceback renderers, which took `dcr
+# --help` from about 0.09 s to 0.13-0.17 s here (tools/bench_startup.py), for boxes around the
+# same lines. A pipe or a file gets no box-drawing characters to grep through either.
+HELP_MARKUP = None
+# The help fills a terminal up to this width (click's own limit is 80 columns).
+HELP_WIDTH = 120
+
+app = typer.Typer(cls=DcrGroup, add_completion=False, no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
+                  context_settings={"max_content_width": HELP_WIDTH},
                   help="dcr-log: bit-exact delta logs for refitting model weights.")
 
 
@@ -68,10 +84,17 @@ def help_text(doc: str | None) -> str:
     return "\n\n".join(" ".join(p.split()) for p in paragraphs if p.strip())
 
 
+def first_paragraph(text: str) -> str:
+    """A command's line in its group's list: the first paragraph of its help, whole (click would
+    cut it at the first sentence that fits 45 columns, ending it with "...")."""
+    return text.split("\n\n", 1)[0]
+
+
 def command(group: typer.Typer, name: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``group.command(name)`` with dcr's help: its docstring as help_text, rendered by DcrCommand."""
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return group.command(name, cls=DcrCommand, help=help_text(fn.__doc__))(fn)
+        text = help_text(fn.__doc__)
+        return group.command(name, cls=DcrCommand, help=text, short_help=first_paragraph(text))(fn)
 
     return register
 
@@ -88,15 +111,38 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version_
     """dcr-log: bit-exact delta logs for refitting model weights."""
 
 
-# emoji=False: ":name:" in a tensor name or path must print as written (JSON output included).
-out = Console(highlight=False, soft_wrap=True, emoji=False)
-if not out.is_terminal:
-    # Without a terminal rich renders tables at 80 columns and cuts cells ("304943…"): a pipe or
-    # a CI log gets every number whole instead (a table is only as wide as its cells).
-    out.width = 1 << 16
+class _Console:
+    """A rich Console made at its first use: the help prints nothing through it, and rich's
+    import (about 20 ms) stays out of ``dcr --help``. (No lock: two threads that print first at
+    once make a console each, which write to the same stream alike; a lock could be held by the
+    thread a signal's handler interrupts to print.)"""
+
+    def __init__(self, stderr: bool) -> None:
+        self._stderr = stderr
+        self._console: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
+
+    def get(self) -> Any:
+        """The rich Console itself (what rich's own objects are given: they take no stand-in)."""
+        console = self._console
+        if console is None:
+            from rich.console import Console
+
+            # emoji=False: ":name:" in a tensor name or path must print as written (JSON too).
+            console = Console(stderr=self._stderr, highlight=False, soft_wrap=True, emoji=False)
+            if not console.is_terminal:
+                # Without a terminal rich renders tables at 80 columns and cuts cells
+                # ("304943…"): a pipe or a CI log gets every number whole instead (a table is
+                # only as wide as its cells).
+                console.width = 1 << 16
+            self._console = console
+        return console
 
 
-err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+out: Any = _Console(stderr=False)
+err: Any = _Console(stderr=True)
 
 
 JSON_HELP = "one JSON object per result line; failures as {\"error\", \"exit\"} on stderr"
@@ -134,7 +180,7 @@ def progress_bar(label: str, total: int | None, unit: str = "bytes") -> Iterator
     else:
         columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
                    TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
+    with Progress(*columns, console=err.get(), transient=True) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n=1: bar.advance(task, n)
 

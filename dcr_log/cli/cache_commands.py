@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import typer
 
-from dcr_log.cli.app import DcrGroup, command, json_option, out, say_result
+from dcr_log.cli.app import HELP_MARKUP, DcrGroup, command, json_option, out, say_result
 from dcr_log.errors import StoreError, UsageError
 
-cache_app = typer.Typer(cls=DcrGroup, no_args_is_help=True,
-                        help="The writers' baseline caches on this machine: list, prune, remove.")
+CACHE_HELP = "The writers' baseline caches on this machine: list, prune, remove."
+cache_app = typer.Typer(cls=DcrGroup, no_args_is_help=True, rich_markup_mode=HELP_MARKUP, help=CACHE_HELP,
+                        short_help=CACHE_HELP)
 
 ROOT_HELP = "the cache directory (default $DCR_CACHE_DIR or ~/.cache/dcr-log)"
 

@@ -224,7 +224,7 @@ def demo(dir: Path | None = typer.Option(
 
     say_left(lambda: "demo not finished" + (f" (its log under {dir} may be incomplete)" if dir else ""))
     if not as_json:
-        run_demo(dir, out)
+        run_demo(dir, out.get())
         return
     report = run_demo(dir, Console(file=io.StringIO()))  # the narrative goes nowhere; the rows are the result
     for r in report.rows:

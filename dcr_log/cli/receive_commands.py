@@ -74,7 +74,7 @@ def apply_cmd(log: str = typer.Argument(..., metavar="LOG", help="log directory 
             FOLLOW.active = True  # a signal now stops between versions (a second one at once)
             try:
                 rx.follow(dlog, interval=interval, verify=verify, on_version=line, stop=FOLLOW.stop.is_set,
-                          on_wait=waiting_line(err, as_json, interval))
+                          on_wait=waiting_line(err.get(), as_json, interval))
             finally:
                 FOLLOW.active = False
             return

@@ -104,3 +104,17 @@ def test_the_command_list_gives_each_first_paragraph_whole(capsys, monkeypatch):
             first = "".join((cmd.help or "").split("\n\n")[0].split())
             assert first and first in text, (path, first)
     assert "..." not in text.replace("[ARGS]...", "")
+
+
+@pytest.mark.parametrize("columns", ["60", "80", "100"])
+def test_no_help_line_ends_at_a_hyphen(columns, capsys, monkeypatch):
+    """A flag (--allow-layout-change, --no-snapshot) or a path (~/.cache/dcr-log) stays whole
+    on its line: click would wrap after its hyphens."""
+    monkeypatch.setenv("COLUMNS", columns)
+    ended = []
+    for path in COMMANDS:
+        assert main([*path, "--help"]) == 0
+        text = capsys.readouterr().out
+        assert "\u2011" not in text  # the held hyphens are given back
+        ended += [(path, line) for line in text.splitlines() if line.rstrip().endswith("-")]
+    assert not ended, ended[:5]

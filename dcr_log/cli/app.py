@@ -37,8 +37,36 @@ class _FlagsWithoutPlaceholder:
         return params
 
 
+_HYPHEN_HELD = "\u2011"  # a non-breaking hyphen: no line is wrapped after it
+
+
+class _HelpFormatter(typer.Context.formatter_class):  # type: ignore[valid-type,misc]
+    """click's help formatter (whichever click typer uses), but a line never ends at a hyphen:
+    a flag (``--allow-layout-change``) or a path (``~/.cache/dcr-log``) stays whole on its
+    line. Its hyphens are held as non-breaking ones while click wraps, and given back after."""
+
+    def write_usage(self, prog: str, args: str = "", prefix: str | None = None) -> None:
+        super().write_usage(prog.replace("-", _HYPHEN_HELD), args.replace("-", _HYPHEN_HELD), prefix)
+
+    def write_text(self, text: str) -> None:
+        super().write_text(text.replace("-", _HYPHEN_HELD))
+
+    def write_dl(self, rows: Any, *args: Any, **kwargs: Any) -> None:
+        super().write_dl([(first.replace("-", _HYPHEN_HELD), second.replace("-", _HYPHEN_HELD))
+                          for first, second in rows], *args, **kwargs)
+
+    def getvalue(self) -> str:
+        return super().getvalue().replace(_HYPHEN_HELD, "-")
+
+
+class _HelpContext(typer.Context):
+    formatter_class = _HelpFormatter
+
+
 class DcrGroup(_FlagsWithoutPlaceholder, TyperGroup):
     """dcr's command groups (``dcr``, ``dcr cache``)."""
+
+    context_class = _HelpContext
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if not args and self.no_args_is_help and not ctx.resilient_parsing:
@@ -52,6 +80,8 @@ class DcrGroup(_FlagsWithoutPlaceholder, TyperGroup):
 class DcrCommand(_FlagsWithoutPlaceholder, TyperCommand):
     """A command as its help should read: the usage line names arguments by their
     placeholders (``LOG``, ``[VERSION]``; typer writes ``{log}``), flags show no placeholder."""
+
+    context_class = _HelpContext
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []

@@ -198,6 +198,9 @@ def zstd_compress(data: np.ndarray | bytes, level: int | str) -> bytes:
 
 # Planes smaller than this share blocks (a block per tiny plane costs more than it saves).
 PLANE_BLOCK_MIN = 4096
+# zstd's largest block (ZSTD_BLOCKSIZE_MAX): a one-shot frame cuts its blocks every this many
+# bytes, so planes that are multiples of it get their own blocks without the streaming API.
+ZSTD_BLOCK_MAX = 1 << 17
 
 
 def zstd_compress_planes(data: np.ndarray, plane_bytes: int, level: int | str) -> bytes:
@@ -212,6 +215,11 @@ def zstd_compress_planes(data: np.ndarray, plane_bytes: int, level: int | str) -
     data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if plane_bytes < PLANE_BLOCK_MIN or data.size <= plane_bytes:
         return zstd_compress(data, level)  # small records: the plain one-shot frame
+    if plane_bytes % ZSTD_BLOCK_MAX == 0:
+        # Block boundaries already fall on the plane boundaries (a dense record of 4 Mi
+        # bf16 words, say): the one-shot frame skips the stream's copies of the input into
+        # its window and of the parts into one result.
+        return zstd_compress(data, level)
     view = data.data
     stream = _compressor(level).compressobj(size=data.size)
     parts = []

@@ -286,10 +286,11 @@ def test_records_are_decoded_while_the_first_segments_hash_runs(tmp_path, monkey
 
 
 def test_replay_reads_the_next_segment_beside_the_records_of_this_one(tmp_path):
-    """DeltaLog.records: segment i + 1 is read and hashed on the side thread while segment i's
-    records are taken; the result is the same state; damage in a later segment is raised
-    when its records are due (the earlier segments' records were all taken); and a caller that
-    stops early leaves nothing reading."""
+    """DeltaLog.records: segment i + 1 is read on the side thread while segment i's records
+    are taken, and segment i is hashed on the pool meanwhile; the result is the same state;
+    damage in a later segment is raised by the end of its records, before any of the next
+    (the earlier segments' records were all taken), and in place of what a damaged record
+    did to replay; and a caller that stops early leaves nothing reading."""
     import threading
 
     from dcr_log.errors import IntegrityError
@@ -306,13 +307,13 @@ def test_replay_reads_the_next_segment_beside_the_records_of_this_one(tmp_path):
     refs = log.commit(1).segments
     assert len(refs) >= 8
     readers: list[tuple[str, str]] = []
-    real_read = log.read_segment
+    real_fetch = log._fetch_segment
 
     def spy(ref, version=None):
         readers.append((ref.key, threading.current_thread().name))
-        return real_read(ref, version)
+        return real_fetch(ref, version)
 
-    log.read_segment = spy  # type: ignore[method-assign]
+    log._fetch_segment = spy  # type: ignore[method-assign]
     replayed = log.materialize(0)
     log.apply_version(replayed, 1)
     assert state_equal(replayed, new)
@@ -320,24 +321,29 @@ def test_replay_reads_the_next_segment_beside_the_records_of_this_one(tmp_path):
     assert [k for k, _ in ones] == [r.key for r in refs]  # each once, in order
     assert all(t.startswith("dcr-side") for _, t in ones[1:]) and not ones[0][1].startswith("dcr-side")
 
-    # The sixth segment damaged: the five before it are taken whole, then the mismatch.
+    # The sixth segment damaged: the five before it are taken whole, then at most its own
+    # records, then the mismatch.
     damaged = root / refs[5].key
     original = damaged.read_bytes()
     data = bytearray(original)
-    data[len(data) // 2] ^= 1
+    data[len(data) // 2] ^= 1  # in a record's payload: the segment parses
     damaged.write_bytes(bytes(data))
     taken = []
     with pytest.raises(IntegrityError, match="sha256 mismatch"):
         for rec in DeltaLog.open(root).records(1):
             taken.append(rec)
-    assert len(taken) == sum(r.records for r in refs[:5])
+    assert sum(r.records for r in refs[:5]) <= len(taken) <= sum(r.records for r in refs[:6])
+    # Replay decodes the damaged record before the hash is done: the mismatch is what it says.
+    held = DeltaLog.open(root).materialize(0)
+    with pytest.raises(IntegrityError, match=f"segment {refs[5].key}: sha256 mismatch"):
+        DeltaLog.open(root).apply_version(held, 1)
 
     # Stopped after the first record: the read ahead (slowed down here) has ended by the time
     # the generator is closed (one not begun yet is cancelled).
     damaged.write_bytes(original)
     slow = DeltaLog.open(root)
     events: list[str] = []
-    real_slow = slow.read_segment
+    real_slow = slow._fetch_segment
 
     def slow_read(ref, version=None):
         events.append("start")
@@ -347,7 +353,7 @@ def test_replay_reads_the_next_segment_beside_the_records_of_this_one(tmp_path):
         finally:
             events.append("end")
 
-    slow.read_segment = slow_read  # type: ignore[method-assign]
+    slow._fetch_segment = slow_read  # type: ignore[method-assign]
     records = slow.records(1)
     next(records)
     time.sleep(0.05)  # the second segment's read has begun on the side thread

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import Future, wait
+from collections.abc import Callable, Collection, Generator, Iterator
+from concurrent.futures import Executor, Future, wait
 
 from dcr_log.codec.registry import required_feature
 from dcr_log.digest import DigestScheme, scheme_for
@@ -385,14 +385,10 @@ class DeltaLog:
         (The hash, then the parse, held the first record's decoding back: it began 3.6-3.8 ms
         into an apply of a 3.2 MiB segment of 89 records, now 2.1 ms, by timelines of
         tools/bench_apply.py --gib 0.5 --verify sample --phases.)"""
-        if ref.key in self._prefetched or ref.size > segments.SEGMENT_MEMORY_BYTES:
-            data = self.read_segment(ref, version)
-            return data, list(self.segment_records(version, ref, data)), nothing_to_check
-        try:
-            fetched = self.store.get(ref.key, size=ref.size)
-        except NotFoundError:
-            raise self._missing(ref, version) from None
-        hashing = side_thread().submit(lambda: hashlib.sha256(fetched).hexdigest())
+        fetched, checked = self._fetch_segment(ref, version)
+        if checked:
+            return fetched, list(self.segment_records(version, ref, fetched)), nothing_to_check
+        check_hash = self._hash_beside(ref, fetched)
         parse_error: Exception | None = None
         try:
             records = list(self.segment_records(version, ref, fetched))
@@ -400,12 +396,34 @@ class DeltaLog:
             records, parse_error = [], exc
 
         def check() -> None:
-            wait([hashing])
-            if hashing.result() != ref.sha256:
-                raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
+            check_hash()
             if parse_error is not None:
                 raise parse_error
         return fetched, records, check
+
+    def _fetch_segment(self, ref: SegmentRef, version: int | None) -> tuple[memoryview | SegmentFile, bool]:
+        """(the segment, checked): read_segment's result where it is prefetched or held in a
+        file (hashed as it was read), checked; else its bytes read into memory, their size
+        checked but not their sha256 (``_hash_beside``)."""
+        if ref.key in self._prefetched or ref.size > segments.SEGMENT_MEMORY_BYTES:
+            return self.read_segment(ref, version), True
+        try:
+            return self.store.get(ref.key, size=ref.size), False
+        except NotFoundError:
+            raise self._missing(ref, version) from None
+
+    @staticmethod
+    def _hash_beside(ref: SegmentRef, data, threads: Executor | None = None) -> Callable[[], None]:
+        """Start the sha256 of a segment's bytes on ``threads`` (the side thread by default);
+        the returned ``check`` waits for it and raises IntegrityError if it is not the commit
+        record's."""
+        hashing = (threads or side_thread()).submit(lambda: hashlib.sha256(data).hexdigest())
+
+        def check() -> None:
+            wait([hashing])
+            if hashing.result() != ref.sha256:
+                raise IntegrityError(f"segment {ref.key}: sha256 mismatch")
+        return check
 
     def segment_records(self, version: int, ref: SegmentRef, data=None) -> Iterator[Record]:
         """The records of one segment; ``data``, if given, is what read_segment returned for
@@ -432,24 +450,38 @@ class DeltaLog:
         if count != ref.records:
             raise IntegrityError(f"segment {ref.key}: {count} records, commit says {ref.records}")
 
-    def records(self, version: int | Step) -> Iterator[Record]:
-        """The records of a version (or step), segment after segment. The next segment is read
-        and hashed on the side thread while this one's records are taken (replay decodes them
-        on the pool meanwhile); its errors are raised in order, when its records are due."""
+    def records(self, version: int | Step, hashing: Executor | None = None) -> Generator[Record, None, None]:
+        """The records of a version (or step), segment after segment. The next segment is
+        read on the side thread while this one's records are taken, and a segment read into
+        memory is hashed meanwhile on ``hashing`` (default: the side thread, after that read;
+        a caller that decodes on the shared pool passes the pool, whose threads then share
+        the hashes with the decoding instead of waiting for a third thread). Its sha256
+        mismatch is raised after its last record at the latest, before any record of the next
+        segment, so a caller must not report or keep what it made of a version's records
+        until the generator has ended. One whose work on a record fails throws its error
+        into the generator (``throw``): where the record's segment is damaged, its mismatch is
+        raised in place of that error."""
         step = version if isinstance(version, Step) else self.version_step(version)
         refs = step.segments
         ahead: Future | None = None
         try:
             for i, ref in enumerate(refs):
-                data = ahead.result() if ahead is not None else self.read_segment(ref, step.version)
-                ahead = (side_thread().submit(self.read_segment, refs[i + 1], step.version)
+                data, checked = (ahead.result() if ahead is not None
+                                 else self._fetch_segment(ref, step.version))
+                ahead = (side_thread().submit(self._fetch_segment, refs[i + 1], step.version)
                          if i + 1 < len(refs) else None)
-                yield from self.segment_records(step.version, ref, data)
+                check = nothing_to_check if checked else self._hash_beside(ref, data, hashing)
+                try:
+                    yield from self.segment_records(step.version, ref, data)
+                except Exception:
+                    check()  # a damaged segment is the cause of what its records did
+                    raise
+                check()
         finally:
             if ahead is not None and not ahead.cancel():
                 wait([ahead])  # nothing reads on after the caller stopped
-                if ahead.exception() is None and isinstance(ahead.result(), SegmentFile):
-                    ahead.result().close()
+                if ahead.exception() is None and isinstance(ahead.result()[0], SegmentFile):
+                    ahead.result()[0].close()
 
     def _missing(self, ref: SegmentRef, version: int | None) -> IntegrityError:
         """What a segment not found means: ExpiredError (raised) if retention removed what

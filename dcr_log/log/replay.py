@@ -184,17 +184,22 @@ def apply_step(log: DeltaLog, state: dict[str, TensorBits], step: Step, check_al
     spans: dict[str, list | None] = {n: [] for n in created} if log.digests.composable else {}
     stats = step.stats
     pooled = records_large_enough(stats.changed_elements, stats.records)
+    records = log.records(step, hashing=shared_pool(DEFAULT_WORKERS) if pooled else None)
     with _ParallelApply(log.digests, task_grain(stats.changed_elements, DEFAULT_WORKERS), pooled=pooled) as applier:
-        for rec in log.records(step):
-            info = rules.record(rec)
-            if rec.tensor in wanted:
-                applier.submit(rec, info, state[rec.tensor], rec.tensor in created)
-                pieces = spans.get(rec.tensor)
-                if pieces is not None:
-                    if rec.kind == "tensor" and rec.box.is_row_block(info.shape):
-                        pieces.append((rec.box.flat_start(info.shape), rec.box.size, rec.target_digest))
-                    else:
-                        spans[rec.tensor] = None
+        for rec in records:
+            try:
+                info = rules.record(rec)
+                if rec.tensor in wanted:
+                    applier.submit(rec, info, state[rec.tensor], rec.tensor in created)
+                    pieces = spans.get(rec.tensor)
+                    if pieces is not None:
+                        if rec.kind == "tensor" and rec.box.is_row_block(info.shape):
+                            pieces.append((rec.box.flat_start(info.shape), rec.box.size, rec.target_digest))
+                        else:
+                            spans[rec.tensor] = None
+            except IntegrityError as exc:
+                records.throw(exc)  # its segment's sha256 mismatch instead, where that is the cause
+                raise
     rules.finish(step.stats)
     for name in (wanted if check_all or step.kind != "version" else created):
         covering = spans.get(name)

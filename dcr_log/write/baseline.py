@@ -70,7 +70,7 @@ from dcr_log.coords import (
     word_dtype,
 )
 from dcr_log.digest import MASK64, box_digests
-from dcr_log.errors import CacheWarning, UsageError
+from dcr_log.errors import CacheWarning, IntegrityError, UsageError
 from dcr_log.log.records import decode_record, record_targets, scatter_words
 from dcr_log.log.steps import StepRules
 from dcr_log.parallel import DEFAULT_WORKERS, map_ordered
@@ -533,22 +533,27 @@ def roll_forward(log: DeltaLog, base: Baseline, version: int, needed: list, shap
             if info is None or (info.dtype, info.shape) != (start[name].dtype, start[name].shape):
                 for p in by_name.pop(name):
                     arrays.pop(p.key)
-        for rec in log.records(step):
-            info = rules.record(rec)
-            pieces = by_name.get(rec.tensor)
-            if not pieces:
-                continue
-            hit = [p for p in pieces if boxes_intersect(rec.box, p.box)]
-            if not hit:
-                continue
-            changes = decode_record(rec, info)
-            positions = np.arange(rec.box.size) if changes.positions is None else changes.positions
-            flat = box_to_tensor_flat(rec.box, info.shape, positions)
-            for p in hit:
-                inside = flat_inside(p.box, info.shape, flat)
-                local = tensor_flat_to_box(p.box, info.shape, flat[inside])
-                words = arrays[p.key]
-                words[local] = record_targets(rec.kind, changes, words[local], changes.values[inside])
+        records = log.records(step)
+        for rec in records:
+            try:
+                info = rules.record(rec)
+                pieces = by_name.get(rec.tensor)
+                if not pieces:
+                    continue
+                hit = [p for p in pieces if boxes_intersect(rec.box, p.box)]
+                if not hit:
+                    continue
+                changes = decode_record(rec, info)
+                positions = np.arange(rec.box.size) if changes.positions is None else changes.positions
+                flat = box_to_tensor_flat(rec.box, info.shape, positions)
+                for p in hit:
+                    inside = flat_inside(p.box, info.shape, flat)
+                    local = tensor_flat_to_box(p.box, info.shape, flat[inside])
+                    words = arrays[p.key]
+                    words[local] = record_targets(rec.kind, changes, words[local], changes.values[inside])
+            except IntegrityError as exc:
+                records.throw(exc)  # its segment's sha256 mismatch instead, where that is the cause
+                raise
         rules.finish(step.stats)
         before = {n: (t.dtype, t.shape) for n, t in table.items()}
     kept = {k: arrays[k] for k in arrays}

@@ -577,6 +577,23 @@ PLANES(uint16_t)
 PLANES(uint32_t)
 PLANES(uint64_t)
 
+/* The inverse: word i from byte i of each plane, in one pass (numpy widens the first plane,
+ * then shifts and ors each further one over the whole output). */
+#define UNPLANES(T)                                                                  \
+    CHECK_CLONES static void unplanes_##T(const unsigned char *planes, Py_ssize_t n,   \
+                                          unsigned char *out) {                      \
+        for (Py_ssize_t i = 0; i < n; i++) {                                         \
+            T v = 0;                                                                 \
+            for (size_t j = 0; j < sizeof(T); j++)                                   \
+                v |= (T)((T)planes[j * (size_t)n + i] << (8 * j));                   \
+            memcpy(out + sizeof(T) * i, &v, sizeof(T));                             \
+        }                                                                            \
+    }
+
+UNPLANES(uint16_t)
+UNPLANES(uint32_t)
+UNPLANES(uint64_t)
+
 /* planes(words, width, out): out holds n * width bytes. */
 static PyObject *py_planes(PyObject *self, PyObject *args) {
     Py_buffer src, out;
@@ -596,6 +613,35 @@ static PyObject *py_planes(PyObject *self, PyObject *args) {
         case 2: planes_uint16_t(src.buf, n, out.buf); break;
         case 4: planes_uint32_t(src.buf, n, out.buf); break;
         default: planes_uint64_t(src.buf, n, out.buf); break;
+        }
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* unplanes(planes, width, out): out holds the n words of the n * width bytes of planes. */
+static PyObject *py_unplanes(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*iw*", &src, &width, &out))
+        return NULL;
+    PyObject *result = NULL;
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_SetString(PyExc_ValueError, "word width must be 1, 2, 4 or 8");
+    } else if (src.len % width || out.len != src.len) {
+        PyErr_SetString(PyExc_ValueError, "out must hold the planes' bytes");
+    } else {
+        Py_ssize_t n = src.len / width;
+        Py_BEGIN_ALLOW_THREADS
+        switch (width) {
+        case 1: memcpy(out.buf, src.buf, (size_t)n); break;
+        case 2: unplanes_uint16_t(src.buf, n, out.buf); break;
+        case 4: unplanes_uint32_t(src.buf, n, out.buf); break;
+        default: unplanes_uint64_t(src.buf, n, out.buf); break;
         }
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
@@ -822,6 +868,7 @@ static PyMethodDef methods[] = {
     {"step", py_step, METH_VARARGS, "the words distance steps from base in the ulp key order"},
     {"ulp_prepare", py_ulp_prepare, METH_VARARGS, "the ulp encoding's gaps and distances of a record's changes"},
     {"planes", py_planes, METH_VARARGS, "the byte planes of words, into out"},
+    {"unplanes", py_unplanes, METH_VARARGS, "words from their byte planes, into out"},
     {"sparse_unpack", py_sparse_unpack, METH_VARARGS, "the sparse encoding's positions and values from its body"},
     {"image_lay", py_image_lay, METH_VARARGS, "a deferred-sync image's first position, narrowed gaps and words"},
     {"populate_write", py_populate_write, METH_VARARGS, "fault a buffer's pages in for writing, the GIL released"},

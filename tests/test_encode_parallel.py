@@ -14,7 +14,7 @@ import pytest
 
 from dcr_log import LogWriter, native
 from dcr_log.codec import ChangeSet
-from dcr_log.codec.base import to_planes
+from dcr_log.codec.base import from_planes, to_planes
 from dcr_log.codec.ulp import UlpEncoding
 from dcr_log.coords import Box, box_to_tensor_flat
 from dcr_log.digest import SUM, XXH3, sum_at, sum_pair, xxh3_words
@@ -38,6 +38,22 @@ def test_native_planes_equal_the_numpy_planes(word, count, monkeypatch):
     monkeypatch.setattr(native, "changes", None)
     assert fast == to_planes(words).tobytes()
     assert fast == words.view(np.uint8).reshape(-1, word.itemsize).T.tobytes()
+
+
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("count", [0, 1, 7, 4099])
+def test_native_unplanes_equal_the_numpy_unplanes(word, count, monkeypatch):
+    assert native.changes is not None
+    words = random_words(np.random.default_rng(count + 1), word, count)
+    planes = np.frombuffer(words.view(np.uint8).reshape(-1, word.itemsize).T.tobytes(), dtype=np.uint8)
+    fast = from_planes(planes, count, word, out=np.full(count, 5, dtype=word))
+    # A float output (a tensor's own dtype) and a strided one (numpy's path) get the same words.
+    as_float = from_planes(planes, count, np.dtype(f"<f{word.itemsize}") if word.itemsize > 1 else word)
+    strided = np.zeros(2 * count, dtype=word)[::2]
+    from_planes(planes, count, word, out=strided)
+    monkeypatch.setattr(native, "changes", None)
+    slow = from_planes(planes, count, word)
+    assert fast.tobytes() == slow.tobytes() == words.tobytes() == as_float.tobytes() == strided.tobytes()
 
 
 def changes_of(rng, word, n, k):

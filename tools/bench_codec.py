@@ -19,7 +19,9 @@ pair, default 4 Mi, one record's box), in one process:
   coder of ulp's symbols (gap and zigzagged distance, each as one categorical), for
   comparison: bits per change and decode M symbols/s;
 - the C change pass and ulp step against their numpy references; C gather and scatter
-  against numpy's at 1% of a ``--gather-mib`` MiB array (default 256); a new buffer of that
+  against numpy's at 1% of a ``--gather-mib`` MiB array (default 256); the C unplanes (byte
+  planes back into words, as a dense record's decode) against numpy's shifts and ors on that
+  many MiB of 2- and 4-byte words; a new buffer of that
   size filled once, dcr_log.buffers' huge pages against numpy's. Each C (or huge-page) call is
   paired with one call of its numpy baseline right after it (tools/timing.py): milliseconds are
   medians of ``--repeats`` and the ratio C / numpy is the median pair's.
@@ -40,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dcr_log import _rans, buffers  # noqa: E402
-from dcr_log.codec.base import ChangeSet  # noqa: E402
+from dcr_log.codec.base import ChangeSet, from_planes, to_planes, unplanes_numpy  # noqa: E402
 from dcr_log.codec.sparse import SparseEncoding  # noqa: E402
 from dcr_log.codec.ulp import UlpEncoding, step_from, step_from_numpy, ulp_distance  # noqa: E402
 from dcr_log.codec.ulp_rans import UlpRansEncoding  # noqa: E402
@@ -188,6 +190,18 @@ def kernel_rows(n: int, gather_mib: int, repeats: int, seed: int) -> dict:
              "gather_c_to_numpy": gather.ratio, "scatter_c_ms": scatter.op_wall * 1e3,
              "scatter_numpy_ms": scatter.baseline_wall * 1e3, "scatter_c_to_numpy": scatter.ratio}
     big = where = values = None  # freed (the closures above refer to them)
+    # Byte planes back into words (a dense record's decode, from_planes), bf16 and fp32.
+    unplanes = {}
+    for dtype in (np.dtype(np.uint16), np.dtype(np.uint32)):
+        words = rng.integers(0, np.iinfo(dtype).max, (gather_mib << 20) // dtype.itemsize, dtype=dtype)
+        planes = to_planes(words)
+        into_c, into_numpy = np.empty_like(words), np.empty_like(words)
+        pairing = paired(lambda p=planes, o=into_c: from_planes(p, o.size, o.dtype, out=o),
+                         lambda p=planes, o=into_numpy: unplanes_numpy(p, o.size, o), repeats)
+        if not (np.array_equal(into_c, words) and np.array_equal(into_numpy, words)):
+            raise SystemExit(f"unplanes: the words of width {dtype.itemsize} did not come back")
+        unplanes[dtype.itemsize] = versus(pairing, "c_ms", "numpy_ms")
+    words = planes = into_c = into_numpy = None
     # A new buffer of gather_mib MiB filled once (the pages are faulted in on first write),
     # dcr_log.buffers' huge pages against numpy's own; none is freed before the last pair.
     source = np.ones(gather_mib << 19, dtype=np.uint16)
@@ -204,7 +218,8 @@ def kernel_rows(n: int, gather_mib: int, repeats: int, seed: int) -> dict:
     fill = {"numpy_ms": filled.baseline_wall * 1e3, "huge_pages_ms": filled.op_wall * 1e3,
             "huge_pages_to_numpy": filled.ratio}
     return {"elements": n, "xor_ms": xor_s * 1e3, "find_changes": found, "ulp_step_1pct": step,
-            "moves_1pct": {"mib": gather_mib, **moves}, "fresh_fill": {"mib": gather_mib, **fill}}
+            "moves_1pct": {"mib": gather_mib, **moves}, "unplanes": {"mib": gather_mib, "by_width": unplanes},
+            "fresh_fill": {"mib": gather_mib, **fill}}
 
 
 def print_report(report: dict) -> None:
@@ -241,6 +256,10 @@ def print_report(report: dict) -> None:
     print(f"  1% of {m['mib']} MiB: gather C {m['gather_c_ms']:.1f} ms, numpy {m['gather_numpy_ms']:.1f} ms "
           f"({m['gather_c_to_numpy']:.2f} x); scatter C {m['scatter_c_ms']:.1f} ms, numpy "
           f"{m['scatter_numpy_ms']:.1f} ms ({m['scatter_c_to_numpy']:.2f} x)")
+    u = k["unplanes"]
+    for width, p in u["by_width"].items():
+        print(f"  unplanes, {u['mib']} MiB of {width}-byte words: C {p['c_ms']:.1f} ms, numpy {p['numpy_ms']:.1f} ms "
+              f"({p['c_to_numpy']:.2f} x)")
     f = k["fresh_fill"]
     print(f"  a new {f['mib']} MiB buffer filled: numpy {f['numpy_ms']:.0f} ms, "
           f"huge pages {f['huge_pages_ms']:.0f} ms ({f['huge_pages_to_numpy']:.2f} x)")

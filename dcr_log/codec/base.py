@@ -140,16 +140,27 @@ def from_planes(buf: np.ndarray, count: int, word: np.dtype, out: np.ndarray | N
         np.copyto(out, buf.view(word))
         return out
     unsigned = out.view(np.dtype(f"<u{w}"))
+    if native.changes is not None and unsigned.flags.c_contiguous:
+        # One pass with the GIL released, where numpy widens the first plane, then shifts and
+        # ors each further one over the whole output (tools/bench_codec.py's "unplanes").
+        native.changes.unplanes(np.ascontiguousarray(buf), w, unsigned.reshape(-1))
+        return out
+    unplanes_numpy(buf, count, unsigned)
+    return out
+
+
+def unplanes_numpy(buf: np.ndarray, count: int, unsigned: np.ndarray) -> None:
+    """from_planes without the C module: ``unsigned`` (``count`` unsigned words) filled."""
+    w = unsigned.dtype.itemsize
     if w == 2:
         np.left_shift(buf[count:], 8, out=unsigned, dtype=unsigned.dtype)
         np.bitwise_or(unsigned, buf[:count], out=unsigned)
-        return out
+        return
     np.copyto(unsigned, buf[:count])
     shifted = np.empty(count, dtype=unsigned.dtype)
     for i in range(1, w):
         np.left_shift(buf[i * count:(i + 1) * count], 8 * i, out=shifted, dtype=unsigned.dtype)
         np.bitwise_or(unsigned, shifted, out=unsigned)
-    return out
 
 
 ZSTD_LEVELS = tuple(range(1, 23))

@@ -179,6 +179,25 @@ def test_block_multiple_planes_are_coded_as_the_stream_codes_them(plane_bytes):
     assert len(zstandard.ZstdCompressor(level=1).compress(turned.tobytes())) > len(frame) + 1000
 
 
+@pytest.mark.parametrize("checksum", [False, True])
+@pytest.mark.parametrize("content", ["skewed", "random", "constant", "empty", "tiny"])
+def test_a_zstd_payload_is_one_whole_frame(content, checksum):
+    # Compressed, raw and RLE blocks, and a frame of no content. Anything after the frame, a
+    # second frame, a skippable one, or a frame cut short (its checksum included) is refused:
+    # zstd's decompress takes trailing bytes after a frame of no content.
+    rng = np.random.default_rng(len(content))
+    data = {"skewed": rng.geometric(0.5, 300_000).astype(np.uint8).tobytes(),
+            "random": rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes(),
+            "constant": b"\7" * 300_000, "empty": b"", "tiny": b"abc"}[content]
+    frame = zstandard.ZstdCompressor(level=1, write_checksum=checksum, write_content_size=True).compress(data)
+    got = zstd_decompress_exact(frame, len(data))
+    assert got.tobytes() == data
+    skippable = bytes.fromhex("502a4d18") + (3).to_bytes(4, "little") + b"abc"
+    for bad in (frame + b"x", frame + frame, frame + skippable, frame[:-1], frame[: len(frame) // 2]):
+        with pytest.raises(IntegrityError):
+            zstd_decompress_exact(bad, len(data))
+
+
 @pytest.mark.parametrize("word", WORDS)
 @pytest.mark.parametrize("kind", ["xor", "overwrite"])
 def test_sparse_records_with_large_planes_round_trip(word, kind):

@@ -268,6 +268,7 @@ def zstd_decompress_exact(payload: bytes, expected: int) -> np.ndarray:
         raise IntegrityError(f"zstd frame needs a dictionary or a window of {params.window_size} bytes")
     if declared != expected:
         raise IntegrityError(f"zstd frame declares {declared} bytes, expected {expected}")
+    _check_frame_end(memoryview(payload).cast("B"), params.has_checksum)
     try:
         # allow_extra_data=False: bytes after the frame make the payload invalid, not ignored.
         out = _decompressor().decompress(payload, max_output_size=expected, allow_extra_data=False)
@@ -276,6 +277,25 @@ def zstd_decompress_exact(payload: bytes, expected: int) -> np.ndarray:
     if len(out) != expected:
         raise IntegrityError(f"zstd frame held {len(out)} bytes, expected {expected}")
     return np.frombuffer(out, dtype=np.uint8)
+
+
+def _check_frame_end(view: memoryview, has_checksum: bool) -> None:
+    """The frame's blocks walked from its header: it must end exactly where the payload does
+    (zstd's decompress, told to refuse bytes after the frame, takes them after a frame of no
+    content). A block holds up to 128 KiB of content: a few dozen a record."""
+    at = zstandard.frame_header_size(view)
+    while True:
+        if at + 3 > len(view):
+            raise IntegrityError("zstd frame is cut short")
+        head = view[at] | view[at + 1] << 8 | view[at + 2] << 16
+        kind, size = (head >> 1) & 3, head >> 3
+        if kind == 3:
+            raise IntegrityError("corrupt zstd frame: a block of the reserved type")
+        at += 3 + (1 if kind == 1 else size)  # an RLE block holds one byte
+        if head & 1:
+            break
+    if at + (4 if has_checksum else 0) != len(view):
+        raise IntegrityError("zstd frame does not end where the payload does")
 
 
 def positions_from_gaps(gaps: np.ndarray, n: int, what: str) -> np.ndarray:

@@ -2001,6 +2001,12 @@ INVALID = [
     ("apply-zstd-trailing-bytes", "IntegrityError", "apply", 1,
      "a sparse payload has a byte after its zstd frame",
      {"rows_hook": row_hook("w", lambda r: r.update(payload=r["payload"] + b"\0"))}, None),
+    ("apply-zstd-trailing-bytes-empty-frame", "IntegrityError", "apply", 1,
+     "a dense tensor record of an empty tensor added in version 1 has a byte after its zstd frame of "
+     "no content",
+     {"v1_state": _with_tensor("empty", zeros_tensor("U8", (0,))),
+      "v1_records": lambda s, recs: recs + [s.tensor("empty", "dense")],
+      "rows_hook": row_hook("empty", lambda r: r.update(payload=r["payload"] + b"\0"))}, None),
     ("apply-dense-count", "IntegrityError", "apply", 1,
      "a dense xor record says 5 changes; its mask has 6 non-zero words",
      {"rows_hook": row_hook("n", lambda r: r.update(n_changed=r["n_changed"] - 1))}, None),

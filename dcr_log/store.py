@@ -270,10 +270,11 @@ class Store:
             with _create_in_place(final.parent, tmp) as f:
                 sink = _HashingWriter(f)
                 write(sink)
-            os.link(tmp, final)
+            try:
+                os.link(tmp, final)
+            except FileExistsError:  # (only the link's: a directory's race is not the key's)
+                raise AlreadyExists(f"{self.url}: {key} already exists") from None
             linked = True
-        except FileExistsError:
-            raise AlreadyExists(f"{self.url}: {key} already exists") from None
         except OSError as exc:  # no space, read-only, permission: one typed line
             raise os_error(exc, f"cannot write {self.url}/{key}") from None
         finally:
@@ -314,8 +315,10 @@ class Store:
 
 
 # Tries to create a file in a directory that a delete's cleanup or another writer's failed
-# create may remove (while it is empty) between our mkdir and our open.
-CREATE_TRIES = 8
+# create may remove (while it is empty) between our mkdir and our open. Each try lost is
+# another thread's progress; eight were lost in a row once on two busy cores (four threads
+# creating and deleting in one directory, tests/test_store.py).
+CREATE_TRIES = 64
 
 
 def _create_in_place(directory: Path, path: Path) -> IO[bytes]:

@@ -158,6 +158,36 @@ def test_a_failed_create_leaves_no_directory_it_made(tmp_path):
     assert [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()] == ["segments/7/y"]
 
 
+def test_a_directory_that_keeps_vanishing_is_not_an_existing_key(tmp_path, monkeypatch):
+    """A create whose directory is removed between its mkdir and its open tries again; one
+    that loses every try is a StoreError, never AlreadyExists (which says the key is taken)."""
+    import pathlib
+
+    from dcr_log import store as store_module
+
+    root = tmp_path / "root"
+    store = Store.open(root, create=True)
+    real_mkdir = pathlib.Path.mkdir
+    lost: list[int] = [0]
+
+    def vanishing(self, *args, **kwargs):
+        # What mkdir(exist_ok=True) raises when the directory it found is gone when it looks again.
+        if self.name == "5" and lost[0] < limit[0]:
+            lost[0] += 1
+            raise FileExistsError(errno.EEXIST, "File exists", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", vanishing)
+    limit = [store_module.CREATE_TRIES - 1]  # every try but the last lost: created
+    store.put_new("segments/5/a", b"x")
+    assert bytes(store.get("segments/5/a")) == b"x" and lost[0] == store_module.CREATE_TRIES - 1
+    lost[0], limit[0] = 0, store_module.CREATE_TRIES  # every try lost
+    with pytest.raises(StoreError) as raised:
+        store.put_new("segments/5/b", b"y")
+    assert not isinstance(raised.value, AlreadyExists)
+    assert sorted(p.name for p in (root / "segments" / "5").iterdir()) == ["a"]
+
+
 def test_creates_and_deletes_in_one_directory_race_without_errors(tmp_path):
     """Writers create objects in a directory while deletes empty it and remove it (as gc
     does to a version's orphan segments while a writer retries that version): a create

@@ -594,8 +594,9 @@ UNPLANES(uint16_t)
 UNPLANES(uint32_t)
 UNPLANES(uint64_t)
 
-/* planes(words, width, out): out holds n * width bytes. */
-static PyObject *py_planes(PyObject *self, PyObject *args) {
+/* planes(words, width, out) and unplanes(planes, width, out): the n words of width bytes
+ * to their n * width bytes of planes, or back; out is as long as the source. */
+static PyObject *planes_call(PyObject *args, int inverse) {
     Py_buffer src, out;
     int width;
     if (!PyArg_ParseTuple(args, "y*iw*", &src, &width, &out))
@@ -604,15 +605,15 @@ static PyObject *py_planes(PyObject *self, PyObject *args) {
     if (width != 1 && width != 2 && width != 4 && width != 8) {
         PyErr_SetString(PyExc_ValueError, "word width must be 1, 2, 4 or 8");
     } else if (src.len % width || out.len != src.len) {
-        PyErr_SetString(PyExc_ValueError, "out must hold the words' bytes");
+        PyErr_SetString(PyExc_ValueError, "out must be as long as the source");
     } else {
         Py_ssize_t n = src.len / width;
         Py_BEGIN_ALLOW_THREADS
         switch (width) {
         case 1: memcpy(out.buf, src.buf, (size_t)n); break;
-        case 2: planes_uint16_t(src.buf, n, out.buf); break;
-        case 4: planes_uint32_t(src.buf, n, out.buf); break;
-        default: planes_uint64_t(src.buf, n, out.buf); break;
+        case 2: (inverse ? unplanes_uint16_t : planes_uint16_t)(src.buf, n, out.buf); break;
+        case 4: (inverse ? unplanes_uint32_t : planes_uint32_t)(src.buf, n, out.buf); break;
+        default: (inverse ? unplanes_uint64_t : planes_uint64_t)(src.buf, n, out.buf); break;
         }
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
@@ -623,34 +624,8 @@ static PyObject *py_planes(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* unplanes(planes, width, out): out holds the n words of the n * width bytes of planes. */
-static PyObject *py_unplanes(PyObject *self, PyObject *args) {
-    Py_buffer src, out;
-    int width;
-    if (!PyArg_ParseTuple(args, "y*iw*", &src, &width, &out))
-        return NULL;
-    PyObject *result = NULL;
-    if (width != 1 && width != 2 && width != 4 && width != 8) {
-        PyErr_SetString(PyExc_ValueError, "word width must be 1, 2, 4 or 8");
-    } else if (src.len % width || out.len != src.len) {
-        PyErr_SetString(PyExc_ValueError, "out must hold the planes' bytes");
-    } else {
-        Py_ssize_t n = src.len / width;
-        Py_BEGIN_ALLOW_THREADS
-        switch (width) {
-        case 1: memcpy(out.buf, src.buf, (size_t)n); break;
-        case 2: unplanes_uint16_t(src.buf, n, out.buf); break;
-        case 4: unplanes_uint32_t(src.buf, n, out.buf); break;
-        default: unplanes_uint64_t(src.buf, n, out.buf); break;
-        }
-        Py_END_ALLOW_THREADS
-        Py_INCREF(Py_None);
-        result = Py_None;
-    }
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&out);
-    return result;
-}
+static PyObject *py_planes(PyObject *self, PyObject *args) { return planes_call(args, 0); }
+static PyObject *py_unplanes(PyObject *self, PyObject *args) { return planes_call(args, 1); }
 
 /* The sparse encoding's body (spec/FORMAT.md section 11) unpacked in one pass: k gaps of
  * gap_width bytes as byte planes, then k values of word_width bytes as byte planes;

@@ -283,7 +283,10 @@ def _check_frame_end(view: memoryview, has_checksum: bool) -> None:
     """The frame's blocks walked from its header: it must end exactly where the payload does
     (zstd's decompress, told to refuse bytes after the frame, takes them after a frame of no
     content). A block holds up to 128 KiB of content: a few dozen a record."""
-    at = zstandard.frame_header_size(view)
+    try:
+        at = zstandard.frame_header_size(view)
+    except zstandard.ZstdError as exc:  # (the header was read once already: a typed error all the same)
+        raise IntegrityError(f"not a zstd frame: {exc}") from None
     while True:
         if at + 3 > len(view):
             raise IntegrityError("zstd frame is cut short")

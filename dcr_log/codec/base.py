@@ -209,9 +209,9 @@ def zstd_compress(data: np.ndarray | bytes, level: int | str) -> bytes:
 
 # Planes smaller than this share blocks (a block per tiny plane costs more than it saves).
 PLANE_BLOCK_MIN = 4096
-# zstd's largest block (ZSTD_BLOCKSIZE_MAX): a one-shot frame cuts its blocks every this many
-# bytes, so planes that are multiples of it get their own blocks without the streaming API.
-ZSTD_BLOCK_MAX = 1 << 17
+# zstd's largest block: a one-shot frame cuts its blocks every this many bytes, so planes that
+# are multiples of it get their own blocks without the streaming API.
+ZSTD_BLOCK_MAX = zstandard.BLOCKSIZE_MAX
 
 
 def zstd_compress_planes(data: np.ndarray, plane_bytes: int, level: int | str) -> bytes:

@@ -426,8 +426,9 @@ class DeltaLog:
         return check
 
     def segment_records(self, version: int, ref: SegmentRef, data=None) -> Iterator[Record]:
-        """The records of one segment; ``data``, if given, is what read_segment returned for
-        it (its bytes, or a SegmentFile), already checked. The record count is checked against
+        """The records of one segment; ``data``, if given, is its bytes or a SegmentFile, as
+        read_segment (checked) or _fetch_segment (its hash then checked by the caller before it
+        uses what it made of the records) returned them. The record count is checked against
         the commit record. The records of a SegmentFile lie in a memory map whose pages are
         given back as their payloads are decoded, and all of them once the last is read."""
         data = self.read_segment(ref, version) if data is None else data

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Receiver apply throughput: GB/s of model bytes for numpy, torch (CPU) and checkpoint-
-directory receivers at ~1% and ~3% changed bf16 values (``--rates``), next to ``np.copyto``
-of the whole model in the same process, and the journal's share of the apply time (LMDB
-transactions, synced, over the whole apply).
+"""Receiver apply throughput: GB/s of model bytes for numpy, torch (CPU) and
+checkpoint-directory receivers at ~1% and ~3% changed bf16 values (``--rates``), next to
+``np.copyto`` of the whole model in the same process, and the journal's share of the apply
+time (LMDB transactions, synced, over the whole apply).
 
     python tools/bench_apply.py [--gib 0.25] [--reps 3] [--layers 4] [--verify none,sample,full] [--dir DIR]
                                 [--receivers numpy,torch,ckpt] [--phases] [--task-changes N]

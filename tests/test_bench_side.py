@@ -238,6 +238,12 @@ def test_percost_tiny_run_json(capsys):
         f = stages[name]
         assert f["points"] >= 2 and np.isfinite(f["ns_per_change"]) and np.isfinite(f["fixed_ms"]), (name, f)
     assert report["modes"]["one-core"]["stage_seconds"][0]["encodings"] == ["ulp-rans"]
+    apply_stages = report["modes"]["one-core"]["apply_stages"]
+    assert set(apply_stages) == set(bench_percost.APPLY_STAGES)
+    for name, f in apply_stages.items():
+        assert f["points"] == 2 and np.isfinite(f["ns_per_change"]) and np.isfinite(f["fixed_ms"]), (name, f)
+    assert all(s[name] > 0 for s in report["modes"]["one-core"]["apply_stage_seconds"]
+               for name in ("read", "decode", "gather", "scatter"))
 
 
 def test_bench_pagecache_ways_keep_the_checkpoints_bytes(tmp_path):

@@ -39,6 +39,16 @@ cost), ``digests`` (the records' base and target sum digests), ``diff_box`` (the
 detection, encoding, digests), and ``segment`` (records into an Arrow IPC segment file, and
 its sha256). Each is fitted the same way.
 
+Apply stages (one core, on the records of the rate's first version, whose parent is the base
+state, as a numpy receiver's pass one and write pass take them): ``read`` (the segments read,
+hashed and parsed, as read_segment_records), ``decode`` (each record's payload into positions
+and values), ``positions`` (box positions into the tensor's flat words), ``gather`` (the words
+at those positions), ``targets`` (the words the records lead to), ``digests`` (both digest
+parts, of the words found and of the targets) and ``scatter`` (the targets written into a
+copy of the base words). "rest of apply" is the receiver's apply less the stages: the
+journal, the undo images a memory storage keeps, verify's tensor digests, the pool's hops and
+the Python between them.
+
     python tools/bench_percost.py [--gib 0.25] [--rates 0.005 0.01 0.03 0.05 0.10] [--repeats 3] [--json]
 
 ``--json`` prints the report as JSON on stdout (progress on stderr).
@@ -75,6 +85,13 @@ from dcr_log.coords import box_view, row_blocks  # noqa: E402
 from dcr_log.digest import scheme_for  # noqa: E402
 from dcr_log.format import Record  # noqa: E402
 from dcr_log.format.segment import SegmentBuilder  # noqa: E402
+from dcr_log.log.records import (  # noqa: E402
+    decode_record,
+    flat_positions,
+    gather_words,
+    record_targets,
+    scatter_words,
+)
 from dcr_log.receiver import Receiver  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
 from dcr_log.write.differ import DEFAULT_CHUNK_ELEMENTS, Differ, EncodePolicy, _Scratch, find_changes  # noqa: E402
@@ -85,6 +102,7 @@ RATES = (0.005, 0.01, 0.03, 0.05, 0.10)
 MODES = ("one-core", "default")
 OPS = ("encode", "apply_numpy", "replay")
 STAGES = ("find_changes", "rans", "ulp_keys", "gaps", "pcodec", "choose", "digests", "diff_box", "segment")
+APPLY_STAGES = ("read", "decode", "positions", "gather", "targets", "digests", "scatter")
 
 
 def fit(model_bytes: list[int], changes: list[int], seconds: list[float]) -> dict:
@@ -219,6 +237,73 @@ def stage_costs(base_state, new_state, k: int, repeats: int) -> dict[str, float]
     return out
 
 
+# -- the stages of apply -------------------------------------------------------------------------
+
+def apply_stage_costs(reader: DeltaLog, version: int, base_state, repeats: int) -> dict[str, float]:
+    """CPU seconds (median of ``repeats``) of each apply stage over every record of ``version``,
+    whose parent state is ``base_state``; each stage's inputs are made by the stages before it,
+    untimed, and checked against the records' digests (the gather, the targets)."""
+    commit = reader.commit(version)
+    table = {t.name: t for t in commit.tensors}
+    digests = reader.digests
+    held = {name: b.words.reshape(-1) for name, b in base_state.items()}
+    written = {name: w.copy() for name, w in held.items()}  # the scatter's storage
+
+    def do_read():
+        out = []
+        for ref in commit.segments:
+            _, recs, check = reader.read_segment_records(ref, version)
+            check()
+            out.extend(recs)
+        return out
+
+    records = do_read()
+    decoded = [decode_record(r, table[r.tensor]) for r in records]
+    where = [flat_positions(r, table[r.tensor].shape, c) for r, c in zip(records, decoded)]
+    current = [gather_words(held[r.tensor], w) for r, w in zip(records, where)]
+    targets = [record_targets(r.kind, c, cur, c.values) for r, c, cur in zip(records, decoded, current)]
+    for r, w, cur, t in zip(records, where, current, targets):
+        if digests.at(w, cur) != r.base_digest or digests.at(w, t) != r.target_digest:
+            raise SystemExit(f"apply stages: a record of {r.tensor!r} does not lead from its base to its target")
+
+    def do_decode():
+        for r in records:
+            decode_record(r, table[r.tensor])
+
+    def do_positions():
+        for r, c in zip(records, decoded):
+            flat_positions(r, table[r.tensor].shape, c)
+
+    def do_gather():
+        for r, w in zip(records, where):
+            gather_words(held[r.tensor], w)
+
+    def do_targets():
+        for r, c, cur in zip(records, decoded, current):
+            record_targets(r.kind, c, cur, c.values)
+
+    def do_digests():
+        for w, cur, t in zip(where, current, targets):
+            digests.at(w, cur)
+            digests.at(w, t)
+
+    def do_scatter():
+        for r, w, t in zip(records, where, targets):
+            scatter_words(written[r.tensor], w, t)
+
+    out = {}
+    for stage, fn in zip(APPLY_STAGES, (do_read, do_decode, do_positions, do_gather, do_targets, do_digests,
+                                        do_scatter)):
+        fn()  # warm
+        cpu = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            fn()
+            cpu.append(time.process_time() - c0)
+        out[stage] = statistics.median(cpu)
+    return out
+
+
 # -- one mode, in a child process ----------------------------------------------------------------
 
 def run_mode(mode: str, gib: float, rates: list[float], lrs: list[float], repeats: int, seed: int,
@@ -243,6 +328,7 @@ def run_mode(mode: str, gib: float, rates: list[float], lrs: list[float], repeat
         samples: dict[str, list[dict]] = {op: [] for op in OPS}
         pairings: dict[str, list[Pairing]] = {op: [] for op in OPS}
         stages: list[dict] = []
+        apply_stages: list[dict] = []
         changes = []
         with Receiver.open(rx_tensors, work / "journal") as rx:
             rx.bind(reader, 0, verify="none")
@@ -259,6 +345,8 @@ def run_mode(mode: str, gib: float, rates: list[float], lrs: list[float], repeat
                     if commit.stats.changed_elements != k:
                         raise SystemExit(f"append recorded {commit.stats.changed_elements} changes, expected {k}")
                     version = commit.version
+                    if i == 0:
+                        first_version = version  # its parent holds the base state
                     timings = {"encode": p}
                     timings["replay"] = paired(lambda v=version: reader.apply_version(replay_state, v), xor, 1)
                     applied: list[int] = []
@@ -276,6 +364,7 @@ def run_mode(mode: str, gib: float, rates: list[float], lrs: list[float], repeat
                     f"{statistics.median(s['cpu'] for s in samples['encode'] if s['k'] == k):.3f} s CPU")
                 if mode == "one-core":
                     stages.append(stage_costs(base_state, new_state, k, repeats))
+                    apply_stages.append(apply_stage_costs(reader, first_version, base_state, repeats))
         writer.close()
     out: dict = {"mode": mode, "cpus": sorted(os.sched_getaffinity(0)), "elements": n, "model_bytes": model_bytes,
                  "changes": changes, "fits": {op: fits_of(samples[op], pairings[op], model_bytes) for op in OPS},
@@ -283,6 +372,9 @@ def run_mode(mode: str, gib: float, rates: list[float], lrs: list[float], repeat
     if stages:
         out["stages"] = {st: fit([model_bytes] * len(changes), changes, [s[st] for s in stages]) for st in STAGES}
         out["stage_seconds"] = stages
+        out["apply_stages"] = {st: fit([model_bytes] * len(changes), changes, [s[st] for s in apply_stages])
+                               for st in APPLY_STAGES}
+        out["apply_stage_seconds"] = apply_stages
     return out
 
 
@@ -346,6 +438,20 @@ def print_table(report: dict) -> None:
                       "and its cache advanced, the store's writes, the commit, Python. choose includes the rans "
                       "stage (ulp keys, gaps and pcodec are the older ulp encoding's, not on the default path); "
                       f"encodings chosen: {one['stage_seconds'][0]['encodings']}")
+    if "apply_stages" in one:
+        at = Table("apply stage", "CPU ns/change", "CPU fixed ms", "r2",
+                   title="apply by stage, one core (each stage's functions timed directly on the records of a "
+                         "version whose parent is the base state)", title_justify="left")
+        for stage in APPLY_STAGES:
+            f = one["apply_stages"][stage]
+            at.add_row(stage, f"{f['ns_per_change']:.1f}", f"{f['fixed_ms']:.1f}", f"{f['r2']:.3f}")
+        app = one["fits"]["apply_numpy"]["cpu"]
+        parts = [one["apply_stages"][s] for s in APPLY_STAGES]
+        at.add_row("rest of apply", f"{app['ns_per_change'] - sum(p['ns_per_change'] for p in parts):.1f}",
+                   f"{app['fixed_ms'] - sum(p['fixed_ms'] for p in parts):.1f}", "-")
+        console.print(at)
+        console.print("rest of apply = the numpy receiver's apply (one core, CPU) minus the stages: the journal, "
+                      "the undo images, verify's tensor digests, the pool's hops and the Python between them")
     console.print(f"{report['cpus']} CPUs, load average {report['load_average']:.2f} at the end")
     console.print(machine_line(report["machine"]))
 

@@ -312,8 +312,11 @@ def test_cli_carries_a_checkpoint_directorys_files(tmp_path):
     (ck0 / ".hidden").write_text("not carried")
     (ck0 / "1_Pooling").mkdir()
     (ck0 / "1_Pooling" / "config.json").write_text("{}")
+    (ck0 / ".git").mkdir()
     rc, out, err = run_cli("init", tmp_path / "log", "--from", ck0)
-    assert (rc, err) == (0, ""), err
+    # A directory is not carried (a file name has no "/"), and the user is told which.
+    assert (rc, err.strip()) == (0, f"dcr: note: directories in {ck0} are not carried (only its top-level "
+                                    "files are): 1_Pooling"), err
     assert out.startswith("version 0: 3 tensors") and f"{len(FILE_SETS[0])} files" in out
     ck1 = _checkpoint(tmp_path / "ck1", states[1], FILE_SETS[1])
     rc, out, err = run_cli("append", tmp_path / "log", "--from", ck1)

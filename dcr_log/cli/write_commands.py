@@ -84,7 +84,12 @@ def _checkpoint_files(from_: Path, wanted: bool | None) -> dict[str, Path] | Non
         return None
     from dcr_log.write.files import collect_files
 
-    return collect_files(from_)
+    skipped: list[str] = []
+    found = collect_files(from_, skipped)
+    if skipped:  # (a model whose loader reads them, e.g. sentence-transformers' 1_Pooling, needs them)
+        err.print(f"dcr: note: directories in {from_} are not carried (only its top-level files are): "
+                  f"{', '.join(skipped)}", markup=False)
+    return found
 
 
 QUANTIZE_HELP = ("fp8-block: log the checkpoint as block-scaled FP8 for an FP8 rollout engine (e4m3 linear "

@@ -66,11 +66,12 @@ def resolve_files(files: Files) -> list[tuple[FileEntry, bytes]]:
     return [by_name[e.name] for e in check_writer_files(e for e, _ in out)]
 
 
-def collect_files(directory: str | os.PathLike) -> dict[str, Path]:
+def collect_files(directory: str | os.PathLike, skipped: list[str] | None = None) -> dict[str, Path]:
     """The files ``dcr init`` and ``dcr append`` carry from a checkpoint directory: every
     regular file at its top level except the weights (``*.safetensors``, the index) and dot
-    files; directories are skipped. A symbolic link (or any other special file) is refused
-    (UsageError) rather than followed; so is a name the format cannot carry."""
+    files; directories are skipped (their names, but dot directories', appended to
+    ``skipped``: a file name has no ``/``). A symbolic link (or any other special file) is
+    refused (UsageError) rather than followed; so is a name the format cannot carry."""
     directory = Path(directory)
     out: dict[str, Path] = {}
     try:
@@ -86,6 +87,8 @@ def collect_files(directory: str | os.PathLike) -> dict[str, Path]:
         except OSError as exc:
             raise os_error(exc, f"cannot inspect {entry.path}") from None
         if stat.S_ISDIR(st.st_mode):
+            if skipped is not None:
+                skipped.append(name)
             continue
         if stat.S_ISLNK(st.st_mode):
             raise UsageError(f"{entry.path} is a symbolic link: files are carried only as regular "

@@ -4,8 +4,10 @@
     python tools/fuzz.py --cases N --seed S [--keep DIR]
 
 One small template is built once: a sum-digests log of four versions (several segments per
-version, tensors added, dropped and reshaped in version 2), a checkpoint-directory receiver
-bound at version 1 and a sharded one (index plus shards) at version 1. Each case copies them,
+version, tensors added, dropped and reshaped in version 2, and in version 3 an empty tensor
+added with a dense tensor record of its empty box, which a writer may write and LogWriter
+does not), a checkpoint-directory receiver bound at version 1 and a sharded one (index plus
+shards) at version 1. Each case copies them,
 damages one thing and runs, in this process, what a user would: open and verify the log (deep),
 materialize, and ``open_directory(...).apply(verify=...)`` at a random level. Targets:
 
@@ -19,7 +21,9 @@ materialize, and ``open_directory(...).apply(verify=...)`` at a random level. Ta
   digests can catch it);
 - ``payload-resealed``: one record's payload bytes damaged as ``segment``'s are, segment and
   commit record re-sealed (only the encodings' own checks and the record digests can catch
-  it: a decoder's checks, the ulp-rans tables, streams and bit stream among them);
+  it: a decoder's checks, the ulp-rans tables, streams and bit stream among them; in a
+  quarter of version 3's cases the empty box's record, whose frame of no content only the
+  frame's own walk checks);
 - ``segment-null``: one value of one column of a segment made null (the schema still says
   non-nullable, which Arrow does not enforce), segment and commit record re-sealed;
 - ``table-changed``: a version's tensor table changed with no record to back it (a tensor
@@ -133,13 +137,58 @@ class Template:
         self.rx_sharded = self.dir / "rxs"
 
 
+EMPTY_TENSOR = "z.empty"
+
+
+def add_empty_tensor(log: Path, version: int) -> TensorBits:
+    """The version (the log's latest) creates an empty U8 tensor with one dense tensor record
+    of its empty box, appended to its last segment, the segment and commit record re-sealed
+    (the tensor table, state digest and record counts with it): a record whose payload is a
+    zstd frame of no content, which the damages below then reach. Returns the tensor."""
+    from dcr_log.codec import ChangeSet, get_encoding
+    from dcr_log.coords import Box
+    from dcr_log.format import Record
+    from dcr_log.format.segment import encode_segment, iter_segment
+    from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
+
+    dlog = DeltaLog.open(log)
+    empty = TensorBits("U8", (0,), np.empty(0, np.uint8))
+    params, payload = get_encoding("dense").encode("tensor", ChangeSet(0, None, empty.words))
+    box = Box((0,), (0,))
+    record = Record(EMPTY_TENSOR, "tensor", box, "dense", params, 0, 0,
+                    dlog.digests.at(np.empty(0, np.int64), empty.words), payload)
+    commit = json.loads((log / version_key(version)).read_bytes())
+    index = len(commit["segments"]) - 1
+    path = log / commit["segments"][index]["key"]
+    records = list(iter_segment(path.read_bytes(), dlog.log_id, version)) + [record]
+    data = encode_segment(records, dlog.log_id, version)
+    path.write_bytes(data)
+
+    def edit(obj):
+        ref = obj["segments"][index]
+        ref.update(size=len(data), sha256=hashlib.sha256(data).hexdigest(), records=ref["records"] + 1)
+        obj["stats"]["records"] += 1
+        tensors = obj["tensors"] + [{"digest": digest_hex(dlog.digests.tensor(empty.words, empty.shape)),
+                                     "dtype": empty.dtype, "name": EMPTY_TENSOR, "shape": list(empty.shape)}]
+        tensors.sort(key=lambda x: x["name"].encode())
+        obj["tensors"] = tensors
+        obj["state_digest"] = digest_hex(state_digest(
+            [TensorInfo(x["name"], x["dtype"], tuple(x["shape"]), int(x["digest"], 16)) for x in tensors]))
+
+    _reseal_commit(log, version, edit)
+    return empty
+
+
 def build_template(root: Path) -> Template:
     t = Template(root, _states())
     w = LogWriter.create(t.log, t.states[0], cache_dir=False,
                          policy=EncodePolicy(chunk_elements=256), segment_bytes=1500)
     for v, st in enumerate(t.states[1:], 1):
         w.append(st, allow_layout_change=v == 2)  # version 2 drops, adds and reshapes tensors
+    w.close()
+    t.states[3][EMPTY_TENSOR] = add_empty_tensor(t.log, 3)
     log = DeltaLog.open(t.log)
+    log.verify(deep=True)  # the template, added record included, is a valid log
     for rx, shard in ((t.rx, None), (t.rx_sharded, 2000)):
         rx.mkdir()
         write_checkpoint(log.materialize(1), rx, shard_bytes=shard)
@@ -321,25 +370,33 @@ def reencode_record(rng: random.Random, log: Path, version: int) -> str:
     return f"record-reencoded v{version}#{index}/{j} {rec.kind}/{rec.encoding} value {m}"
 
 
-def damage_payload(rng: random.Random, log: Path, version: int) -> str:
-    """One record's payload bytes damaged, the segment and commit record re-sealed around it."""
+def damage_payload(rng: random.Random, log: Path, version: int, tensor: str | None = None,
+                   mutate=None) -> str:
+    """One record's payload bytes damaged (a record of ``tensor``, where given; by ``mutate``,
+    bytes to bytes, where given), the segment and commit record re-sealed around it."""
     from dataclasses import replace
 
     from dcr_log.format.segment import encode_segment, iter_segment
 
     log_id = json.loads((log / "dcr.json").read_bytes())["log_id"]
     commit = json.loads((log / version_key(version)).read_bytes())
-    index = rng.randrange(len(commit["segments"]))
+    segments = [list(iter_segment((log / ref["key"]).read_bytes(), log_id, version)) for ref in commit["segments"]]
+    if tensor is None:
+        index = rng.randrange(len(segments))
+        j = rng.randrange(len(segments[index]))
+    else:
+        index, j = rng.choice([(i, j) for i, recs in enumerate(segments) for j, r in enumerate(recs)
+                               if r.tensor == tensor])
     path = log / commit["segments"][index]["key"]
-    records = list(iter_segment(path.read_bytes(), log_id, version))
-    j = rng.randrange(len(records))
+    records = segments[index]
     rec = records[j]
     if not len(rec.payload):
         return f"payload-resealed v{version}#{index}/{j}: empty payload"
-    records[j] = replace(rec, payload=mutate_bytes(rng, bytes(rec.payload)))
+    damaged = mutate_bytes(rng, bytes(rec.payload)) if mutate is None else mutate(bytes(rec.payload))
+    records[j] = replace(rec, payload=damaged)
     path.write_bytes(encode_segment(records, log_id, version))
     _reseal_segment(log, version, index, path.read_bytes())
-    return f"payload-resealed v{version}#{index}/{j} {rec.kind}/{rec.encoding}"
+    return f"payload-resealed v{version}#{index}/{j} {rec.kind}/{rec.encoding} of {rec.tensor}"
 
 
 def null_in_segment(rng: random.Random, log: Path, version: int) -> str:
@@ -429,7 +486,9 @@ def damage(rng: random.Random, target: str, log: Path, rx: Path) -> str:
     if target == "record-reencoded":
         return reencode_record(rng, log, rng.choice((0, 2, 3)))
     if target == "payload-resealed":
-        return damage_payload(rng, log, rng.choice((2, 3)))
+        version = rng.choice((2, 3))
+        # A quarter of version 3's: the record of an empty box (a zstd frame of no content).
+        return damage_payload(rng, log, version, EMPTY_TENSOR if version == 3 and rng.random() < 0.25 else None)
     if target == "segment-null":
         return null_in_segment(rng, log, rng.choice((2, 3)))
     if target == "table-changed":

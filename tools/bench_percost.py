@@ -223,17 +223,24 @@ def stage_costs(base_state, new_state, k: int, repeats: int) -> dict[str, float]
         builder.write_to(sink)
         hashlib.sha256(sink.getbuffer()).hexdigest()
 
+    out: dict = stage_seconds(STAGES, (do_find, do_rans, do_keys, do_gaps, do_pcodec, do_choose, do_digests,
+                                       do_diff, do_segment), repeats)
+    out["encodings"] = sorted({r.encoding for r in records})
+    return out
+
+
+def stage_seconds(stages, fns, repeats: int) -> dict[str, float]:
+    """Per stage, the median CPU seconds of ``repeats`` calls of its function, after one
+    untimed call (buffers sized, pages touched)."""
     out = {}
-    for stage, fn in zip(STAGES, (do_find, do_rans, do_keys, do_gaps, do_pcodec, do_choose, do_digests, do_diff,
-                                  do_segment)):
-        fn()  # warm: buffers sized, pages touched
+    for stage, fn in zip(stages, fns):
+        fn()
         cpu = []
         for _ in range(repeats):
             c0 = time.process_time()
             fn()
             cpu.append(time.process_time() - c0)
         out[stage] = statistics.median(cpu)
-    out["encodings"] = sorted({r.encoding for r in records})
     return out
 
 
@@ -291,17 +298,8 @@ def apply_stage_costs(reader: DeltaLog, version: int, base_state, repeats: int) 
         for r, w, t in zip(records, where, targets):
             scatter_words(written[r.tensor], w, t)
 
-    out = {}
-    for stage, fn in zip(APPLY_STAGES, (do_read, do_decode, do_positions, do_gather, do_targets, do_digests,
-                                        do_scatter)):
-        fn()  # warm
-        cpu = []
-        for _ in range(repeats):
-            c0 = time.process_time()
-            fn()
-            cpu.append(time.process_time() - c0)
-        out[stage] = statistics.median(cpu)
-    return out
+    return stage_seconds(APPLY_STAGES, (do_read, do_decode, do_positions, do_gather, do_targets, do_digests,
+                                        do_scatter), repeats)
 
 
 # -- one mode, in a child process ----------------------------------------------------------------

@@ -5,11 +5,11 @@
 
 One small template is built once: a sum-digests log of four versions (several segments per
 version, tensors added, dropped and reshaped in version 2, and in version 3 an empty tensor
-added with a dense tensor record of its empty box, which a writer may write and LogWriter
-does not), a checkpoint-directory receiver bound at version 1 and a sharded one (index plus
-shards) at version 1. Each case copies them,
-damages one thing and runs, in this process, what a user would: open and verify the log (deep),
-materialize, and ``open_directory(...).apply(verify=...)`` at a random level. Targets:
+added with a dense tensor record of its empty box, which a writer may write and LogWriter does
+not), a checkpoint-directory receiver bound at version 1 and a sharded one (index plus shards)
+at version 1. Each case copies them, damages one thing and runs, in this process, what a user
+would: open and verify the log (deep), materialize, and
+``open_directory(...).apply(verify=...)`` at a random level. Targets:
 
 - ``segment``: bytes of a segment of version 2 or 3 (bit flips, byte sets, truncation,
   extension, insertion), the commit record unchanged (so the sha256 catches it);

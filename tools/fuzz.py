@@ -149,7 +149,7 @@ def add_empty_tensor(log: Path, version: int) -> TensorBits:
     from dcr_log.coords import Box
     from dcr_log.format import Record
     from dcr_log.format.segment import encode_segment, iter_segment
-    from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
+    from dcr_log.format.tensors import digest_hex
 
     dlog = DeltaLog.open(log)
     empty = TensorBits("U8", (0,), np.empty(0, np.uint8))
@@ -161,19 +161,15 @@ def add_empty_tensor(log: Path, version: int) -> TensorBits:
     index = len(commit["segments"]) - 1
     path = log / commit["segments"][index]["key"]
     records = list(iter_segment(path.read_bytes(), dlog.log_id, version)) + [record]
-    data = encode_segment(records, dlog.log_id, version)
-    path.write_bytes(data)
+    path.write_bytes(encode_segment(records, dlog.log_id, version))
+    _reseal_segment(log, version, index, path.read_bytes())
 
     def edit(obj):
-        ref = obj["segments"][index]
-        ref.update(size=len(data), sha256=hashlib.sha256(data).hexdigest(), records=ref["records"] + 1)
+        obj["segments"][index]["records"] += 1
         obj["stats"]["records"] += 1
-        tensors = obj["tensors"] + [{"digest": digest_hex(dlog.digests.tensor(empty.words, empty.shape)),
-                                     "dtype": empty.dtype, "name": EMPTY_TENSOR, "shape": list(empty.shape)}]
-        tensors.sort(key=lambda x: x["name"].encode())
-        obj["tensors"] = tensors
-        obj["state_digest"] = digest_hex(state_digest(
-            [TensorInfo(x["name"], x["dtype"], tuple(x["shape"]), int(x["digest"], 16)) for x in tensors]))
+        obj["tensors"].append({"digest": digest_hex(dlog.digests.tensor(empty.words, empty.shape)),
+                               "dtype": empty.dtype, "name": EMPTY_TENSOR, "shape": list(empty.shape)})
+        _seal_table(obj)
 
     _reseal_commit(log, version, edit)
     return empty
@@ -320,6 +316,19 @@ def _reseal_segment(log: Path, version: int, index: int, data: bytes) -> None:
     path.write_bytes(seal(obj))
 
 
+def _seal_table(obj: dict) -> None:
+    """A commit record's tensor table sorted, and its state digest and element count made
+    from it again."""
+    from dcr_log.coords import numel
+    from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
+
+    tensors = obj["tensors"]
+    tensors.sort(key=lambda x: x["name"].encode())
+    infos = [TensorInfo(x["name"], x["dtype"], tuple(x["shape"]), int(x["digest"], 16)) for x in tensors]
+    obj["state_digest"] = digest_hex(state_digest(infos))
+    obj["stats"]["total_elements"] = sum(numel(i.shape) for i in infos)
+
+
 def _reseal_commit(log: Path, version: int, edit) -> None:
     path = log / version_key(version)
     obj = json.loads(path.read_bytes())
@@ -434,9 +443,6 @@ def change_table(rng: random.Random, log: Path, version: int) -> str:
     """A version's tensor table changed with no record to back it, re-sealed consistently
     (state digest and element count recomputed): a tensor added (small, empty or of a huge
     claimed shape), renamed, reshaped or retyped."""
-    from dcr_log.coords import numel
-    from dcr_log.format.tensors import TensorInfo, digest_hex, state_digest
-
     # (A new empty tensor needs no record: a legal change, so not among these.)
     op = rng.choice(("add", "add-huge", "rename", "reshape", "retype"))
 
@@ -463,10 +469,7 @@ def change_table(rng: random.Random, log: Path, version: int) -> str:
             t["shape"] = list(reversed(t["shape"])) if len(set(t["shape"])) > 1 else t["shape"] + [1]
         else:
             t["dtype"] = {"BF16": "F16", "F32": "I32", "I8": "U8", "I64": "U64", "U16": "I16"}.get(t["dtype"], "U8")
-        tensors.sort(key=lambda x: x["name"].encode())
-        infos = [TensorInfo(x["name"], x["dtype"], tuple(x["shape"]), int(x["digest"], 16)) for x in tensors]
-        obj["state_digest"] = digest_hex(state_digest(infos))
-        obj["stats"]["total_elements"] = sum(numel(i.shape) for i in infos)
+        _seal_table(obj)
 
     _reseal_commit(log, version, edit)
     return f"table-changed v{version} {op}"

@@ -286,11 +286,11 @@ def test_records_are_decoded_while_the_first_segments_hash_runs(tmp_path, monkey
 
 
 def test_replay_reads_the_next_segment_beside_the_records_of_this_one(tmp_path):
-    """DeltaLog.records: segment i + 1 is read on the side thread while segment i's records
-    are taken, and segment i is hashed on the pool meanwhile; the result is the same state;
-    damage in a later segment is raised by the end of its records, before any of the next
-    (the earlier segments' records were all taken), and in place of what a damaged record
-    did to replay; and a caller that stops early leaves nothing reading."""
+    """DeltaLog.records: segment i + 1 is read on the side thread while segment i's records are
+    taken, and segment i is hashed meanwhile (on the pool where replay decodes on it); the
+    result is the same state; damage in a later segment is raised by the end of its records,
+    before any of the next (the earlier segments' records were all taken), and in place of what
+    a damaged record did to replay; and a caller that stops early leaves nothing reading."""
     import threading
 
     from dcr_log.errors import IntegrityError

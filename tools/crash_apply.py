@@ -410,8 +410,11 @@ def main() -> int:
         runner = CrashRunner(fx, work, seed=args.seed)
         lo, hi = runner.calibrate()
         print(f"start-up {lo:.2f} s, a whole run's work {hi:.2f} s; kill instants drawn in them")
-        counts = runner.run(args.kills, progress=lambda c: print(c.line(), end="\r", flush=True))
-        print()
+        # a terminal shows one line that counts up; a log file gets the final count alone
+        live = sys.stdout.isatty()
+        counts = runner.run(args.kills, progress=(lambda c: print(c.line(), end="\r", flush=True)) if live else None)
+        if live:
+            print()
         print(counts.line() + f" ({time.perf_counter() - t0:.0f} s)")
         for failure in counts.failures:
             print("FAILURE:", failure)

@@ -8,6 +8,7 @@ box-local positions.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,11 @@ def word_dtype(dtype: str) -> np.dtype:
     return _WORD_BY_WIDTH[DTYPE_WIDTH[check_dtype(dtype)]]
 
 
+def word_dtype_of_width(width: int) -> np.dtype:
+    """The unsigned little-endian numpy dtype of ``width`` bytes (1, 2, 4 or 8)."""
+    return _WORD_BY_WIDTH[width]
+
+
 def numel(shape: tuple[int, ...] | list[int]) -> int:
     return math.prod(int(s) for s in shape)
 
@@ -59,7 +65,8 @@ class Box:
     offset: tuple[int, ...]
     shape: tuple[int, ...]
 
-    @property
+    # Cached: a receiver asks each record's box for it several times.
+    @functools.cached_property
     def size(self) -> int:
         return numel(self.shape)
 

@@ -166,6 +166,26 @@ def test_sum_at_over_any_indices_matches_the_reference(impl, word):
         assert D.sum_at(flat, words) == reference(flat, words), k
 
 
+def test_sum_at_takes_indices_and_words_in_any_form_alike(impl):
+    """The receiver's form (int64 indices and unsigned words, contiguous and flat) and every
+    other: unsigned or strided indices, a list, signed or float words of the same bits, words
+    in two dimensions; and indices and words of different counts are refused either way."""
+    rng = np.random.default_rng(12)
+    flat = rng.integers(0, 1 << 40, 301, dtype=np.int64)
+    words = rng.integers(0, 1 << 16, 301, dtype=np.uint16)
+    expected = reference(flat, words)
+    spread = np.zeros(2 * flat.size, dtype=np.int64)
+    spread[::2] = flat
+    forms = [(flat, words), (flat.view(np.uint64), words), (spread[::2], words), (flat.tolist(), words),
+             (flat, words.view(np.int16)), (flat, words.view(np.float16)), (flat[:300].reshape(3, 100),
+                                                                             words[:300].reshape(3, 100))]
+    for n, (f, w) in enumerate(forms):
+        want = expected if np.size(w) == words.size else reference(flat[:300], words[:300])
+        assert D.sum_at(f, w) == want, n
+    with pytest.raises(ValueError):
+        D.sum_at(flat[:-1], words)
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch", "checkpoint"])
 @pytest.mark.parametrize("scheme", ["sum", "xxh3"])
 def test_tensor_digests_in_spans_equal_each_tensors_own(tmp_path, monkeypatch, kind, scheme):

@@ -421,6 +421,29 @@ def test_native_gather_scatter_and_ulp_step_equal_numpy(word):
                 assert np.array_equal(words, before)
 
 
+@pytest.mark.parametrize("dtype", ["<i2", "<f2", ">u2", "<f4", "<c8", "<c16", "?"])
+def test_gather_and_scatter_take_words_of_any_dtype(dtype):
+    """Words that are not unsigned integers of the machine's order (the C moves see their
+    bytes as unsigned words of their width; 16-byte words take numpy's path) gather and
+    scatter as numpy indexing does, bit for bit."""
+    from dcr_log.log.records import gather_words, scatter_words
+
+    rng = np.random.default_rng(3)
+    dt = np.dtype(dtype)
+    words = rng.integers(0, 256, 4000 * dt.itemsize, dtype=np.uint8).view(dt)
+    if dt.kind == "b":
+        words = rng.integers(0, 2, 4000).astype(bool)
+    where = np.sort(rng.choice(4000, 200, replace=False)).astype(np.int64)
+    got = gather_words(words, where)
+    assert got.dtype == words.dtype
+    assert got.tobytes() == words[where].tobytes()
+    values = words[rng.choice(4000, 200)]
+    mine, ref = words.copy(), words.copy()
+    scatter_words(mine, where, values)
+    ref[where] = values
+    assert mine.tobytes() == ref.tobytes()
+
+
 def test_receivers_write_in_parallel_only_disjoint_records():
     """A batch's writes go to the pool only when no two records' flat spans meet in a tensor."""
     from types import SimpleNamespace

@@ -11,7 +11,7 @@ from dcr_log.codec import ChangeSet, decode_changes
 from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.registry import check_counts
 from dcr_log.codec.ulp import step_from
-from dcr_log.coords import box_to_tensor_flat, numel, word_dtype
+from dcr_log.coords import box_to_tensor_flat, numel, word_dtype, word_dtype_of_width
 from dcr_log.digest import XXH3, DigestScheme
 from dcr_log.errors import IntegrityError
 from dcr_log.format import Record
@@ -72,7 +72,15 @@ def _native_moves(words: np.ndarray, where) -> bool:
     """Whether the C gather and scatter take these arrays (callers check that the C module loaded)."""
     return (isinstance(where, np.ndarray) and where.dtype == np.int64
             and where.ndim == 1 and where.flags.c_contiguous and words.ndim == 1
-            and words.flags.c_contiguous)
+            and words.flags.c_contiguous and words.dtype.itemsize in (1, 2, 4, 8))
+
+
+def _unsigned(words: np.ndarray) -> np.ndarray:
+    """The words as unsigned integers of their width, for the C gather and scatter (a
+    receiver's words already are: no view made, twice a record)."""
+    if words.dtype.kind == "u" and words.dtype.isnative:
+        return words
+    return words.view(word_dtype_of_width(words.dtype.itemsize))
 
 
 def gather_words(words: np.ndarray, where) -> np.ndarray:
@@ -82,9 +90,8 @@ def gather_words(words: np.ndarray, where) -> np.ndarray:
     changes = native.changes
     if changes is None or not _native_moves(words, where):
         return words[where].copy() if isinstance(where, slice) else words[where]
-    u = np.dtype(f"<u{words.dtype.itemsize}")
     out = np.empty(where.size, dtype=words.dtype)
-    changes.gather(words.view(u), where, u.itemsize, out.view(u))
+    changes.gather(_unsigned(words), where, words.itemsize, _unsigned(out))
     return out
 
 
@@ -95,9 +102,8 @@ def scatter_words(words: np.ndarray, where, values: np.ndarray) -> None:
             or values.dtype.itemsize != words.dtype.itemsize):
         words[where] = values
         return
-    u = np.dtype(f"<u{words.dtype.itemsize}")
     values = np.ascontiguousarray(values)
-    changes.scatter(words.view(u), where, u.itemsize, values.view(u))
+    changes.scatter(_unsigned(words), where, words.itemsize, _unsigned(values))
 
 
 def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -360,6 +360,9 @@ def box_digests(scheme: DigestScheme, boxes: list[tuple[Box, tuple[int, ...], np
             return scheme.box(box, shape, words)
         return scheme.at(slice(start + lo, start + hi), words.reshape(-1)[lo:hi])
 
+    # Up to a span's words in all, the calling thread is faster than the pool's hops (14
+    # tensors of 2^16 words: 0.05 ms against 0.18; even at 2^21, 0.32 against 0.35).
+    parallel = parallel and sum(weights) > DIGEST_SPAN
     totals = [scheme.empty()] * len(boxes)
     for (i, _, _, hi), part in zip(spans, map_grouped(one, spans, weights, 4 * DIGEST_SPAN, workers, parallel)):
         totals[i] = part if hi < 0 else (totals[i] + part) & MASK64

@@ -218,6 +218,10 @@ def test_tensor_digests_in_spans_equal_each_tensors_own(tmp_path, monkeypatch, k
     if scheme == "sum":
         assert sorted(n for n, _ in spans) == sorted([7] * 11 + [1, 5, 5, 1])  # 1, 5, 33 and 50 words
         assert {t for _, t in spans} != {threading.current_thread().name}  # on the pool
+        # No more than a span's words in all: on this thread (the pool's hops cost more).
+        spans.clear()
+        assert storage_base.tensor_digests(storage, ["odd", "scalar"], digests, workers=2) == [whole[2], whole[0]]
+        assert spans == [(5, threading.current_thread().name), (1, threading.current_thread().name)]
     else:
         assert spans == []
     assert storage_base.tensor_digests(storage, names, digests, workers=2, parallel=False) == whole

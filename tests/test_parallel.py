@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from dcr_log import TensorBits, parallel
+from dcr_log import TensorBits, digest, parallel
 from dcr_log.receiver import Receiver
 from helpers import flip_log
 
@@ -167,8 +167,10 @@ def test_an_apply_hands_the_pool_a_task_per_group_of_records(tmp_path, pool_task
     from dcr_log.receiver.storage import base as storage_base
 
     # Records of ~1600 changes stay on the calling thread by default (pool_pays): here the
-    # pool's hand-offs are what is checked.
+    # pool's hand-offs are what is checked. So are the state digests' spans (a model of 1M
+    # words is digested on the calling thread by default: box_digests).
     monkeypatch.setattr(parallel, "RECORD_MIN_CHANGES", 0)
+    monkeypatch.setattr(digest, "DIGEST_SPAN", 1 << 16)
 
     digest_tasks: list[int] = []
     real_digests = storage_base.tensor_digests

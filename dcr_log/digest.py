@@ -116,7 +116,8 @@ def sum_at(flat: np.ndarray, words: np.ndarray) -> int:
     """Sum of e(flat[i], words[i]) for arbitrary flat indices (O(len(flat)))."""
     if (native.digest is not None and type(flat) is np.ndarray and type(words) is np.ndarray
             and flat.ndim == 1 and words.ndim == 1 and flat.dtype in _INDEX_DTYPES
-            and flat.flags.c_contiguous and words.flags.c_contiguous and flat.size == words.size):
+            and flat.flags.c_contiguous and words.flags.c_contiguous and flat.size == words.size
+            and not words.dtype.hasobject):
         # A receiver's case, twice a record: its conversions below cost five times the call.
         return native.digest.sum_at(flat, words, words.itemsize)
     flat = np.asarray(flat).reshape(-1)

@@ -169,7 +169,8 @@ def test_sum_at_over_any_indices_matches_the_reference(impl, word):
 def test_sum_at_takes_indices_and_words_in_any_form_alike(impl):
     """The receiver's form (int64 indices and unsigned words, contiguous and flat) and every
     other: unsigned or strided indices, a list, signed or float words of the same bits, words
-    in two dimensions; and indices and words of different counts are refused either way."""
+    in two dimensions; and indices and words of different counts, and words that are Python
+    objects, are refused either way."""
     rng = np.random.default_rng(12)
     flat = rng.integers(0, 1 << 40, 301, dtype=np.int64)
     words = rng.integers(0, 1 << 16, 301, dtype=np.uint16)
@@ -184,6 +185,8 @@ def test_sum_at_takes_indices_and_words_in_any_form_alike(impl):
         assert D.sum_at(f, w) == want, n
     with pytest.raises(ValueError):
         D.sum_at(flat[:-1], words)
+    with pytest.raises(TypeError):  # an array of Python objects holds pointers, not words
+        D.sum_at(flat, words.astype(object))
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch", "checkpoint"])

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,11 +259,16 @@ def _same(a, b) -> bool:
 
 def test_a_first_start_that_loses_a_port_draws_new_ones(tmp_path):
     """Ports are drawn free, then bound by weed a moment later: another process can take one in
-    between (seen once in a full run). The first start then draws new ports and serves."""
+    between (seen once in a full run). The first start then draws new ports and serves, and
+    leaves no socket named by the ports it gave up (weed names its gRPC sockets in /tmp by
+    port: one bound before the lost port was found stayed behind)."""
     import socket
 
     server = SeaweedServer(tmp_path / "seaweedfs")
     taken = server.ports["s3.port"]
+    # As a socket weed bound before it found s3.port taken would be.
+    stale = Path(f"/tmp/seaweedfs-filer-grpc-{server.ports['filer.port.grpc']}.sock")
+    stale.touch()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:
         blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         blocker.bind(("127.0.0.1", taken))
@@ -271,5 +277,7 @@ def test_a_first_start_that_loses_a_port_draws_new_ones(tmp_path):
             server.start()
             assert server.ports["s3.port"] != taken
             assert server.env["AWS_ENDPOINT_URL"] == server.endpoint == f"http://127.0.0.1:{server.ports['s3.port']}"
+            assert not stale.exists()
         finally:
             server.stop()
+            stale.unlink(missing_ok=True)

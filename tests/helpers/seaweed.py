@@ -87,6 +87,8 @@ class SeaweedServer:
         while True:
             if self.proc.poll() is not None:
                 self._out.close()
+                # Its sockets are named by these ports, which a retry draws anew: removed now.
+                self._cleanup_sockets()
                 log = (self.logs / "stdout.txt").read_text(errors="replace")
                 # weed's words for it: at its own check before binding, or when binding.
                 taken = [line for line in log.splitlines()

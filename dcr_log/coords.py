@@ -49,9 +49,15 @@ def word_dtype(dtype: str) -> np.dtype:
     return _WORD_BY_WIDTH[DTYPE_WIDTH[check_dtype(dtype)]]
 
 
-def word_dtype_of_width(width: int) -> np.dtype:
-    """The unsigned little-endian numpy dtype of ``width`` bytes (1, 2, 4 or 8)."""
-    return _WORD_BY_WIDTH[width]
+def unsigned_words(words: np.ndarray) -> np.ndarray:
+    """``words`` seen as unsigned little-endian integers of their width, what the C kernels
+    and the digests read: the array itself where it already is one (a receiver's words, so
+    no view is made twice a record), else a view (TypeError for an array of objects)."""
+    dt = words.dtype
+    if dt.kind == "u" and dt.isnative:
+        return words
+    unsigned = _WORD_BY_WIDTH.get(dt.itemsize)
+    return words.view(unsigned if unsigned is not None else np.dtype(f"<u{dt.itemsize}"))
 
 
 def numel(shape: tuple[int, ...] | list[int]) -> int:

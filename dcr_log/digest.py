@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from dcr_log import native
-from dcr_log.coords import Box, box_to_tensor_flat, numel
+from dcr_log.coords import Box, box_to_tensor_flat, numel, unsigned_words
 from dcr_log.parallel import map_grouped
 
 SUM_DIGESTS = "sum-digests"
@@ -86,14 +86,9 @@ def mix64_into(x: np.ndarray, t: np.ndarray) -> np.ndarray:
     return x
 
 
-def _unsigned(words: np.ndarray) -> np.ndarray:
-    w = words.dtype.itemsize
-    return words.view(np.dtype(f"<u{w}")) if words.dtype.kind != "u" else words
-
-
 def sum_range(start: int, words: np.ndarray) -> int:
     """Sum of e(start + j, words[j]): a contiguous run of flat indices."""
-    words = _unsigned(np.ascontiguousarray(words).reshape(-1))
+    words = unsigned_words(np.ascontiguousarray(words).reshape(-1))
     if native.digest is not None:
         return native.digest.sum_range(words, words.itemsize, start)
     buf = _BUF
@@ -123,7 +118,7 @@ def sum_at(flat: np.ndarray, words: np.ndarray) -> int:
     flat = np.asarray(flat).reshape(-1)
     if flat.dtype != np.uint64:  # an int64 operand would promote the product to float64
         flat = flat.astype(np.int64, copy=False).view(np.uint64)
-    words = _unsigned(np.asarray(words).reshape(-1))
+    words = unsigned_words(np.asarray(words).reshape(-1))
     if flat.size != words.size:
         raise ValueError(f"{flat.size} indices for {words.size} words")
     if native.digest is not None:
@@ -145,8 +140,8 @@ def sum_pair(positions: np.ndarray, offset: int, base: np.ndarray, new: np.ndarr
     target digests in one pass, for positions that are flat indices less ``offset`` (a row
     block's box-local positions)."""
     positions = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
-    base = _unsigned(np.ascontiguousarray(base).reshape(-1))
-    new = _unsigned(np.ascontiguousarray(new).reshape(-1))
+    base = unsigned_words(np.ascontiguousarray(base).reshape(-1))
+    new = unsigned_words(np.ascontiguousarray(new).reshape(-1))
     if not positions.size == base.size == new.size or base.dtype != new.dtype:
         raise ValueError(f"{positions.size} positions for {base.size} base and {new.size} new words")
     if native.digest is not None:
@@ -195,7 +190,7 @@ def sum_runs(starts: np.ndarray, run: int, words: np.ndarray) -> int:
                    for r in range(0, starts.size, rows)) & MASK64
     words = np.ascontiguousarray(words).reshape(-1)
     if native.digest is not None and starts.size:
-        return native.digest.sum_runs(np.ascontiguousarray(starts), run, _unsigned(words), words.itemsize)
+        return native.digest.sum_runs(np.ascontiguousarray(starts), run, unsigned_words(words), words.itemsize)
     if starts.size == 1:
         return sum_range(int(starts[0]), words)
     if run >= PIECE // 4 or starts.size == 0:
@@ -205,7 +200,7 @@ def sum_runs(starts: np.ndarray, run: int, words: np.ndarray) -> int:
         return total & MASK64
     # Short runs: several rows per piece, their flat indices built by broadcasting.
     rows = max(1, PIECE // run)
-    words = _unsigned(words).reshape(starts.size, run)
+    words = unsigned_words(words).reshape(starts.size, run)
     col_g = _STEP_G[:run]
     buf = _BUF
     total = 0

@@ -11,7 +11,7 @@ from dcr_log.codec import ChangeSet, decode_changes
 from dcr_log.codec.dense import DenseEncoding
 from dcr_log.codec.registry import check_counts
 from dcr_log.codec.ulp import step_from
-from dcr_log.coords import box_to_tensor_flat, numel, word_dtype, word_dtype_of_width
+from dcr_log.coords import box_to_tensor_flat, numel, unsigned_words, word_dtype
 from dcr_log.digest import XXH3, DigestScheme
 from dcr_log.errors import IntegrityError
 from dcr_log.format import Record
@@ -75,14 +75,6 @@ def _native_moves(words: np.ndarray, where) -> bool:
             and words.flags.c_contiguous and words.dtype.itemsize in (1, 2, 4, 8))
 
 
-def _unsigned(words: np.ndarray) -> np.ndarray:
-    """The words as unsigned integers of their width, for the C gather and scatter (a
-    receiver's words already are: no view made, twice a record)."""
-    if words.dtype.kind == "u" and words.dtype.isnative:
-        return words
-    return words.view(word_dtype_of_width(words.dtype.itemsize))
-
-
 def gather_words(words: np.ndarray, where) -> np.ndarray:
     """``words[where]`` (a copy), with the C gather for index arrays: it requests the cache
     lines of later positions early, where numpy waits for each in turn (on 1% of a 256 MiB
@@ -91,7 +83,7 @@ def gather_words(words: np.ndarray, where) -> np.ndarray:
     if changes is None or not _native_moves(words, where):
         return words[where].copy() if isinstance(where, slice) else words[where]
     out = np.empty(where.size, dtype=words.dtype)
-    changes.gather(_unsigned(words), where, words.itemsize, _unsigned(out))
+    changes.gather(unsigned_words(words), where, words.itemsize, unsigned_words(out))
     return out
 
 
@@ -103,7 +95,7 @@ def scatter_words(words: np.ndarray, where, values: np.ndarray) -> None:
         words[where] = values
         return
     values = np.ascontiguousarray(values)
-    changes.scatter(_unsigned(words), where, words.itemsize, _unsigned(values))
+    changes.scatter(unsigned_words(words), where, words.itemsize, unsigned_words(values))
 
 
 def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -52,12 +52,14 @@ def word_dtype(dtype: str) -> np.dtype:
 def unsigned_words(words: np.ndarray) -> np.ndarray:
     """``words`` seen as unsigned little-endian integers of their width, what the C kernels
     and the digests read: the array itself where it already is one (a receiver's words, so
-    no view is made twice a record), else a view (TypeError for an array of objects)."""
+    no view is made twice a record), else a view (TypeError for an array of objects, or of
+    a width no unsigned integer has)."""
     dt = words.dtype
     if dt.kind == "u" and dt.isnative:
         return words
-    unsigned = _WORD_BY_WIDTH.get(dt.itemsize)
-    return words.view(unsigned if unsigned is not None else np.dtype(f"<u{dt.itemsize}"))
+    if dt.itemsize not in _WORD_BY_WIDTH:
+        raise TypeError(f"no unsigned integer is {dt.itemsize} bytes wide ({dt})")
+    return words.view(_WORD_BY_WIDTH[dt.itemsize])
 
 
 def numel(shape: tuple[int, ...] | list[int]) -> int:

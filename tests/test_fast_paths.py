@@ -444,6 +444,29 @@ def test_gather_and_scatter_take_words_of_any_dtype(dtype):
     assert mine.tobytes() == ref.tobytes()
 
 
+@pytest.mark.parametrize("word", WORDS[1:], ids=lambda w: w.str)
+def test_gather_and_scatter_take_words_at_any_offset(word):
+    """Words and values that start at a byte offset that is not a multiple of their width (a
+    tensor of a safetensors file may) gather and scatter as numpy indexing does; the C moves
+    refused them with a ValueError."""
+    from dcr_log.log.records import gather_words, scatter_words
+
+    rng = np.random.default_rng(4)
+    w = word.itemsize
+    raw = rng.integers(0, 256, 4001 * w, dtype=np.uint8)
+    words = raw[1:1 + 4000 * w].view(word)
+    assert not words.flags.aligned
+    where = np.sort(rng.choice(4000, 300, replace=False)).astype(np.int64)
+    assert gather_words(words, where).tobytes() == words[where].tobytes()
+    values = rng.integers(0, 256, 300 * w + 1, dtype=np.uint8)[1:].view(word)
+    assert not values.flags.aligned and values.flags.c_contiguous
+    for into in (words, words.copy()):  # at an odd offset, and aligned
+        ref = into.copy()
+        ref[where] = values
+        scatter_words(into, where, values)
+        assert into.tobytes() == ref.tobytes()
+
+
 def test_receivers_write_in_parallel_only_disjoint_records():
     """A batch's writes go to the pool only when no two records' flat spans meet in a tensor."""
     from types import SimpleNamespace

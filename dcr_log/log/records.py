@@ -69,10 +69,12 @@ def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -
 
 
 def _native_moves(words: np.ndarray, where) -> bool:
-    """Whether the C gather and scatter take these arrays (callers check that the C module loaded)."""
+    """Whether the C gather and scatter take these arrays (callers check that the C module
+    loaded). Words at an offset that is not a multiple of their width (a safetensors file may
+    place a tensor anywhere after its header) take numpy's indexing."""
     return (isinstance(where, np.ndarray) and where.dtype == np.int64
             and where.ndim == 1 and where.flags.c_contiguous and words.ndim == 1
-            and words.flags.c_contiguous and words.dtype.itemsize in (1, 2, 4, 8))
+            and words.flags.c_contiguous and words.flags.aligned and words.dtype.itemsize in (1, 2, 4, 8))
 
 
 def gather_words(words: np.ndarray, where) -> np.ndarray:
@@ -91,7 +93,7 @@ def scatter_words(words: np.ndarray, where, values: np.ndarray) -> None:
     """``words[where] = values``, with the C scatter for index arrays (see gather_words)."""
     changes = native.changes
     if (changes is None or not _native_moves(words, where) or values.shape != where.shape
-            or values.dtype.itemsize != words.dtype.itemsize):
+            or values.dtype.itemsize != words.dtype.itemsize or not values.flags.aligned):
         words[where] = values
         return
     values = np.ascontiguousarray(values)

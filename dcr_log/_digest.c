@@ -362,11 +362,116 @@ static PyObject *py_sum_pair(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* A receiver's record in one call: the words at its positions (gathered), its targets (each
+ * word stepped by its distance in the ulp key order, spec/FORMAT.md section 11, or xor its
+ * value) and both digest parts, e(pos[i], current[i]) and e(pos[i], target[i]) summed. Where
+ * the gather, the step and two sum_at calls each walk the record's arrays (and Python sits
+ * between them), this takes a block of CLASSIFY_BLOCK changes at a time: gathered and stepped
+ * with the line PREFETCH positions ahead requested early (as _changes.c's gather: a receiver's
+ * changes are too far apart for the hardware prefetcher), then hashed by sum_pair's vector
+ * loop while the block is in L1. */
+#define CLASSIFY_BLOCK 256
+#define PREFETCH 64
+
+#define GATHER_STEP(T)                                                               \
+    static void gather_step_##T(const T *w, const int64_t *pos, Py_ssize_t lo,        \
+                                Py_ssize_t hi, Py_ssize_t k, const T *d, int relative, \
+                                T *cur, T *tgt) {                                    \
+        const T top = (T)((T)1 << (8 * sizeof(T) - 1));                              \
+        for (Py_ssize_t i = lo; i < hi; i++) {                                       \
+            if (i + PREFETCH < k)                                                    \
+                __builtin_prefetch(w + pos[i + PREFETCH], 0, 0);                     \
+            T x = w[pos[i]], y;                                                      \
+            if (relative) {                                                          \
+                T key = (T)((x & top) ? (T)~x : (T)(x ^ top));                       \
+                key = (T)(key + d[i]);                                               \
+                y = (T)((key & top) ? (T)(key ^ top) : (T)~key);                     \
+            } else {                                                                 \
+                y = (T)(x ^ d[i]);                                                   \
+            }                                                                        \
+            cur[i] = x;                                                              \
+            tgt[i] = y;                                                              \
+        }                                                                            \
+    }                                                                                \
+    static void classify_##T(const T *w, const int64_t *pos, Py_ssize_t k, const T *d, \
+                             int relative, T *cur, T *tgt, uint64_t *sc, uint64_t *st) { \
+        uint64_t a = 0, b = 0;                                                       \
+        for (Py_ssize_t lo = 0; lo < k; lo += CLASSIFY_BLOCK) {                      \
+            Py_ssize_t hi = lo + CLASSIFY_BLOCK < k ? lo + CLASSIFY_BLOCK : k;         \
+            uint64_t x, y;                                                           \
+            gather_step_##T(w, pos, lo, hi, k, d, relative, cur, tgt);               \
+            sum_pair_##T(pos + lo, hi - lo, 0, (const unsigned char *)(cur + lo),    \
+                         (const unsigned char *)(tgt + lo), &x, &y);                 \
+            a += x;                                                                  \
+            b += y;                                                                  \
+        }                                                                            \
+        *sc = a;                                                                     \
+        *st = b;                                                                     \
+    }
+
+GATHER_STEP(uint8_t)
+GATHER_STEP(uint16_t)
+GATHER_STEP(uint32_t)
+GATHER_STEP(uint64_t)
+
+VECTOR_CLONES static int indices_below(const int64_t *pos, Py_ssize_t k, Py_ssize_t n) {
+    uint64_t bad = 0;
+    for (Py_ssize_t i = 0; i < k; i++)
+        bad |= (uint64_t)pos[i] >= (uint64_t)n;
+    return !bad;
+}
+
+/* classify(words, positions, values, width, relative, current_out, target_out)
+ *   -> (current sum, target sum); positions int64, every buffer aligned to its width (numpy
+ * arrays are), each position checked against the words before any is read. */
+static PyObject *py_classify(PyObject *self, PyObject *args) {
+    Py_buffer w, pos, d, cur, tgt;
+    int width, relative;
+    if (!PyArg_ParseTuple(args, "y*y*y*ipw*w*", &w, &pos, &d, &width, &relative, &cur, &tgt))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t k = pos.len / 8;
+    if (!check_width(width)) {
+        /* (its error is set) */
+    } else if (w.len % width || pos.len % 8 || d.len != k * width || cur.len != k * width
+               || tgt.len != k * width
+               || ((uintptr_t)w.buf | (uintptr_t)d.buf | (uintptr_t)cur.buf | (uintptr_t)tgt.buf) % width
+               || (uintptr_t)pos.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "words, positions, values and outputs do not match");
+    } else {
+        Py_ssize_t n = w.len / width;
+        uint64_t sc = 0, st = 0;
+        int inside;
+        Py_BEGIN_ALLOW_THREADS
+        inside = indices_below(pos.buf, k, n);
+        if (inside) {
+            switch (width) {
+            case 1: classify_uint8_t(w.buf, pos.buf, k, d.buf, relative, cur.buf, tgt.buf, &sc, &st); break;
+            case 2: classify_uint16_t(w.buf, pos.buf, k, d.buf, relative, cur.buf, tgt.buf, &sc, &st); break;
+            case 4: classify_uint32_t(w.buf, pos.buf, k, d.buf, relative, cur.buf, tgt.buf, &sc, &st); break;
+            default: classify_uint64_t(w.buf, pos.buf, k, d.buf, relative, cur.buf, tgt.buf, &sc, &st); break;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (inside)
+            result = Py_BuildValue("KK", (unsigned long long)sc, (unsigned long long)st);
+        else
+            PyErr_SetString(PyExc_IndexError, "a position lies outside the words");
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&pos);
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&cur);
+    PyBuffer_Release(&tgt);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sum_range", py_sum_range, METH_VARARGS, "sum of e(start + j, words[j])"},
     {"sum_runs", py_sum_runs, METH_VARARGS, "sum of e over runs of contiguous flat indices"},
     {"sum_at", py_sum_at, METH_VARARGS, "sum of e(flat[i], words[i])"},
     {"sum_pair", py_sum_pair, METH_VARARGS, "sums of e(positions[i] + offset, .) over base and new words"},
+    {"classify", py_classify, METH_VARARGS, "a record's gathered words, targets and both sums in one pass"},
     {NULL, NULL, 0, NULL},
 };
 

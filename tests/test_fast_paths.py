@@ -467,6 +467,61 @@ def test_gather_and_scatter_take_words_at_any_offset(word):
         assert into.tobytes() == ref.tobytes()
 
 
+@pytest.mark.parametrize("relative", [True, False])
+@settings(deadline=None, max_examples=60)
+@given(word=st.sampled_from(WORDS), n=st.integers(1, 3000),
+       count=st.sampled_from([0, 1, 63, 64, 65, 255, 256, 257, 700]), ordered=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_classify_at_equals_gather_targets_and_sums(relative, word, n, count, ordered, seed):
+    """One C pass over a record (records.classify_at) gives what the gather, the targets and
+    two sum_at calls give in turn, bit for bit, for every width, block boundaries (256 changes
+    a block) and positions in any order."""
+    from dcr_log.codec.ulp import step_from_numpy
+    from dcr_log.digest import sum_at
+    from dcr_log.log.records import classify_at
+
+    rng = np.random.default_rng(seed)
+    words = rng.integers(0, np.iinfo(word).max, n, dtype=word, endpoint=True)
+    where = rng.choice(n, min(count, n), replace=False).astype(np.int64)
+    if ordered:
+        where.sort()
+    values = rng.integers(0, np.iinfo(word).max, where.size, dtype=word, endpoint=True)
+    got = classify_at(words, where, values, relative)
+    assert got is not None
+    current, target, current_sum, target_sum = got
+    expected = step_from_numpy(words[where], values) if relative else words[where] ^ values
+    assert current.dtype == target.dtype == word
+    assert current.tobytes() == words[where].tobytes()
+    assert target.tobytes() == expected.tobytes()
+    assert (current_sum, target_sum) == (sum_at(where, words[where]), sum_at(where, expected))
+
+
+def test_classify_at_checks_what_it_is_given():
+    """Positions outside the words are an IndexError before any word is read; arrays it does
+    not take (a slice, values of another count or width, misaligned words) give None, so that
+    the caller takes the calls in turn; the C call refuses outputs of the wrong size."""
+    from dcr_log.log.records import classify_at
+
+    assert native.digest is not None
+    rng = np.random.default_rng(8)
+    words = rng.integers(0, 1 << 16, 5000, dtype=np.uint16)
+    for k in (1, 9, 300):
+        for bad in (5000, -1, np.iinfo(np.int64).max):
+            where = np.sort(rng.choice(5000, k, replace=False)).astype(np.int64)
+            where[rng.integers(k)] = bad
+            with pytest.raises(IndexError):
+                classify_at(words, where, np.ones(k, np.uint16), True)
+    where = np.arange(0, 5000, 7, dtype=np.int64)
+    values = np.ones(where.size, np.uint16)
+    assert classify_at(words, slice(0, 10), values[:10], True) is None
+    assert classify_at(words, where, values[:-1], True) is None
+    assert classify_at(words, where, values.astype(np.uint32), True) is None
+    assert classify_at(np.zeros(5001, np.uint8)[1:].view(np.uint16), where[:300], values[:300], True) is None
+    out = np.empty(where.size - 1, np.uint16)
+    with pytest.raises(ValueError):
+        native.digest.classify(words, where, values, 2, True, out, np.empty(where.size, np.uint16))
+
+
 def test_receivers_write_in_parallel_only_disjoint_records():
     """A batch's writes go to the pool only when no two records' flat spans meet in a tensor."""
     from types import SimpleNamespace

@@ -166,3 +166,46 @@ def test_the_write_pass_decodes_nothing_pass_one_gathered(tmp_path, monkeypatch)
         rx.apply(log, to=1, verify="sample")
     assert_same_bits(tensors, states[1])
     assert held and decoded_again == [] and max(held) == 0
+
+
+@pytest.mark.parametrize("receiver", ["numpy", "torch", "checkpoint"])
+def test_xor_records_on_host_words_take_one_c_pass(tmp_path, monkeypatch, receiver):
+    """Every xor record is gathered, stepped and digested by one C call (GroupDigests.classify,
+    records.classify_at) on a numpy, CPU torch or checkpoint receiver, once, in pass one; the
+    bits are the log's."""
+    from dcr_log import native
+    from dcr_log.state import to_torch
+
+    calls: list[int] = []
+
+    class Counting:
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def classify(self, *args):
+            calls.append(1)
+            return self.real.classify(*args)
+
+    assert native.digest is not None
+    monkeypatch.setattr(native, "digest", Counting(native.digest))
+    log, base, new = flip_log(tmp_path / "log", tensors=3, n=1 << 16, rate=0.05, seed=9)
+    if receiver == "checkpoint":
+        (tmp_path / "ckpt").mkdir()
+        write_checkpoint(base, tmp_path / "ckpt")
+        rx = Receiver.open(tmp_path / "ckpt")
+    elif receiver == "torch":
+        tensors = {k: to_torch(TensorBits(v.dtype, v.shape, v.words.copy())) for k, v in base.items()}
+        rx = Receiver.open(tensors, tmp_path / "j")
+    else:
+        tensors = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
+        rx = Receiver.open(tensors, tmp_path / "j")
+    with rx:
+        rx.bind(log, 0, verify="none")
+        rx.apply(log, to=1, verify="sample")
+        for k, v in new.items():
+            got = rx.storage.words(k) if receiver == "checkpoint" else rx.storage.tensor_words(k)
+            assert np.asarray(got).tobytes() == v.words.tobytes(), k
+    assert len(calls) == len(_xor_records(log, 1, new)) > 0

@@ -16,16 +16,19 @@ from test_receiver import LAYOUT_VERSION, build_log, numpy_receiver
 
 @pytest.fixture
 def gathers(monkeypatch):
-    """Counts of storage gathers before and after the write pass starts (its "inflight" point)."""
+    """Counts of storage gathers before and after the write pass starts (its "inflight" point):
+    calls of ``gather``, and of ``host_words``, through which a record's words are gathered
+    with its targets and digests in one pass (GroupDigests.classify)."""
     seen = {"phase": "pass one", "pass one": 0, "writes": 0}
     for cls in (memory.NumpyStorage, memory.TorchStorage):
-        real = cls.gather
+        for method in ("gather", "host_words"):
+            real = getattr(cls, method)
 
-        def counted(self, place, real=real):
-            seen[seen["phase"]] += 1
-            return real(self, place)
+            def counted(self, place, real=real):
+                seen[seen["phase"]] += 1
+                return real(self, place)
 
-        monkeypatch.setattr(cls, "gather", counted)
+            monkeypatch.setattr(cls, method, counted)
 
     def hook(point, **info):
         if point == "inflight":

@@ -114,6 +114,25 @@ def record_targets(kind: str, changes: ChangeSet, current: np.ndarray, values: n
     return np.bitwise_xor(current, values)
 
 
+def classify_at(words: np.ndarray, where: np.ndarray, values: np.ndarray, relative: bool
+                ) -> tuple[np.ndarray, np.ndarray, int, int] | None:
+    """An xor record's words at flat positions ``where`` of a tensor's unsigned ``words``, its
+    targets (``values`` as ulp distances, ``relative``, or xor words) and the sum digest parts
+    of both, in one C pass (what gather_words, record_targets and two sum_at calls give); None
+    where the C module is not built or the arrays are not in the form it takes."""
+    digest = native.digest
+    width = words.dtype.itemsize
+    if (digest is None or not _native_moves(words, where) or type(values) is not np.ndarray
+            or values.shape != where.shape or values.dtype.itemsize != width or not values.flags.c_contiguous
+            or not values.flags.aligned or words.dtype.hasobject or values.dtype.hasobject):
+        return None
+    current = np.empty(where.size, dtype=words.dtype)
+    target = np.empty(where.size, dtype=words.dtype)
+    sums = digest.classify(unsigned_words(words), where, unsigned_words(values), width, relative,
+                           unsigned_words(current), unsigned_words(target))
+    return current, target, sums[0], sums[1]
+
+
 def record_bases(kind: str, changes: ChangeSet, target: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Inverse of record_targets for ``xor`` records: the base words, from the target's."""
     if not isinstance(target, np.ndarray):

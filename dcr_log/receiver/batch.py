@@ -24,7 +24,7 @@ from dcr_log.coords import DTYPE_WIDTH, word_dtype
 from dcr_log.errors import IntegrityError, LineageError
 from dcr_log.format import Record
 from dcr_log.format.tensors import TensorInfo
-from dcr_log.log.records import decode_record, flat_positions, record_bases, record_targets
+from dcr_log.log.records import decode_record, flat_positions, record_bases
 from dcr_log.parallel import TASK_CHANGES, map_grouped, start_grouped
 from dcr_log.receiver.checks import sampled
 from dcr_log.receiver.context import APPLY_WORKERS, ApplyContext, GroupDigests, pool_pays
@@ -287,10 +287,8 @@ class BatchWriter:
                 if undo is not None and rec.tensor not in ctx.created:
                     base = storage.gather(place)
                 return Write(i, rec, place, where, values, base, False, i in torn)
-            cur = storage.gather(place)
-            target = record_targets(rec.kind, changes, cur, values)
-            parts = (self.digests.part(place, where, cur), self.digests.part(place, where, target))
-            return _Gathered(i, rec, info, place, where, cur, values, target, parts)
+            cur, target, current_part, target_part = self.digests.classify(place, where, rec.kind, changes, values)
+            return _Gathered(i, rec, info, place, where, cur, values, target, (current_part, target_part))
 
         parallel = pool_pays(sum(it.record.n_changed for it in items), len(items))
         # Records pass 1 kept ready take no work here: they skip the pool (a task each would

@@ -23,7 +23,7 @@ from dcr_log.errors import IntegrityError, LineageError, StoreError
 from dcr_log.format import Record
 from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.deltalog import Step
-from dcr_log.log.records import decode_record, flat_positions, record_targets
+from dcr_log.log.records import decode_record, flat_positions
 from dcr_log.log.steps import StepRules
 from dcr_log.parallel import TASK_CHANGES, map_grouped
 from dcr_log.receiver.context import APPLY_WORKERS, GroupDigests, pool_pays
@@ -278,10 +278,9 @@ class PassOne:
         storage = self.storage
         where = flat_positions(rec, self.table[rec.tensor].shape, changes)
         place = storage.locate(rec.tensor, where)
-        current = storage.gather(place)
-        target = record_targets(rec.kind, changes, current, storage.select(place, changes.values))
-        return _Classified(where, place, current, target, self.digests.part(place, where, current),
-                           self.digests.part(place, where, target))
+        current, target, current_part, target_part = self.digests.classify(
+            place, where, rec.kind, changes, storage.select(place, changes.values))
+        return _Classified(where, place, current, target, current_part, target_part)
 
     def _segment(self, cache: SegmentCache, seg: int, recs: list[Record], prog: SegmentProgress,
                  classify: bool, decoded: Iterator[tuple[ChangeSet | Exception | None, _Classified | None]],

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dcr_log.codec import ChangeSet
 from dcr_log.digest import MASK64, DigestScheme
 from dcr_log.errors import IntegrityError
 from dcr_log.format.tensors import TensorInfo
 from dcr_log.log.deltalog import Step
+from dcr_log.log.records import classify_at, record_targets
 from dcr_log.parallel import DEFAULT_WORKERS, records_large_enough
 from dcr_log.receiver.reports import ApplyReport
 from dcr_log.receiver.segments import SegmentCache
@@ -53,6 +55,23 @@ class GroupDigests:
         if any(len(p) != len(parts) for p in every):
             raise IntegrityError("ranks of the group disagree on what they are checking")
         return [sum(col) & MASK64 for col in zip(*every)]
+
+    def classify(self, place: Any, where: Where, kind: str, changes: ChangeSet, values: Any
+                 ) -> tuple[Any, Any, int, int]:
+        """A record's words at ``place`` (its base, if the storage is at it), the words it
+        writes there (``values``: the record's values that the storage selected) and this
+        rank's digest parts of both. An xor record on host words under sum digests (a
+        receiver's usual record) takes one C call (records.classify_at) where the calls in
+        turn cost twice its Python and walk the record's arrays four times."""
+        if kind == "xor" and self.scheme.composable:
+            host = self.storage.host_words(place)
+            if host is not None:
+                fused = classify_at(host[0], host[1], values, changes.relative)
+                if fused is not None:
+                    return fused
+        current = self.storage.gather(place)
+        target = record_targets(kind, changes, current, values)
+        return current, target, self.part(place, where, current), self.part(place, where, target)
 
     def part(self, place: Any, where: Where, words: np.ndarray) -> int:
         """This rank's part of the digest of ``words`` (gathered at ``place``, or targets)."""

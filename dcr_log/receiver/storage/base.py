@@ -146,6 +146,13 @@ class Storage(ABC):
         flat positions ``owned``."""
         return digests.at(owned, words)
 
+    def host_words(self, place: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where ``place`` (from locate) is words of a tensor in host memory at flat indices,
+        all of them this storage's own (``owned`` all, ``digest_at`` the scheme's): the
+        tensor's flat words and the int64 indices, which a record's gather, targets and digest
+        parts take in one C pass (records.classify_at). None: they are taken in turn."""
+        return None
+
     def _fault(self, point: str, **info) -> None:
         if self.fault is not None:
             self.fault(point, **info)

@@ -138,6 +138,10 @@ class CheckpointStorage(Storage):
         loc = self.locations[name]
         return self._words[name], where, loc.file, loc.start
 
+    def host_words(self, place) -> tuple[np.ndarray, np.ndarray] | None:
+        words, where, _, _ = place
+        return None if isinstance(where, slice) else (words, where)
+
     def gather(self, place) -> np.ndarray:
         words, where, _, _ = place
         return np.array(words[where]) if isinstance(where, slice) else gather_words(words, where)

@@ -75,6 +75,10 @@ class NumpyStorage(Storage):
     def locate(self, name: str, where: Where) -> Any:
         return self._bits[name].words, where
 
+    def host_words(self, place) -> tuple[np.ndarray, np.ndarray] | None:
+        words, where = place
+        return None if isinstance(where, slice) else (words, where)
+
     def gather(self, place) -> np.ndarray:
         words, where = place
         return gather_words(words, where)
@@ -219,6 +223,13 @@ class TorchStorage(Storage):
             words = flat.numpy()
             return words.view(words.dtype.str.replace("i", "u")), np.asarray(where, dtype=np.int64)
         return flat, self._host_to_device(np.asarray(where, dtype=np.int64), flat.device)
+
+    def host_words(self, place) -> tuple[np.ndarray, np.ndarray] | None:
+        if isinstance(place, _DevicePlace):
+            return None
+        flat, where = place
+        # (a CPU tensor's words as locate viewed them; a slice or a device keeps torch's indexing)
+        return (flat, where) if isinstance(flat, np.ndarray) and isinstance(where, np.ndarray) else None
 
     def gather(self, place) -> np.ndarray:
         if isinstance(place, _DevicePlace):

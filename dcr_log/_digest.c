@@ -174,7 +174,7 @@ static int run_path(int asked) {
 #endif
 }
 
-static uint64_t sum_run_path(const unsigned char *p, Py_ssize_t n, int width, uint64_t start, int hybrid) {
+static uint64_t sum_run_one(const unsigned char *p, Py_ssize_t n, int width, uint64_t start, int hybrid) {
 #ifdef HAVE_SUM_HYBRID
     if (hybrid) {
         switch (width) {
@@ -193,6 +193,26 @@ static uint64_t sum_run_path(const unsigned char *p, Py_ssize_t n, int width, ui
     case 4: return sum_run_uint32_t(p, n, start);
     default: return sum_run_uint64_t(p, n, start);
     }
+}
+
+/* A run in blocks of RUN_BLOCK bytes, each block's lines requested (one prefetch a line) before
+ * it is hashed. The hashing loop asks for a line only when it reaches it, so out of cache the
+ * CPU keeps few lines in flight: on a 2-core Xeon host one core hashed 512 MiB of bf16 at 1.2
+ * ns a word, its memory giving 17 GB/s to a plain read; with the block's 64 lines asked for
+ * together, 0.41 ns (a one-off C timing of this loop). */
+#define RUN_BLOCK 4096
+
+static uint64_t sum_run_path(const unsigned char *p, Py_ssize_t n, int width, uint64_t start, int hybrid) {
+    uint64_t s = 0;
+    Py_ssize_t per = RUN_BLOCK / width;
+    for (Py_ssize_t lo = 0; lo < n; lo += per) {
+        Py_ssize_t m = n - lo < per ? n - lo : per;
+        const unsigned char *q = p + (size_t)lo * width;
+        for (Py_ssize_t b = 0; b < m * width; b += 64)
+            __builtin_prefetch(q + b, 0, 3);
+        s += sum_run_one(q, m, width, start + (uint64_t)lo, hybrid);
+    }
+    return s;
 }
 
 /* The base and target sums of one record in one pass: e(positions[i] + offset, base[i]) and

@@ -231,7 +231,7 @@ def test_tensor_digests_in_spans_equal_each_tensors_own(tmp_path, monkeypatch, k
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(word=st.sampled_from(WORDS), n=st.one_of(st.integers(0, 40), st.integers(0, 3000)),
+@given(word=st.sampled_from(WORDS), n=st.one_of(st.integers(0, 40), st.integers(0, 3000), st.integers(3000, 9000)),
        start=st.one_of(st.integers(0, 1000), st.integers(2**64 - 3000, 2**64 - 1)),
        seed=st.integers(0, 2**32 - 1))
 def test_every_run_loop_matches_the_reference(word, n, start, seed):
@@ -245,6 +245,22 @@ def test_every_run_loop_matches_the_reference(word, n, start, seed):
     for path in native.digest.RUN_PATHS:
         assert native.digest.sum_range(words, words.itemsize, start, path) == expected, path
     assert native.digest.sum_range(words, words.itemsize, start) == expected
+
+
+@pytest.mark.parametrize("word", WORDS)
+def test_runs_of_several_prefetch_blocks_match_the_reference(word):
+    """A run is hashed in blocks of 4096 bytes (their lines requested first): lengths around
+    one, two and several blocks, from a start whose keys wrap past 2^64, on every loop."""
+    if native.digest is None:
+        pytest.fail("dcr_log._digest is not built (pip install -e . compiles it)")
+    per = 4096 // np.dtype(word).itemsize
+    rng = np.random.default_rng(13)
+    for n in (per - 1, per, per + 1, 2 * per + 3, 3 * per + 7):
+        words = rng.integers(0, np.iinfo(word).max, n, dtype=word, endpoint=True)
+        for start in (0, 2**64 - per // 2):
+            expected = reference(((start + i) & D.MASK64 for i in range(n)), words)
+            for path in native.digest.RUN_PATHS:
+                assert native.digest.sum_range(words, words.itemsize, start, path) == expected, (n, start, path)
 
 
 def test_the_vector_and_scalar_run_loop_is_there_with_avx2():

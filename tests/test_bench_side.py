@@ -243,7 +243,7 @@ def test_percost_tiny_run_json(capsys):
     for name, f in apply_stages.items():
         assert f["points"] == 2 and np.isfinite(f["ns_per_change"]) and np.isfinite(f["fixed_ms"]), (name, f)
     assert all(s[name] > 0 for s in report["modes"]["one-core"]["apply_stage_seconds"]
-               for name in ("read", "decode", "gather", "scatter"))
+               for name in ("read", "decode", "classify", "scatter"))
 
 
 def test_bench_pagecache_ways_keep_the_checkpoints_bytes(tmp_path):

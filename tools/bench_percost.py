@@ -42,10 +42,10 @@ its sha256). Each is fitted the same way.
 Apply stages (one core, on the records of the rate's first version, whose parent is the base
 state, as a numpy receiver's pass one and write pass take them): ``read`` (the segments read,
 hashed and parsed, as read_segment_records), ``decode`` (each record's payload into positions
-and values), ``positions`` (box positions into the tensor's flat words), ``gather`` (the words
-at those positions), ``targets`` (the words the records lead to), ``digests`` (both digest
-parts, of the words found and of the targets) and ``scatter`` (the targets written into a
-copy of the base words). "rest of apply" is the receiver's apply less the stages: the
+and values), ``positions`` (box positions into the tensor's flat words), ``classify`` (the
+words at those positions, the words the records lead to, and both digest parts: one C call a
+record, as the receiver makes it, records.classify_at) and ``scatter`` (the targets written
+into a copy of the base words). "rest of apply" is the receiver's apply less the stages: the
 journal, the undo images a memory storage keeps, verify's tensor digests, the pool's hops and
 the Python between them.
 
@@ -86,6 +86,7 @@ from dcr_log.digest import scheme_for  # noqa: E402
 from dcr_log.format import Record  # noqa: E402
 from dcr_log.format.segment import SegmentBuilder  # noqa: E402
 from dcr_log.log.records import (  # noqa: E402
+    classify_at,
     decode_record,
     flat_positions,
     gather_words,
@@ -102,7 +103,7 @@ RATES = (0.005, 0.01, 0.03, 0.05, 0.10)
 MODES = ("one-core", "default")
 OPS = ("encode", "apply_numpy", "replay")
 STAGES = ("find_changes", "rans", "ulp_keys", "gaps", "pcodec", "choose", "digests", "diff_box", "segment")
-APPLY_STAGES = ("read", "decode", "positions", "gather", "targets", "digests", "scatter")
+APPLY_STAGES = ("read", "decode", "positions", "classify", "scatter")
 
 
 def fit(model_bytes: list[int], changes: list[int], seconds: list[float]) -> dict:
@@ -267,10 +268,22 @@ def apply_stage_costs(reader: DeltaLog, version: int, base_state, repeats: int) 
     records = do_read()
     decoded = [decode_record(r, table[r.tensor]) for r in records]
     where = [flat_positions(r, table[r.tensor].shape, c) for r, c in zip(records, decoded)]
-    current = [gather_words(held[r.tensor], w) for r, w in zip(records, where)]
-    targets = [record_targets(r.kind, c, cur, c.values) for r, c, cur in zip(records, decoded, current)]
-    for r, w, cur, t in zip(records, where, current, targets):
-        if digests.at(w, cur) != r.base_digest or digests.at(w, t) != r.target_digest:
+
+    def classify(r: Record, c, w):
+        """As GroupDigests.classify on a numpy storage: one C call where it takes the record."""
+        words = held[r.tensor]
+        if r.kind == "xor" and digests.composable and isinstance(w, np.ndarray):
+            fused = classify_at(words, w, c.values, c.relative)
+            if fused is not None:
+                return fused
+        cur = gather_words(words, w)
+        t = record_targets(r.kind, c, cur, c.values)
+        return cur, t, digests.at(w, cur), digests.at(w, t)
+
+    classified = [classify(r, c, w) for r, c, w in zip(records, decoded, where)]
+    targets = [t for _, t, _, _ in classified]
+    for r, (_, _, d, d_target) in zip(records, classified):
+        if d != r.base_digest or d_target != r.target_digest:
             raise SystemExit(f"apply stages: a record of {r.tensor!r} does not lead from its base to its target")
 
     def do_decode():
@@ -281,25 +294,15 @@ def apply_stage_costs(reader: DeltaLog, version: int, base_state, repeats: int) 
         for r, c in zip(records, decoded):
             flat_positions(r, table[r.tensor].shape, c)
 
-    def do_gather():
-        for r, w in zip(records, where):
-            gather_words(held[r.tensor], w)
-
-    def do_targets():
-        for r, c, cur in zip(records, decoded, current):
-            record_targets(r.kind, c, cur, c.values)
-
-    def do_digests():
-        for w, cur, t in zip(where, current, targets):
-            digests.at(w, cur)
-            digests.at(w, t)
+    def do_classify():
+        for r, c, w in zip(records, decoded, where):
+            classify(r, c, w)
 
     def do_scatter():
         for r, w, t in zip(records, where, targets):
             scatter_words(written[r.tensor], w, t)
 
-    return stage_seconds(APPLY_STAGES, (do_read, do_decode, do_positions, do_gather, do_targets, do_digests,
-                                        do_scatter), repeats)
+    return stage_seconds(APPLY_STAGES, (do_read, do_decode, do_positions, do_classify, do_scatter), repeats)
 
 
 # -- one mode, in a child process ----------------------------------------------------------------

@@ -44,7 +44,7 @@ state, as a numpy receiver's pass one and write pass take them): ``read`` (the s
 hashed and parsed, as read_segment_records), ``decode`` (each record's payload into positions
 and values), ``positions`` (box positions into the tensor's flat words), ``classify`` (the
 words at those positions, the words the records lead to, and both digest parts: one C call a
-record, as the receiver makes it, records.classify_at) and ``scatter`` (the targets written
+record, as the receiver makes it: GroupDigests.classify) and ``scatter`` (the targets written
 into a copy of the base words). "rest of apply" is the receiver's apply less the stages: the
 journal, the undo images a memory storage keeps, verify's tensor digests, the pool's hops and
 the Python between them.
@@ -81,19 +81,18 @@ from dcr_log.codec import Attempt, ChangeSet, choose  # noqa: E402
 from dcr_log.codec.base import delta_positions  # noqa: E402
 from dcr_log.codec.ulp import _compress, distance_dtype, ulp_distance  # noqa: E402
 from dcr_log.codec.ulp_rans import UlpRansEncoding  # noqa: E402
+from dcr_log.collective import LocalGroup  # noqa: E402
 from dcr_log.coords import box_view, row_blocks  # noqa: E402
 from dcr_log.digest import scheme_for  # noqa: E402
 from dcr_log.format import Record  # noqa: E402
 from dcr_log.format.segment import SegmentBuilder  # noqa: E402
 from dcr_log.log.records import (  # noqa: E402
-    classify_at,
     decode_record,
     flat_positions,
-    gather_words,
-    record_targets,
     scatter_words,
 )
-from dcr_log.receiver import Receiver  # noqa: E402
+from dcr_log.receiver import NumpyStorage, Receiver  # noqa: E402
+from dcr_log.receiver.context import GroupDigests  # noqa: E402
 from dcr_log.synthetic import adam_step_pair, lr_for_rate  # noqa: E402
 from dcr_log.write.differ import DEFAULT_CHUNK_ELEMENTS, Differ, EncodePolicy, _Scratch, find_changes  # noqa: E402
 from dcr_log.write.sharded import DEFAULT_FEATURES  # noqa: E402
@@ -269,16 +268,14 @@ def apply_stage_costs(reader: DeltaLog, version: int, base_state, repeats: int) 
     decoded = [decode_record(r, table[r.tensor]) for r in records]
     where = [flat_positions(r, table[r.tensor].shape, c) for r, c in zip(records, decoded)]
 
+    # The receiver's classification over a numpy storage of the base words (one C call a
+    # record where it takes it, the calls in turn otherwise).
+    storage = NumpyStorage(dict(base_state))
+    parts = GroupDigests(storage, LocalGroup(), digests)
+
     def classify(r: Record, c, w):
-        """As GroupDigests.classify on a numpy storage: one C call where it takes the record."""
-        words = held[r.tensor]
-        if r.kind == "xor" and digests.composable and isinstance(w, np.ndarray):
-            fused = classify_at(words, w, c.values, c.relative)
-            if fused is not None:
-                return fused
-        cur = gather_words(words, w)
-        t = record_targets(r.kind, c, cur, c.values)
-        return cur, t, digests.at(w, cur), digests.at(w, t)
+        place = storage.locate(r.tensor, w)
+        return parts.classify(place, w, r.kind, c, storage.select(place, c.values))
 
     classified = [classify(r, c, w) for r, c, w in zip(records, decoded, where)]
     targets = [t for _, t, _, _ in classified]

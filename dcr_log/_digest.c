@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_prefetch.h"
+
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "words are read as little-endian integers"
 #endif
@@ -387,20 +389,19 @@ static PyObject *py_sum_pair(PyObject *self, PyObject *args) {
  * value) and both digest parts, e(pos[i], current[i]) and e(pos[i], target[i]) summed. Where
  * the gather, the step and two sum_at calls each walk the record's arrays (and Python sits
  * between them), this takes a block of CLASSIFY_BLOCK changes at a time: gathered and stepped
- * with the line PREFETCH positions ahead requested early (as _changes.c's gather: a receiver's
- * changes are too far apart for the hardware prefetcher), then hashed by sum_pair's vector
- * loop while the block is in L1. */
+ * with the line PREFETCH positions ahead requested early (as _changes.c's gather, _prefetch.h:
+ * a receiver's changes are too far apart for the hardware prefetcher), then hashed by
+ * sum_pair's vector loop while the block is in L1. */
 #define CLASSIFY_BLOCK 256
-#define PREFETCH 64
 
 #define GATHER_STEP(T)                                                               \
     static void gather_step_##T(const T *w, const int64_t *pos, Py_ssize_t lo,        \
-                                Py_ssize_t hi, Py_ssize_t k, const T *d, int relative, \
-                                T *cur, T *tgt) {                                    \
+                                Py_ssize_t hi, Py_ssize_t k, int dense, const T *d,   \
+                                int relative, T *cur, T *tgt) {                      \
         const T top = (T)((T)1 << (8 * sizeof(T) - 1));                              \
         for (Py_ssize_t i = lo; i < hi; i++) {                                       \
             if (i + PREFETCH < k)                                                    \
-                __builtin_prefetch(w + pos[i + PREFETCH], 0, 0);                     \
+                PREFETCH_LINE(w + pos[i + PREFETCH], dense);                         \
             T x = w[pos[i]], y;                                                      \
             if (relative) {                                                          \
                 T key = (T)((x & top) ? (T)~x : (T)(x ^ top));                       \
@@ -415,11 +416,12 @@ static PyObject *py_sum_pair(PyObject *self, PyObject *args) {
     }                                                                                \
     static void classify_##T(const T *w, const int64_t *pos, Py_ssize_t k, const T *d, \
                              int relative, T *cur, T *tgt, uint64_t *sc, uint64_t *st) { \
+        const int dense = prefetch_dense(pos, k, sizeof(T));                         \
         uint64_t a = 0, b = 0;                                                       \
         for (Py_ssize_t lo = 0; lo < k; lo += CLASSIFY_BLOCK) {                      \
             Py_ssize_t hi = lo + CLASSIFY_BLOCK < k ? lo + CLASSIFY_BLOCK : k;         \
             uint64_t x, y;                                                           \
-            gather_step_##T(w, pos, lo, hi, k, d, relative, cur, tgt);               \
+            gather_step_##T(w, pos, lo, hi, k, dense, d, relative, cur, tgt);        \
             sum_pair_##T(pos + lo, hi - lo, 0, (const unsigned char *)(cur + lo),    \
                          (const unsigned char *)(tgt + lo), &x, &y);                 \
             a += x;                                                                  \

@@ -421,6 +421,37 @@ def test_native_gather_scatter_and_ulp_step_equal_numpy(word):
                 assert np.array_equal(words, before)
 
 
+@pytest.mark.parametrize("word", WORDS, ids=lambda w: w.str)
+def test_moves_give_numpy_s_bits_whether_changes_lie_close_or_far_apart(word):
+    """The C moves and the one-call classification request lines one way where a record's
+    changes lie close together and another where they lie far apart (_prefetch.h): sorted
+    positions of both kinds, many more than the prefetch distance, and unsorted ones, give
+    numpy's bits."""
+    from dcr_log.codec.ulp import step_from_numpy
+    from dcr_log.digest import sum_at
+    from dcr_log.log.records import classify_at, gather_words, scatter_words
+
+    rng = np.random.default_rng(5)
+    n = 400_000
+    words = rng.integers(0, np.iinfo(word).max, n, dtype=word, endpoint=True)
+    gap = 224 // word.itemsize  # _prefetch.h's DENSE_GAP in words
+    close = np.sort(rng.choice(n, n // gap * 4, replace=False))  # a quarter of the gap apart
+    far = np.arange(7, n, gap * 3)  # three gaps apart
+    for where in (close, far, rng.permutation(far)):
+        where = where.astype(np.int64)
+        assert where.size > 256  # several times the prefetch distance
+        assert gather_words(words, where).tobytes() == words[where].tobytes()
+        values = rng.integers(0, np.iinfo(word).max, where.size, dtype=word, endpoint=True)
+        mine, ref = words.copy(), words.copy()
+        scatter_words(mine, where, values)
+        ref[where] = values
+        assert mine.tobytes() == ref.tobytes()
+        current, target, current_sum, target_sum = classify_at(words, where, values, True)
+        expected = step_from_numpy(words[where], values)
+        assert current.tobytes() == words[where].tobytes() and target.tobytes() == expected.tobytes()
+        assert (current_sum, target_sum) == (sum_at(where, words[where]), sum_at(where, expected))
+
+
 @pytest.mark.parametrize("dtype", ["<i2", "<f2", ">u2", "<f4", "<c8", "<c16", "?"])
 def test_gather_and_scatter_take_words_of_any_dtype(dtype):
     """Words that are not unsigned integers of the machine's order (the C moves see their

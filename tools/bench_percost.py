@@ -249,12 +249,11 @@ def stage_seconds(stages, fns, repeats: int) -> dict[str, float]:
 def apply_stage_costs(reader: DeltaLog, version: int, base_state, repeats: int) -> dict[str, float]:
     """CPU seconds (median of ``repeats``) of each apply stage over every record of ``version``,
     whose parent state is ``base_state``; each stage's inputs are made by the stages before it,
-    untimed, and checked against the records' digests (the gather, the targets)."""
+    untimed, and checked against the records' digests (the classification's digest parts)."""
     commit = reader.commit(version)
     table = {t.name: t for t in commit.tensors}
     digests = reader.digests
-    held = {name: b.words.reshape(-1) for name, b in base_state.items()}
-    written = {name: w.copy() for name, w in held.items()}  # the scatter's storage
+    written = {name: b.words.reshape(-1).copy() for name, b in base_state.items()}  # the scatter's storage
 
     def do_read():
         out = []

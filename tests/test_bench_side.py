@@ -19,15 +19,40 @@ import bench_side  # noqa: E402
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_transformer_layout_reaches_every_child_process(capsys, monkeypatch):
+def test_a_transformer_layout_and_a_verify_level_reach_every_child_process(capsys, monkeypatch):
     """--layout transformer: the state is the transformer's tensors (two norms and seven
     matrices a layer, the embeddings, the final norm and the head) in the run and in each
     child: the peak-memory writer and receiver (each reports its tensors), the first applies
-    (which check their bits against the log's) and the checkpoints of the CLI's peak."""
+    (which check their bits against the log's) and the checkpoints of the CLI's peak.
+    --verify none: every timed receiver's apply in this process and the first-apply children
+    take that level; the peak-memory children keep the library's default."""
     monkeypatch.setattr(bench_side, "IDLE_SECONDS", 0.05)
+    levels: list[str] = []
+    real_apply = bench_side.Receiver.apply
+
+    def apply(self, log=None, to=None, verify=None, **kwargs):
+        levels.append(verify)
+        return real_apply(self, log, to=to, verify=verify, **kwargs)
+
+    monkeypatch.setattr(bench_side.Receiver, "apply", apply)
+    children: list[list[str]] = []
+    real_run = bench_side.subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        children.append([str(c) for c in cmd])
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(bench_side.subprocess, "run", run)
     assert bench_side.main(["--gib", "0.01", "--rates", "0.01", "--repeats", "1", "--json", "--no-minilm",
-                            "--layout", "transformer", "--layers", "2"]) == 0
+                            "--layout", "transformer", "--layers", "2", "--verify", "none"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["verify"] == "none"
+    # numpy, numpy after a pause, torch, the checkpoint directory (deferred and synced) and
+    # the following checkpoint receiver's versions: all at none
+    assert len(levels) >= 6 and set(levels) == {"none"}, levels
+    first = [c for c in children if "--first-child" in c]
+    assert first and all(c[c.index("--verify") + 1] == "none" for c in first)
+    assert not any("--verify" in c for c in children if "--peak-child" in c)
     assert (report["layout"], report["layers"], report["tensors"]) == ("transformer", 2, 2 * 9 + 3)
     assert report["elements"] == sum(np.prod(s.shape) for s in bench_side.specs_for_params(int(0.01 * 2**30) // 2, 2))
     assert report["pairs"][0]["spread"]["tensors"] >= 2 * 7 + 2  # the matrices and more: changes everywhere

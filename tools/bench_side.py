@@ -34,7 +34,9 @@ Every dcr-log call takes the library's defaults, as ``LogWriter.create``, ``LogW
 ``dcr init`` and ``dcr append`` do: the writers' baseline cache is built at create and advanced
 by every append, under this run's temporary directory (``$DCR_CACHE_DIR`` set for the run and
 its child processes, so the user's ``~/.cache/dcr-log`` is not touched); default encode policy
-and threads; receivers' default verification (``sample``).
+and threads; receivers' default verification (``sample``), unless ``--verify`` names another level
+for the timed receivers (``none``: what verification costs shows as the difference; the peak
+memory children keep the default).
 
 Throughput (bf16 pairs only; of the MiniLM trace, only the numpy receiver below), as model bytes per second
 and as speed ratios to ``np.bitwise_xor(base, new, out=prealloc)`` on the same flat arrays (and
@@ -166,7 +168,7 @@ Usage:
 
     python tools/bench_side.py [--gib 0.5] [--rates 0.01 0.03 0.05 0.10] [--repeats 3]
                                [--json] [--plot F.png] [--no-minilm]
-                               [--layout rows|transformer] [--layers 24]
+                               [--layout rows|transformer] [--layers 24] [--verify sample]
 
 ``--json`` prints the whole report as JSON on stdout (progress goes to stderr).
 """
@@ -439,7 +441,7 @@ IDLE_SECONDS = 0.5
 
 
 def time_receivers(log: DeltaLog, version: int, follow: range, base_state, new_state, repeats: int,
-                   work: Path, xor) -> dict[str, Pairing]:
+                   work: Path, xor, verify: str = "sample") -> dict[str, Pairing]:
     """Apply of ``version`` from its parent (holding base) for each receiver kind, each apply
     paired with one call of ``xor``; the following checkpoint receiver applies the versions
     ``follow`` (see time_checkpoint_follow)."""
@@ -450,7 +452,7 @@ def time_receivers(log: DeltaLog, version: int, follow: range, base_state, new_s
     for kind in ("numpy", "numpy_idle", "torch", "ckpt", "ckpt_sync"):
         if kind == "ckpt":
             out["ckpt_fill"], out["ckpt_follow"] = time_checkpoint_follow(log, follow, base_state, new_state,
-                                                                          repeats, work, xor)
+                                                                          repeats, work, xor, verify)
         pairings = []
         before = (lambda: time.sleep(IDLE_SECONDS)) if kind == "numpy_idle" else None
         if not kind.startswith("ckpt"):
@@ -468,7 +470,8 @@ def time_receivers(log: DeltaLog, version: int, follow: range, base_state, new_s
                 with Receiver.open(directory, deferred_sync=kind == "ckpt") as rx:
                     rx.bind(log, parent, verify="none")
                     os.sync()  # on disk, clean: as between steps (see the docstring)
-                    pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version)), xor, 1))
+                    pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version, verify=verify)),
+                                           xor, 1))
                     check_words({k: rx.storage.words(k) for k in new_state}, new_state,
                                 f"checkpoint receiver, version {version}")
                 shutil.rmtree(directory)
@@ -478,8 +481,8 @@ def time_receivers(log: DeltaLog, version: int, follow: range, base_state, new_s
                 journal = work / f"journal-{kind}-{version}-{r}"
                 with Receiver.open(tensors, journal) as rx:
                     rx.bind(log, parent, verify="none")
-                    pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version)), xor, 1,
-                                           before=before))
+                    pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version, verify=verify)),
+                                           xor, 1, before=before))
                 check_words(words, new_state, f"{kind} receiver, version {version}")
                 shutil.rmtree(journal)
             if applied != [version]:
@@ -490,7 +493,8 @@ def time_receivers(log: DeltaLog, version: int, follow: range, base_state, new_s
     return out
 
 
-def time_small_receiver(log: DeltaLog, version: int, pair: Pair, repeats: int, work: Path) -> Pairing:
+def time_small_receiver(log: DeltaLog, version: int, pair: Pair, repeats: int, work: Path,
+                        verify: str = "sample") -> Pairing:
     """A numpy receiver's apply of ``version`` (from the pair's base) paired with one
     ``np.copyto`` of the pair's flat words: a small model, where what an apply costs whatever
     it changes (its records, the journal, verify's tensor digests) is most of its time."""
@@ -506,7 +510,7 @@ def time_small_receiver(log: DeltaLog, version: int, pair: Pair, repeats: int, w
         journal = work / f"journal-small-{version}-{r}"
         with Receiver.open(tensors, journal) as rx:
             rx.bind(log, version - 1, verify="none")
-            pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version)), copyto, 1))
+            pairings.append(paired(lambda: applied.extend(rx.apply(log, to=version, verify=verify)), copyto, 1))
         check_words(words, pair.new_state, f"{pair.label} numpy receiver")
         shutil.rmtree(journal)
         if applied != [version]:
@@ -530,7 +534,7 @@ def follow_versions(elements: int, changed: int, repeats: int) -> tuple[int, int
 
 
 def time_checkpoint_follow(log: DeltaLog, versions: range, base_state, new_state, repeats: int, work: Path,
-                           xor) -> tuple[Pairing | None, Pairing]:
+                           xor, verify: str = "sample") -> tuple[Pairing | None, Pairing]:
     """One checkpoint-directory receiver (default: deferred sync) holding ``versions[0] - 1``
     (base) applies ``versions`` in turn (they alternate new and base: each moves the same
     changes), each paired with one call of ``xor``, an untimed ``os.sync`` before each as
@@ -557,7 +561,7 @@ def time_checkpoint_follow(log: DeltaLog, versions: range, base_state, new_state
                 break
             held = rx.journal.wal_bytes()
             os.sync()
-            pairing = paired(lambda to=to: applied.extend(rx.apply(log, to=to)), xor, 1)
+            pairing = paired(lambda to=to: applied.extend(rx.apply(log, to=to, verify=verify)), xor, 1)
             if filling:
                 fill.append(pairing)
                 # Each apply adds its images: fewer than before means this one dropped them.
@@ -761,7 +765,8 @@ def peak_child_receiver(gib: float, seed: int, directory: Path, new_lr: float, l
             "method": "VmHWM (reset by clear_refs once the weights are held)"}
 
 
-def first_apply_child(gib: float, directory: Path, version: int, layout: StateLayout) -> dict:
+def first_apply_child(gib: float, directory: Path, version: int, layout: StateLayout,
+                      verify: str = "sample") -> dict:
     """``rx_numpy_first``: in this fresh process, the numpy receiver's first apply of
     ``version`` (from its parent, which ``base.npy`` in ``directory`` holds; ``new-V.npy`` the
     version), paired with one xor of the two states loaded the same way."""
@@ -774,7 +779,7 @@ def first_apply_child(gib: float, directory: Path, version: int, layout: StateLa
     applied: list[int] = []
     with Receiver.open(cut(words), directory / f"journal-first-{os.getpid()}") as rx:
         rx.bind(log, version - 1, verify="none")
-        pairing = paired(lambda: applied.extend(rx.apply(log, to=version)),
+        pairing = paired(lambda: applied.extend(rx.apply(log, to=version, verify=verify)),
                          functools.partial(np.bitwise_xor, base, new, out=scratch), 1)
     if applied != [version] or not np.array_equal(words, new):
         raise SystemExit(f"first-apply child: applied {applied}, or the words are not version {version}'s")
@@ -782,12 +787,14 @@ def first_apply_child(gib: float, directory: Path, version: int, layout: StateLa
             "baseline": [pairing.baseline[0].wall, pairing.baseline[0].cpu]}
 
 
-def time_first_applies(gib: float, directory: Path, version: int, repeats: int, layout: StateLayout) -> Pairing:
+def time_first_applies(gib: float, directory: Path, version: int, repeats: int, layout: StateLayout,
+                       verify: str = "sample") -> Pairing:
     """``rx_numpy_first``: one fresh process per repetition (``first_apply_child``)."""
     pairings = []
     for _ in range(repeats):
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--gib", str(gib), "--first-child",
-                               str(directory), "--first-version", str(version), *layout.argv()],
+                               str(directory), "--first-version", str(version), "--verify", verify,
+                               *layout.argv()],
                               capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise SystemExit(f"first-apply child failed: {proc.stderr[-2000:]}")
@@ -996,9 +1003,10 @@ def run(args, work: Path, say) -> dict:
         for i in range(count + count % 2):  # untimed; the writer and the replayed state end at base
             writer.append(pair.new_state if i % 2 == 0 else base_state)
             reader.apply_version(replay_state, writer.version)
-        rx = time_receivers(reader, first_version, follow, base_state, pair.new_state, repeats, work, xor)
+        rx = time_receivers(reader, first_version, follow, base_state, pair.new_state, repeats, work, xor,
+                            args.verify)
         np.save(work / f"new-{first_version}.npy", new)
-        rx["numpy_first"] = time_first_applies(args.gib, work, first_version, repeats, layout)
+        rx["numpy_first"] = time_first_applies(args.gib, work, first_version, repeats, layout, args.verify)
         (work / f"new-{first_version}.npy").unlink()
         cache_pairs = []
         for _ in range(repeats):  # to new and back: the writer, its log and the replayed state stay at base
@@ -1056,7 +1064,7 @@ def run(args, work: Path, say) -> dict:
             state = DeltaLog.open(mdir).materialize(0)
             DeltaLog.open(mdir).apply_version(state, commit.version)
             check_words({k: v.words for k, v in state.items()}, pair.new_state, f"{pair.label} replay")
-            rx = time_small_receiver(DeltaLog.open(mdir), commit.version, pair, repeats, work)
+            rx = time_small_receiver(DeltaLog.open(mdir), commit.version, pair, repeats, work, args.verify)
             shutil.rmtree(mdir)
             row = dcr_row(pair, sizes, commit.delta_bytes)
             row["rx_numpy"] = {"seconds": rx.op_wall, "cpu_seconds": rx.op_cpu, "copyto_seconds": rx.baseline_wall,
@@ -1071,6 +1079,7 @@ def run(args, work: Path, say) -> dict:
     peak = peak_totals(args.gib, peak_lr, args.seed, work, say, layout)
     return {"gib": dense_bytes / 2**30, "elements": n, "tensors": len(base_state), "layout": layout.kind,
             "layers": layout.layers if layout.kind == "transformer" else None, "repeats": repeats,
+            "verify": args.verify,
             "seed": args.seed, "zstd_level": ZSTD_LEVEL, "cpus": os.cpu_count(), "machine": machine(),
             "load_average": os.getloadavg()[0],
             "zipnn": {"available": zipnn is not None, "note": zipnn_note},
@@ -1103,7 +1112,8 @@ def print_table(report: dict) -> None:
     table = Table("pair", "changed", "dcr", "NeMo-like", "xor+zstd", "ZipNN", "bound", "dcr/bound",
                   "NeMo/dcr", "xor GB/s", *op_heads,
                   title=f"{report['gib']:.3f} GiB bf16 in {report['tensors']} tensors, zstd level "
-                        f"{report['zstd_level']}, median of {report['repeats']} pairs; append ... NeMo enc: "
+                        f"{report['zstd_level']}, median of {report['repeats']} pairs, receivers at verify "
+                        f"{report.get('verify', 'sample')}; append ... NeMo enc: "
                         "throughput as a ratio to np.bitwise_xor of the same arrays, timed alternately "
                         "(1 = as fast as xor)",
                   title_justify="left")
@@ -1227,6 +1237,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="how the state is cut into tensors (StateLayout): rows (default, 12 tensors at 0.5 GiB) "
                          "or transformer (--layers deep: 219 tensors at 24)")
     ap.add_argument("--layers", type=int, default=24, help="--layout transformer: its layers (default 24)")
+    ap.add_argument("--verify", choices=("none", "sample", "full"), default="sample",
+                    help="the timed receivers' verification level (default sample, the library's); the peak "
+                         "memory children keep the default")
     ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG plot of bytes against changed rate")
     ap.add_argument("--no-minilm", action="store_true", help="skip the MiniLM trace")
@@ -1240,7 +1253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     layout = StateLayout(args.layout, args.layers)
     if args.first_child is not None:
-        print(json.dumps(first_apply_child(args.gib, args.first_child, args.first_version, layout)))
+        print(json.dumps(first_apply_child(args.gib, args.first_child, args.first_version, layout, args.verify)))
         return 0
     if args.peak_child == "writer":
         print(json.dumps(peak_child_writer(args.gib, args.peak_lr, args.seed, args.peak_dir, layout)))

@@ -60,12 +60,12 @@ xor in the same minute, per rate):
   the log and the cache are removed untimed after each, so each is a first create; an untimed
   ``os.sync`` runs before the create and before its xor, so that neither runs beside the
   other's writeback;
-- MiniLM pairs: a numpy receiver's apply of the pair's version (from its base, default
-  verification, checked bit-exact), paired with one ``np.copyto`` of the pair's flat words:
+- MiniLM pairs: a numpy receiver's apply of the pair's version (from its base, at the
+  ``--verify`` level, checked bit-exact), paired with one ``np.copyto`` of the pair's flat words:
   for a model this small (45 MiB, 100-odd records) what an apply costs whatever it changes
   is most of its time;
 - receivers: numpy, torch (CPU) and checkpoint-directory ``Receiver`` apply of the rate's
-  first version from its parent, default verification, reset untimed between repetitions and
+  first version from its parent, at the ``--verify`` level, reset untimed between repetitions and
   checked bit-exact after every apply; the checkpoint directory by default (deferred sync:
   the written words kept in the journal, spec/RECEIVER.md 5.6) as ``rx_ckpt`` and with
   ``deferred_sync=False`` (every file synced before each journal marker) as ``rx_ckpt_sync``;

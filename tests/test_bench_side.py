@@ -27,7 +27,7 @@ def test_a_transformer_layout_and_a_verify_level_reach_every_child_process(capsy
     --verify none: every timed receiver's apply in this process and the first-apply children
     take that level; the peak-memory children keep the library's default."""
     monkeypatch.setattr(bench_side, "IDLE_SECONDS", 0.05)
-    levels: list[str] = []
+    levels: list[str | None] = []
     real_apply = bench_side.Receiver.apply
 
     def apply(self, log=None, to=None, verify=None, **kwargs):

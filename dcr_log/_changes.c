@@ -403,11 +403,10 @@ static PyObject *py_step(PyObject *self, PyObject *args) {
  * 512 MiB array numpy's gather takes 2.3x as long; its scatter about as long as this one,
  * tools/bench_codec.py --gather-mib 512; these figures are an AMD EPYC host's). 64 ahead, not
  * 32: tools/bench_codec.py --rates 0.01 --levels 2 --gather-mib 512 --repeats 7 gathered 1% in
- * 7.6 ms against 8.7. (A one-off
- * build of each distance, timed on 0.3%, 1% and 3% of 512 MiB not in cache: 2.5, 2.8 and
- * 2.1 ns per change at 64 against 3.2, 3.2 and 2.3 at 32; scatters the same either way; 96
- * and 128 no better.) Every index is checked against the buffer first. The distance, and
- * where a line goes by the changes' density: _prefetch.h. */
+ * 7.6 ms against 8.7. (A one-off build of each distance, timed on 0.3%, 1% and 3% of 512 MiB
+ * not in cache: 2.5, 2.8 and 2.1 ns per change at 64 against 3.2, 3.2 and 2.3 at 32; scatters
+ * the same either way; 96 and 128 no better.) Every index is checked against the buffer first.
+ * The distance, and where a line goes by the changes' density: _prefetch.h. */
 #define MOVE(T)                                                                      \
     static void gather_##T(const T *w, const int64_t *pos, Py_ssize_t k, T *out) {   \
         const int dense = prefetch_dense(pos, k, sizeof(T));                         \

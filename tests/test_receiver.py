@@ -242,19 +242,35 @@ def test_changed_behind_the_journals_back_refused_before_any_write(tmp_path, log
         assert rx.version == 1 and rx.inflight is None
 
 
-def test_changed_behind_the_back_with_verify_none_rolls_memory_back(tmp_path, logged):
+@pytest.mark.parametrize("how", ["apply", "stage"])
+def test_changed_behind_the_back_with_verify_none(tmp_path, logged, how):
+    """At none a record found at neither base nor target is still refused. Applied in one
+    call, pass one classifies it as it decodes it, so nothing is written; staged first, the
+    write pass finds it after earlier records were written, and memory is rolled back."""
     log, states = logged
     rx, tensors = numpy_receiver(tmp_path, states[0])
+    points: list[str] = []
     with rx:
         rx.bind(log, 0)
-        rx.apply(log, to=1)
-        record = [r for r in log.records(2) if r.tensor == "w.a"][-1]  # in a late segment
+        rx.apply(log, to=LAYOUT_VERSION)
+        version = LAYOUT_VERSION + 1  # xor records, the layout kept
+        record = [r for r in log.records(version) if r.tensor == "w.a"][-1]  # in a late segment
+        assert record.kind == "xor"
         tensors["w.a"].words.reshape(64, 48)[record.box.offset[0]] ^= 0xFFFF
         snap = _snapshot(tensors)
-        with pytest.raises(LineageError):
-            rx.apply(log, verify="none")
-        _assert_unchanged(tensors, snap)  # records written before the check were undone
-        assert rx.version == 1 and rx.inflight is None
+        rx.fault = lambda point, **info: points.append(point)
+        with pytest.raises(LineageError, match="behind the journal's back"):
+            if how == "stage":
+                rx.stage(log, version, verify="none")
+                rx.apply()
+            else:
+                rx.apply(log, to=version, verify="none")
+        _assert_unchanged(tensors, snap)  # (staged: the records written before it were undone)
+        assert rx.version == LAYOUT_VERSION and rx.inflight is None
+        if how == "stage":
+            assert "record" in points
+        else:
+            assert "inflight" not in points and "record" not in points
 
 
 @pytest.mark.parametrize("point", ["inflight", "layout", "record", "before_commit"])

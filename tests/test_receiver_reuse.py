@@ -41,10 +41,12 @@ def _records(log, version, tensors) -> int:
     return sum(1 for r in log.records(version) if r.kind != "tensor" and r.tensor in tensors)
 
 
-@pytest.mark.parametrize("verify", ["sample", "full"])
+@pytest.mark.parametrize("verify", ["none", "sample", "full"])
 def test_apply_takes_pass_one_s_targets(tmp_path, gathers, verify):
     """Applied in one call, the write pass gathers only for its postconditions (sampled, or
-    every record at full), never to classify; the bits are the log's."""
+    every record at full; none at none), never to classify; the bits are the log's. At none
+    too pass one classifies the xor records as it decodes them (without the checks none
+    leaves out), so that the write pass finds them gathered."""
     log, states = build_log(tmp_path / "log")
     rx, tensors = numpy_receiver(tmp_path, states[0])
     rx.fault = gathers["hook"]
@@ -58,6 +60,8 @@ def test_apply_takes_pass_one_s_targets(tmp_path, gathers, verify):
     assert gathers["pass one"] >= held > 0
     if verify == "full":
         assert gathers["writes"] == written  # one read-back per written record, none to classify
+    elif verify == "none":
+        assert gathers["writes"] == 0
     else:
         assert gathers["writes"] < written   # sampled read-backs only
 

@@ -131,7 +131,7 @@ class PassOne:
         self.rules = StepRules(commit.kind, commit.describe(), table, parent_layout)
 
     def run(self, cache: SegmentCache, progress: Mapping[int, SegmentProgress],
-            before: Mapping[str, TensorInfo] | None, classify: bool) -> PassOneResult:
+            before: Mapping[str, TensorInfo] | None, classify: bool, check: bool = True) -> PassOneResult:
         """Each segment not yet done is read and parsed, each of its records (from ``done`` on)
         checked against the tensor table (known tensor, box inside, only ``tensor`` records for
         created tensors) and decoded; when the whole version is read, the record counts and
@@ -139,7 +139,14 @@ class PassOne:
         created tensor covered exactly once by its ``tensor`` records (at every level:
         structure). With ``classify``, every record's precondition and target (one sum across
         the group per segment). ``before``: the tensor digests the records start from, where
-        the log has them."""
+        the log has them.
+
+        Without ``check`` (verify none, where the writes follow: ``keep_gathered``), only the
+        xor records classified on the pool as they are decoded are classified, for the write
+        pass to keep, and none of the digest checks that none leaves out is made: no record's
+        target, no tensor record's values, no composition. A record found at neither base nor
+        target is still refused (RECEIVER.md 5.4 refuses it at every level), here before any
+        write."""
         commit, table, storage, rules, recovering = self.commit, self.table, self.storage, self.rules, self.recovering
         version = commit.version
         whole = True
@@ -179,7 +186,7 @@ class PassOne:
                                   pool_pays(sum(weights), len(recs)))
             try:
                 with contextlib.closing(decoded):
-                    self._segment(cache, seg, recs, prog, classify, decoded, pending)
+                    self._segment(cache, seg, recs, prog, classify, check, decoded, pending)
             except Exception:
                 checked()
                 raise
@@ -204,7 +211,7 @@ class PassOne:
                     cache.drop_gathered(seg, p.index)
                     continue
                 if d == rec.base_digest:
-                    if d_target != rec.target_digest:
+                    if check and d_target != rec.target_digest:
                         raise IntegrityError(f"version {version}: record of {rec.tensor!r} does not "
                                              "lead to its target digest")
                     continue
@@ -223,7 +230,7 @@ class PassOne:
         # and at verify none only for a squash (whose tensor records replace nothing: the
         # composition is all that binds it to its version before the writes).
         if (recovering or before is None or not self.digests.scheme.composable
-                or not (classify or commit.kind == "squash")):
+                or not (classify and check or commit.kind == "squash")):
             return PassOneResult(redo_bytes, None, neither)
         created = rules.created
         return PassOneResult(redo_bytes, Composition(created, {n: rules.created_boxes(n) for n in created}, moves),
@@ -283,7 +290,8 @@ class PassOne:
         return _Classified(where, place, current, target, current_part, target_part)
 
     def _segment(self, cache: SegmentCache, seg: int, recs: list[Record], prog: SegmentProgress,
-                 classify: bool, decoded: Iterator[tuple[ChangeSet | Exception | None, _Classified | None]],
+                 classify: bool, check: bool,
+                 decoded: Iterator[tuple[ChangeSet | Exception | None, _Classified | None]],
                  pending: list[_Precondition]) -> None:
         """Pass 1 over one segment's records, in order (see run)."""
         version, storage, rules = self.commit.version, self.storage, self.rules
@@ -313,6 +321,8 @@ class PassOne:
             alone = first >= self._span_end.get(rec.tensor, 0)
             if end > first:
                 self._span_end[rec.tensor] = max(end, self._span_end.get(rec.tensor, 0))
+            if not check and made is None:
+                continue  # without checks: classified on the pool, or left to the write pass
             if rec.kind == "tensor":  # no precondition; its values must be its target
                 where = flat_positions(rec, info.shape, changes)
                 if self.digests.scheme.at(where, changes.values) != rec.target_digest:

@@ -242,8 +242,9 @@ def test_changed_behind_the_journals_back_refused_before_any_write(tmp_path, log
         assert rx.version == 1 and rx.inflight is None
 
 
+@pytest.mark.parametrize("kind", ["xor", "overwrite"])
 @pytest.mark.parametrize("how", ["apply", "stage"])
-def test_changed_behind_the_back_with_verify_none(tmp_path, logged, how):
+def test_changed_behind_the_back_with_verify_none(tmp_path, logged, how, kind):
     """At none a record found at neither base nor target is still refused. Applied in one
     call, pass one classifies it as it decodes it, so nothing is written; staged first, the
     write pass finds it after earlier records were written, and memory is rolled back."""
@@ -251,11 +252,11 @@ def test_changed_behind_the_back_with_verify_none(tmp_path, logged, how):
     rx, tensors = numpy_receiver(tmp_path, states[0])
     points: list[str] = []
     with rx:
+        version = OVERWRITE_VERSION if kind == "overwrite" else LAYOUT_VERSION + 1  # the layout kept
         rx.bind(log, 0)
-        rx.apply(log, to=LAYOUT_VERSION)
-        version = LAYOUT_VERSION + 1  # xor records, the layout kept
+        rx.apply(log, to=version - 1)
         record = [r for r in log.records(version) if r.tensor == "w.a"][-1]  # in a late segment
-        assert record.kind == "xor"
+        assert record.kind == kind
         tensors["w.a"].words.reshape(64, 48)[record.box.offset[0]] ^= 0xFFFF
         snap = _snapshot(tensors)
         rx.fault = lambda point, **info: points.append(point)
@@ -266,7 +267,7 @@ def test_changed_behind_the_back_with_verify_none(tmp_path, logged, how):
             else:
                 rx.apply(log, to=version, verify="none")
         _assert_unchanged(tensors, snap)  # (staged: the records written before it were undone)
-        assert rx.version == LAYOUT_VERSION and rx.inflight is None
+        assert rx.version == version - 1 and rx.inflight is None
         if how == "stage":
             assert "record" in points
         else:

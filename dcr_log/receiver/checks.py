@@ -142,7 +142,7 @@ class PassOne:
         the log has them.
 
         Without ``check`` (verify none, where the writes follow: ``keep_gathered``), only the
-        xor records classified on the pool as they are decoded are classified, for the write
+        records classified on the pool as they are decoded are classified, for the write
         pass to keep, and none of the digest checks that none leaves out is made: no record's
         target, no tensor record's values, no composition. A record found at neither base nor
         target is still refused (RECEIVER.md 5.4 refuses it at every level), here before any
@@ -154,10 +154,11 @@ class PassOne:
         neither: LineageError | None = None
         # Per tensor, the sum of its records' digest moves (target minus base).
         moves: dict[str, int] = {}
-        # Tensors whose xor records are classified on the pool's threads as they are decoded
-        # (the words gathered, the target and both digest parts computed), where the storage's
-        # reads may run in parallel: kept tensors that the storage holds in the table's
-        # layout. Nothing writes until pass one ends; the records are still taken in order.
+        # Tensors whose xor and overwrite records are classified on the pool's threads as they
+        # are decoded (the words gathered, the target and both digest parts computed), where
+        # the storage's reads may run in parallel: kept tensors that the storage holds in the
+        # table's layout. Nothing writes until pass one ends; the records are still taken in
+        # order.
         ahead: set[str] = set()
         if classify and storage.parallel_reads:
             held = storage.layout()
@@ -270,10 +271,10 @@ class PassOne:
 
     def _classify_ahead(self, rec: Record, changes: ChangeSet | Exception | None,
                         ahead: set[str]) -> _Classified | None:
-        """An xor record of a tensor in ``ahead``, classified on the thread that decoded it;
-        None for the others, and where anything fails (pass one classifies it again, in order,
-        and raises there)."""
-        if rec.kind != "xor" or rec.tensor not in ahead or not isinstance(changes, ChangeSet):
+        """An xor or overwrite record of a tensor in ``ahead``, classified on the thread that
+        decoded it; None for the others, and where anything fails (pass one classifies it
+        again, in order, and raises there)."""
+        if rec.kind == "tensor" or rec.tensor not in ahead or not isinstance(changes, ChangeSet):
             return None
         try:
             return self._classify(rec, changes)

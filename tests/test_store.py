@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dcr_log.errors import NotFoundError, StoreError, UsageError
-from dcr_log.store import HASH_BESIDE_BYTES, AlreadyExists, Store, _HashingWriter
+from dcr_log.store import HASH_PIECE_BYTES, AlreadyExists, Store, _HashingWriter
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -235,13 +235,13 @@ def test_open_locations(tmp_path):
 
 
 def test_create_file_hashes_large_and_small_writes_in_order(tmp_path):
-    """Writes of HASH_BESIDE_BYTES or more are hashed on the side thread while they are
-    written: the size and sha256 are still those of the bytes in order, mixed with small
-    writes, and each write's buffer may be reused by the caller as soon as it returns."""
+    """Writes larger than HASH_PIECE_BYTES are written and hashed piece by piece: the size
+    and sha256 are still those of the bytes in order, mixed with small writes, and each
+    write's buffer may be reused by the caller as soon as it returns."""
     store = Store.open(tmp_path / "root", create=True)
     rng = np.random.default_rng(3)
     pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in
-              (10, HASH_BESIDE_BYTES, 7, 3 * HASH_BESIDE_BYTES + 5, HASH_BESIDE_BYTES - 1, 0)]
+              (10, HASH_PIECE_BYTES, 7, 3 * HASH_PIECE_BYTES + 5, HASH_PIECE_BYTES - 1, 0, HASH_PIECE_BYTES + 1)]
     scratch = np.empty(max(p.size for p in pieces), dtype=np.uint8)
 
     def write(f):
@@ -257,17 +257,22 @@ def test_create_file_hashes_large_and_small_writes_in_order(tmp_path):
 
 
 def test_a_failed_large_write_raises_and_counts_nothing():
-    """The write's error reaches the caller (not the side thread's result), the bytes are
-    not counted, and the hash was updated with them (as a small write's would be)."""
-    class Full(io.RawIOBase):
-        def write(self, data):
-            raise OSError(errno.ENOSPC, "No space left on device")
+    """The error of a write's second piece reaches the caller, and none of its bytes are
+    counted (create_file then removes the file: its hash is never asked for)."""
+    class FullAfterOne(io.RawIOBase):
+        calls = 0
 
-    sink = _HashingWriter(Full())
+        def write(self, data):
+            self.calls += 1
+            if self.calls > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return len(data)
+
+    raw = FullAfterOne()
+    sink = _HashingWriter(raw)
     with pytest.raises(OSError, match="No space"):
-        sink.write(bytes(HASH_BESIDE_BYTES))
-    assert sink.sha.hexdigest() == hashlib.sha256(bytes(HASH_BESIDE_BYTES)).hexdigest()
-    assert sink.size == 0
+        sink.write(bytes(2 * HASH_PIECE_BYTES))
+    assert raw.calls == 2 and sink.size == 0
 
 
 def test_large_local_objects_are_read_into_huge_pages_with_every_check(tmp_path, monkeypatch):

@@ -45,8 +45,8 @@ def _records(log, version, tensors) -> int:
 def test_apply_takes_pass_one_s_targets(tmp_path, gathers, verify):
     """Applied in one call, the write pass gathers only for its postconditions (sampled, or
     every record at full; none at none), never to classify; the bits are the log's. At none
-    too pass one classifies the xor records as it decodes them (without the checks none
-    leaves out), so that the write pass finds them gathered."""
+    too pass one classifies the xor and overwrite records as it decodes them (without the
+    checks none leaves out), so that the write pass finds them gathered."""
     log, states = build_log(tmp_path / "log")
     rx, tensors = numpy_receiver(tmp_path, states[0])
     rx.fault = gathers["hook"]

@@ -231,7 +231,7 @@ class PassOne:
         # and at verify none only for a squash (whose tensor records replace nothing: the
         # composition is all that binds it to its version before the writes).
         if (recovering or before is None or not self.digests.scheme.composable
-                or not (classify and check or commit.kind == "squash")):
+                or not ((classify and check) or commit.kind == "squash")):
             return PassOneResult(redo_bytes, None, neither)
         created = rules.created
         return PassOneResult(redo_bytes, Composition(created, {n: rules.created_boxes(n) for n in created}, moves),

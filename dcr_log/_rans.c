@@ -1037,7 +1037,7 @@ VALUES_AVX2(4, _mm_storeu_si128((__m128i *)(void *)(dist + 4 * i), low32x4(d)),
 
 static inline __attribute__((always_inline)) int
 decode_blocks(BinStreams *st, const DecodeTable *ga, const DecodeTable *da, Values *v, Py_ssize_t n,
-              Py_ssize_t k, int64_t *pos, unsigned char *dist, const int width, int path) {
+              Py_ssize_t k, int64_t *pos, unsigned char *dist, const int width, int path, int64_t origin) {
     unsigned char gbin[BLOCK], dbin[BLOCK];
     for (Py_ssize_t i = 0; i < k; i += BLOCK) {
         Py_ssize_t m = k - i < BLOCK ? k - i : BLOCK;
@@ -1049,17 +1049,23 @@ decode_blocks(BinStreams *st, const DecodeTable *ga, const DecodeTable *da, Valu
                 decode_values_w2_avx512(v, gbin, dbin, n, m, pos + i, d);
             else
                 decode_values_w4_avx512(v, gbin, dbin, n, m, pos + i, d);
-            continue;
+            goto placed;
         }
         if (path == PATH_AVX2) {
             if (width == 2)
                 decode_values_w2_avx2(v, gbin, dbin, n, m, pos + i, d);
             else
                 decode_values_w4_avx2(v, gbin, dbin, n, m, pos + i, d);
-            continue;
+            goto placed;
         }
 #endif
         decode_values(v, gbin, dbin, n, m, pos + i, d, width);
+    placed:
+        /* a row block's flat start added while the block's positions are in the L1 cache:
+         * the tensor's flat positions without a second array and pass over them */
+        if (origin)
+            for (Py_ssize_t j = i; j < i + m; j++)
+                pos[j] += origin;
     }
     if (v->bad & BAD_GAP)
         return D_GAP;
@@ -1069,7 +1075,7 @@ decode_blocks(BinStreams *st, const DecodeTable *ga, const DecodeTable *da, Valu
 }
 
 ARCH_CLONES static int decode_record(const unsigned char *in, size_t len, Py_ssize_t n, Py_ssize_t k,
-                                     int width, int64_t *pos, unsigned char *dist, int path) {
+                                     int width, int64_t *pos, unsigned char *dist, int path, int64_t origin) {
     if (len < 8)
         return D_HEADER;
     uint64_t blen;
@@ -1123,10 +1129,10 @@ ARCH_CLONES static int decode_record(const unsigned char *in, size_t len, Py_ssi
         goto done;
     Values v = {in + 8, (size_t)blen, 0, ~0ULL, 0};
     switch (width) {
-    case 1: rc = decode_blocks(&st, &tables[0], &tables[1], &v, n, k, pos, dist, 1, path); break;
-    case 2: rc = decode_blocks(&st, &tables[0], &tables[1], &v, n, k, pos, dist, 2, path); break;
-    case 4: rc = decode_blocks(&st, &tables[0], &tables[1], &v, n, k, pos, dist, 4, path); break;
-    default: rc = decode_blocks(&st, &tables[0], &tables[1], &v, n, k, pos, dist, 8, path); break;
+    case 1: rc = decode_blocks(&st, &tables[0], &tables[1], &v, n, k, pos, dist, 1, path, origin); break;
+    case 2: rc = decode_blocks(&st, &tables[0], &tables[1], &v, n, k, pos, dist, 2, path, origin); break;
+    case 4: rc = decode_blocks(&st, &tables[0], &tables[1], &v, n, k, pos, dist, 4, path, origin); break;
+    default: rc = decode_blocks(&st, &tables[0], &tables[1], &v, n, k, pos, dist, 8, path, origin); break;
     }
     /* every bit read, the stream exactly as long as they need, its padding zero */
     uint64_t used_bits = v.bp;
@@ -1216,15 +1222,19 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* decode(payload, n, k, width, positions_out, distances_out[, path]) -> 0, or an error code
- * > 0 (which part of the payload is wrong; the caller names it). positions_out int64[k],
- * distances_out k words of `width` bytes. `path` as for encode: every path reads the same
- * values and refuses the same payloads. */
-static PyObject *py_decode(PyObject *self, PyObject *args) {
+/* decode(payload, n, k, width, positions_out, distances_out[, path], *, origin=0) -> 0, or an
+ * error code > 0 (which part of the payload is wrong; the caller names it). positions_out
+ * int64[k], distances_out k words of `width` bytes. `path` as for encode: every path reads
+ * the same values and refuses the same payloads. `origin` is added to every position written
+ * (the payload's positions are still checked against n before it is added). */
+static PyObject *py_decode(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"", "", "", "", "", "", "path", "origin", NULL};
     Py_buffer in, pos, dist;
     Py_ssize_t n, k;
     int width, path = PATH_AVX512;
-    if (!PyArg_ParseTuple(args, "y*nniw*w*|i", &in, &n, &k, &width, &pos, &dist, &path))
+    long long origin = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*nniw*w*|i$L", kwlist, &in, &n, &k, &width, &pos, &dist,
+                                     &path, &origin))
         return NULL;
     PyObject *result = NULL;
     if (!check_width(width)) {
@@ -1233,10 +1243,13 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     } else if (k < 1 || n < k || pos.len != 8 * k || dist.len != k * width
                || (uintptr_t)pos.buf % 8 || (uintptr_t)dist.buf % width) {
         PyErr_SetString(PyExc_ValueError, "outputs must hold k entries (1 <= k <= n)");
+    } else if (origin < 0 || origin > INT64_MAX - (long long)n) {
+        PyErr_SetString(PyExc_ValueError, "origin must be >= 0, and origin + n fit in 64 bits");
     } else {
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = decode_record(in.buf, (size_t)in.len, n, k, width, pos.buf, dist.buf, vector_path(width, path));
+        rc = decode_record(in.buf, (size_t)in.len, n, k, width, pos.buf, dist.buf, vector_path(width, path),
+                           (int64_t)origin);
         Py_END_ALLOW_THREADS
         if (rc < 0)
             PyErr_NoMemory();
@@ -1253,7 +1266,7 @@ static PyMethodDef methods[] = {
     {"bound", py_bound, METH_VARARGS, "the payload bound for k changes"},
     {"scratch", py_scratch, METH_VARARGS, "the scratch bytes encode needs for k changes"},
     {"encode", py_encode, METH_VARARGS, "a record's changes as an ulp-rans payload"},
-    {"decode", py_decode, METH_VARARGS, "an ulp-rans payload's positions and distances"},
+    {"decode", (PyCFunction)(void (*)(void))py_decode, METH_VARARGS | METH_KEYWORDS, "an ulp-rans payload's positions and distances"},
     {NULL, NULL, 0, NULL},
 };
 

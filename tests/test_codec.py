@@ -36,11 +36,22 @@ def _changes(rng, kind: str, word: np.dtype, n: int, rate: float, edges: tuple[b
     return ChangeSet(n, positions, _words(rng, word, positions.size, nonzero=kind == "xor"))
 
 
-def _roundtrip(name: str, kind: str, changes: ChangeSet, word: np.dtype) -> ChangeSet:
+def _roundtrip(name: str, kind: str, changes: ChangeSet, word: np.dtype, origin: int = 0) -> ChangeSet:
     params, payload = get_encoding(name).encode(kind, changes)
     # Params are stored as canonical JSON: they must survive it unchanged.
     assert json.loads(json.dumps(params)) == params
-    return decode_changes(kind, name, params, memoryview(bytes(payload)), changes.n, changes.k, word)
+    got = decode_changes(kind, name, params, memoryview(bytes(payload)), changes.n, changes.k, word)
+    # Decoded with an origin (a row block's flat start): the same values, each position
+    # moved by it as int64, and the origin recorded.
+    at = decode_changes(kind, name, params, memoryview(bytes(payload)), changes.n, changes.k, word,
+                        origin=(1 << 40) + 3)
+    assert np.array_equal(at.values, got.values) and at.values.dtype == got.values.dtype
+    if got.positions is None:
+        assert at.positions is None
+    else:
+        assert at.positions.dtype == np.int64 and at.origin == (1 << 40) + 3
+        assert np.array_equal(at.positions - at.origin, np.asarray(got.positions, dtype=np.int64))
+    return got
 
 
 def _assert_same_changes(got: ChangeSet, expected: ChangeSet, word: np.dtype) -> None:
@@ -379,6 +390,9 @@ def test_ulp_roundtrip(word, n, rate, far, seed):
     got = decode_changes("xor", "ulp", params, memoryview(payload), n, positions.size, word)
     assert got.relative and got.values.dtype == word
     assert np.array_equal(got.positions, positions)
+    at = decode_changes("xor", "ulp", params, memoryview(payload), n, positions.size, word, origin=n + 5)
+    assert at.origin == n + 5 and np.array_equal(at.positions, positions + n + 5)
+    assert np.array_equal(at.values, got.values)
     assert np.array_equal(xor_from_distance(base[positions], got.values), changes.values)
     # Element by element: any subset of positions resolves against its own base words.
     some = np.arange(0, positions.size, 3)

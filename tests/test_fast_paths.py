@@ -757,7 +757,8 @@ def test_remap_for_writing_keeps_every_byte_and_refuses_memory_it_could_lose(tmp
 
 def test_flat_positions_of_a_row_block_at_the_start_are_the_decoded_ones():
     """Such a record's box-local positions are its flat ones: flat_positions gives the decoded
-    array itself; any other box gets a new array (or a slice for a dense record)."""
+    array itself; any other box gets a new array (or a slice for a dense record), but a row
+    block decoded with its flat start as origin (decode_record's ``flat``)."""
     from types import SimpleNamespace
 
     from dcr_log.coords import box_to_tensor_flat
@@ -775,13 +776,60 @@ def test_flat_positions_of_a_row_block_at_the_start_are_the_decoded_ones():
     assert dense == slice(15, 30)
     scalar = np.array([0], np.int64)
     assert flat_positions(SimpleNamespace(box=Box((), ())), (), ChangeSet(1, scalar, values[:1])) is scalar
+    for box in cases:
+        origin = box.flat_start(shape) if box.is_row_block(shape) else 9  # (9: no decoder gives it)
+        moved = pos + origin
+        where = flat_positions(SimpleNamespace(box=box), shape, ChangeSet(box.size, moved, values, origin=origin))
+        assert np.array_equal(where, box_to_tensor_flat(box, shape, pos))
+        assert (where is moved) == box.is_row_block(shape)
+
+
+@pytest.mark.parametrize("receiver", ["numpy", "checkpoint"])
+def test_an_apply_maps_no_row_block_s_positions_again(tmp_path, monkeypatch, receiver):
+    """A receiver decodes each row block's positions as the tensor's flat ones (its flat start
+    the decoder's origin), so no record of a version cut into row blocks, at its tensor's
+    start or not, has its positions mapped into a second array (box_to_tensor_flat); the
+    result is the writer's state, bit for bit."""
+    from dcr_log.log import records
+    from dcr_log.receiver import Receiver, open_directory, write_checkpoint
+
+    rng = np.random.default_rng(12)
+    base = {f"t{i}": TensorBits("BF16", (64, 256), rng.integers(0, 1 << 16, 64 * 256, dtype=np.uint16))
+            for i in range(3)}
+    new = {}
+    for name, bits in base.items():
+        words = bits.words.copy()
+        words[rng.choice(words.size, words.size // 20, replace=False)] ^= 1
+        new[name] = TensorBits("BF16", bits.shape, words)
+    writer = create_log(tmp_path / "log", base, cache_dir=False, policy=EncodePolicy(chunk_elements=4096))
+    writer.append(new)
+    log = DeltaLog.open(tmp_path / "log")
+    assert sum(1 for rec in log.records(1) if rec.box.offset[0] > 0) == 3 * 3  # four row blocks a tensor
+    mapped = []
+    real = records.box_to_tensor_flat
+    monkeypatch.setattr(records, "box_to_tensor_flat", lambda box, *a: mapped.append(box) or real(box, *a))
+    if receiver == "numpy":
+        held = {k: TensorBits(v.dtype, v.shape, v.words.copy()) for k, v in base.items()}
+        with Receiver.open(held, tmp_path / "journal") as rx:
+            rx.bind(log, 0, verify="none")
+            assert rx.apply(log, verify="full") == [1]
+        got = {k: v.words for k, v in held.items()}
+    else:
+        (tmp_path / "rx").mkdir()
+        write_checkpoint(base, tmp_path / "rx")
+        with open_directory(log, tmp_path / "rx", to=0) as rx:
+            assert rx.apply(log, verify="full") == [1]
+            got = {k: rx.storage.words(k).copy() for k in base}
+    assert mapped == []
+    assert all(np.array_equal(got[k].reshape(-1), new[k].words) for k in new)
 
 
 @pytest.mark.parametrize("receiver", ["numpy", "checkpoint"])
 def test_an_apply_leaves_the_decoded_positions_as_they_were(tmp_path, monkeypatch, receiver):
     """flat_positions hands the decoded positions themselves to the storage, the gathers, the
-    digests and the writes (a row block at its tensor's start): none of them may write into
-    them. Every record's positions are copied as decoded and compared after the apply."""
+    digests and the writes (a row block, decoded with its flat start as origin): none of them
+    may write into them. Every record's positions are copied as decoded and compared after
+    the apply."""
     from dcr_log.receiver import Receiver, batch, checks, open_directory, write_checkpoint
 
     rng = np.random.default_rng(11)
@@ -801,8 +849,8 @@ def test_an_apply_leaves_the_decoded_positions_as_they_were(tmp_path, monkeypatc
     decoded: list[tuple[np.ndarray, np.ndarray]] = []
 
     def keeping(real):
-        def decode(rec, info):
-            changes = real(rec, info)
+        def decode(rec, info, **flat):
+            changes = real(rec, info, **flat)
             if changes.positions is not None:
                 decoded.append((changes.positions, changes.positions.copy()))
             return changes

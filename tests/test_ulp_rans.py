@@ -55,13 +55,24 @@ def c_encode(positions: np.ndarray, base: np.ndarray, new: np.ndarray, path: int
     return payloads.pop()
 
 
-def c_decode_path(payload: bytes, n: int, k: int, width: int, path: int):
-    """(code, positions, distances); the outputs sit between guard words that must survive."""
+# An origin (a row block's flat start) the decoder adds to every position it writes.
+ORIGIN = (3 << 40) + 17
+
+
+def c_decode_path(payload: bytes, n: int, k: int, width: int, path: int, origin: int = 0):
+    """(code, positions, distances); the outputs sit between guard words that must survive.
+    Decoded again with an origin (where the result still fits in 64 bits): the same code,
+    and on success the same distances and each position plus the origin."""
     guard = 0x5A
     pos = np.full(k + 2, guard, np.int64)
     dist = np.full(k + 16, guard, word(width))
-    code = _rans.decode(payload, n, k, width, pos[1:-1], dist[8:-8], path)
+    code = _rans.decode(payload, n, k, width, pos[1:-1], dist[8:-8], path, origin=origin)
     assert (pos[[0, -1]] == guard).all() and (dist[:8] == guard).all() and (dist[-8:] == guard).all()
+    if origin == 0 and n <= np.iinfo(np.int64).max - ORIGIN:
+        far_code, far_pos, far_dist = c_decode_path(payload, n, k, width, path, ORIGIN)
+        assert far_code == code
+        if code == 0:
+            assert np.array_equal(far_pos, pos[1:-1] + ORIGIN) and np.array_equal(far_dist, dist[8:-8])
     return code, pos[1:-1], dist[8:-8]
 
 
@@ -245,6 +256,10 @@ def test_a_valid_sample_reads_back():
     got = decode_changes("xor", "ulp-rans", {}, payload, n, positions.size, word(2))
     assert got.relative and np.array_equal(got.positions, positions)
     assert np.array_equal(step_from(base, got.values), new)
+    # With an origin, the C decoder writes each position plus it (no second array).
+    at = decode_changes("xor", "ulp-rans", {}, payload, n, positions.size, word(2), origin=n)
+    assert at.origin == n and np.array_equal(at.positions, positions + n)
+    assert np.array_equal(at.values, got.values)
 
 
 def test_refuses_a_bit_stream_length_past_the_payload():
@@ -408,6 +423,17 @@ def test_writer_refuses_what_is_not_a_change_set(path, width):
     with pytest.raises(ValueError, match="path"):
         _rans.decode(c_encode(positions, base, new), n, positions.size, width, np.empty(positions.size, np.int64),
                      np.empty(positions.size, word(width)), -1)
+    # An origin below 0, or one that a position could carry past 2^63 - 1, is refused; the
+    # largest that cannot is taken.
+    top = int(np.iinfo(np.int64).max) - n
+    got = np.empty(positions.size, np.int64)
+    assert _rans.decode(c_encode(positions, base, new), n, positions.size, width, got,
+                        np.empty(positions.size, word(width)), origin=top) == 0
+    assert np.array_equal(got - top, positions)
+    for origin in (-1, np.iinfo(np.int64).max - n + 1):
+        with pytest.raises(ValueError, match="origin"):
+            _rans.decode(c_encode(positions, base, new), n, positions.size, width,
+                         np.empty(positions.size, np.int64), np.empty(positions.size, word(width)), origin=origin)
 
 
 @pytest.mark.parametrize("width", WIDTHS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -29,12 +29,17 @@ class ChangeSet:
 
     ``relative``: the values are distances in ulps from the base words (the ``ulp``
     encoding), not xor words; ``xor_values`` turns them into xor words given the base.
+
+    ``origin``: added to every position by the decoder (``Encoding.decode_at``): a row
+    block's flat start, so that its positions are the tensor's flat ones without a second
+    array; the box-local positions are ``positions - origin``.
     """
 
     n: int
     positions: np.ndarray | None
     values: np.ndarray
     relative: bool = False
+    origin: int = 0
 
     @property
     def k(self) -> int:
@@ -71,6 +76,15 @@ class Encoding(ABC):
         self, kind: str, params: dict, payload: bytes, n: int, k: int, word: np.dtype
     ) -> ChangeSet:
         """Inverse of encode; raises IntegrityError on any inconsistency."""
+
+    def decode_at(self, kind: str, params: dict, payload: bytes, n: int, k: int, word: np.dtype,
+                  origin: int) -> ChangeSet:
+        """``decode`` with ``origin`` added to every position (ChangeSet.origin). Here in a
+        second array; an encoding whose decoder writes positions adds it as it writes them."""
+        changes = self.decode(kind, params, payload, n, k, word)
+        if not origin or changes.positions is None:
+            return changes
+        return replace(changes, positions=np.add(changes.positions, np.int64(origin), dtype=np.int64), origin=origin)
 
     def check_kind(self, kind: str) -> None:
         if kind not in self.kinds:

@@ -98,6 +98,9 @@ def check_counts(kind: str, n: int, k: int) -> None:
         raise IntegrityError(f"{kind} record declares {k} changes in a box of {n}")
 
 
-def decode_changes(kind, encoding, params, payload, n, k, word) -> ChangeSet:
+def decode_changes(kind, encoding, params, payload, n, k, word, origin: int = 0) -> ChangeSet:
+    """A record's change set; with ``origin``, every position offset by it (ChangeSet.origin)."""
     check_counts(kind, n, k)
+    if origin:
+        return get_encoding(encoding).decode_at(kind, params, payload, n, k, word, origin)
     return get_encoding(encoding).decode(kind, params, payload, n, k, word)

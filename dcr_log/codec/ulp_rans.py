@@ -119,6 +119,10 @@ class UlpRansEncoding(Encoding):
 
     def decode(self, kind, params, payload, n, k, word) -> ChangeSet:
         """Positions and distances (``relative``): the xor words follow from the base words."""
+        return self.decode_at(kind, params, payload, n, k, word, 0)
+
+    def decode_at(self, kind, params, payload, n, k, word, origin: int) -> ChangeSet:
+        """``decode``, the C decoder adding ``origin`` to each block of positions it writes."""
         self.check_kind(kind)
         check_params(self.name, params, {})
         if k == 0:
@@ -126,7 +130,7 @@ class UlpRansEncoding(Encoding):
         word = np.dtype(f"<u{word.itemsize}")
         positions = np.empty(k, dtype=np.int64)
         distances = np.empty(k, dtype=word)
-        code = _rans().decode(payload, n, k, word.itemsize, positions, distances)
+        code = _rans().decode(payload, n, k, word.itemsize, positions, distances, origin=origin)
         if code:
             raise IntegrityError(f"ulp-rans: {_DECODE_ERRORS.get(code, f'error {code}')}")
-        return ChangeSet(n, positions, distances, relative=True)
+        return ChangeSet(n, positions, distances, relative=True, origin=origin)

@@ -24,13 +24,17 @@ def _check_placed(record: Record, info: TensorInfo) -> None:
     record.box.check_inside(info.shape)
 
 
-def decode_record(record: Record, info: TensorInfo) -> ChangeSet:
-    """Decode a record's payload for a tensor of the given (new) dtype and shape."""
+def decode_record(record: Record, info: TensorInfo, flat: bool = False) -> ChangeSet:
+    """Decode a record's payload for a tensor of the given (new) dtype and shape. With
+    ``flat``, a row block's positions come as the tensor's flat ones (ChangeSet.origin, its
+    flat start: what flat_positions then returns as it is)."""
     _check_placed(record, info)
+    box = record.box
+    origin = box.flat_start(info.shape) if flat and box.is_row_block(info.shape) else 0
     try:
         return decode_changes(
             record.kind, record.encoding, record.params, record.payload,
-            record.box.size, record.n_changed, word_dtype(info.dtype),
+            box.size, record.n_changed, word_dtype(info.dtype), origin,
         )
     finally:
         if record.done is not None:
@@ -54,17 +58,21 @@ def decode_dense_tensor_into(record: Record, info: TensorInfo, words: np.ndarray
 
 def flat_positions(record: Record, shape: tuple[int, ...], changes: ChangeSet) -> np.ndarray | slice:
     """Where the record's values go in the tensor's flat words: indices, or a slice for whole
-    boxes. A row block at the tensor's start has flat positions equal to its box-local ones:
-    the decoded array itself, not a copy (every caller only reads it): a receiver's pass one
-    then makes no second array of positions for the record, nor reads and writes one."""
+    boxes. A row block decoded with its flat start as origin (decode_record's ``flat``), or at
+    the tensor's start, has flat positions equal to the decoded ones: the decoded array
+    itself, not a copy (every caller only reads it): a receiver's pass one then makes no
+    second array of positions for the record, nor reads and writes one."""
     box = record.box
     if box.is_row_block(shape):
         start = box.flat_start(shape)
         if changes.positions is None:
             return slice(start, start + box.size)
-        if start == 0:
+        if changes.origin == start:
             return np.asarray(changes.positions, dtype=np.int64)
-    positions = np.arange(box.size) if changes.positions is None else changes.positions
+    if changes.positions is None:
+        positions = np.arange(box.size)
+    else:
+        positions = changes.positions - changes.origin if changes.origin else changes.positions
     return box_to_tensor_flat(box, shape, positions)
 
 
@@ -153,7 +161,8 @@ def apply_to_words(record: Record, changes: ChangeSet, words: np.ndarray, shape:
     as they were. One gather and one scatter per record.
     """
     positions = changes.positions
-    if record.kind != "tensor" and positions is not None and record.box.is_row_block(shape):
+    if (record.kind != "tensor" and positions is not None and not changes.origin
+            and record.box.is_row_block(shape)):
         # A row block is a contiguous run of the words: moved at its box-local positions, with
         # both digests in one pass over them (no flat index array).
         start = record.box.flat_start(shape)

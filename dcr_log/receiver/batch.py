@@ -277,7 +277,7 @@ class BatchWriter:
                 cur, target, where = item.gathered
                 place = item.place or storage.locate(rec.tensor, where)
                 return Write(i, rec, place, where, target, cur, rec.kind == "xor", False)
-            changes = item.changes or decode_record(rec, info)
+            changes = item.changes or decode_record(rec, info, flat=True)
             where = flat_positions(rec, info.shape, changes)
             place = item.place or storage.locate(rec.tensor, where)
             values = storage.select(place, changes.values)
@@ -491,7 +491,7 @@ class BatchWriter:
                 recs = records_by_seg[undone.segment] = cache.records(undone.segment)
             rec = recs[undone.record]
             info = table[rec.tensor]
-            changes = decode_record(rec, info)
+            changes = decode_record(rec, info, flat=True)
             place = storage.locate(rec.tensor, flat_positions(rec, info.shape, changes))
             if undone.base is None:  # an xor is its own inverse
                 values = storage.select(place, changes.values)

@@ -265,7 +265,7 @@ class PassOne:
         if not wanted or info is None or not (rec.kind == "tensor" or self.storage.holds(rec.tensor)):
             return None
         try:
-            return decode_record(rec, info)
+            return decode_record(rec, info, flat=True)
         except Exception as exc:
             return exc
 

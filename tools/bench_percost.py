@@ -42,7 +42,9 @@ its sha256). Each is fitted the same way.
 Apply stages (one core, on the records of the rate's first version, whose parent is the base
 state, as a numpy receiver's pass one and write pass take them): ``read`` (the segments read,
 hashed and parsed, as read_segment_records), ``decode`` (each record's payload into positions
-and values), ``positions`` (box positions into the tensor's flat words), ``classify`` (the
+and values; a row block's as the tensor's flat positions, its flat start the decoder's
+origin, as the receiver decodes them), ``positions`` (the records' flat positions: the
+decoded array itself for a row block, a mapped copy for other boxes), ``classify`` (the
 words at those positions, the words the records lead to, and both digest parts: one C call a
 record, as the receiver makes it: GroupDigests.classify) and ``scatter`` (the targets written
 into a copy of the base words). "rest of apply" is the receiver's apply less the stages: the
@@ -264,7 +266,7 @@ def apply_stage_costs(reader: DeltaLog, version: int, base_state, repeats: int) 
         return out
 
     records = do_read()
-    decoded = [decode_record(r, table[r.tensor]) for r in records]
+    decoded = [decode_record(r, table[r.tensor], flat=True) for r in records]
     where = [flat_positions(r, table[r.tensor].shape, c) for r, c in zip(records, decoded)]
 
     # The receiver's classification over a numpy storage of the base words (one C call a
@@ -284,7 +286,7 @@ def apply_stage_costs(reader: DeltaLog, version: int, base_state, repeats: int) 
 
     def do_decode():
         for r in records:
-            decode_record(r, table[r.tensor])
+            decode_record(r, table[r.tensor], flat=True)
 
     def do_positions():
         for r, c in zip(records, decoded):

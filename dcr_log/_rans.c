@@ -1266,7 +1266,8 @@ static PyMethodDef methods[] = {
     {"bound", py_bound, METH_VARARGS, "the payload bound for k changes"},
     {"scratch", py_scratch, METH_VARARGS, "the scratch bytes encode needs for k changes"},
     {"encode", py_encode, METH_VARARGS, "a record's changes as an ulp-rans payload"},
-    {"decode", (PyCFunction)(void (*)(void))py_decode, METH_VARARGS | METH_KEYWORDS, "an ulp-rans payload's positions and distances"},
+    {"decode", (PyCFunction)(void (*)(void))py_decode, METH_VARARGS | METH_KEYWORDS,
+     "an ulp-rans payload's positions and distances"},
     {NULL, NULL, 0, NULL},
 };
 

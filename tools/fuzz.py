@@ -584,6 +584,7 @@ def run_case(rng: random.Random, t: Template, work: Path, case: int, report: Rep
     steps = ["verify", "materialize", "apply"] if target not in ("journal", "receiver") else ["apply"]
     for step in steps:
         before = tree(rx) if step == "apply" else None
+        recovering = False  # whether the version being applied was in flight when it started
         t0 = time.perf_counter()
         signal.alarm(CASE_SECONDS)
         try:

@@ -101,6 +101,4 @@ def check_counts(kind: str, n: int, k: int) -> None:
 def decode_changes(kind, encoding, params, payload, n, k, word, origin: int = 0) -> ChangeSet:
     """A record's change set; with ``origin``, every position offset by it (ChangeSet.origin)."""
     check_counts(kind, n, k)
-    if origin:
-        return get_encoding(encoding).decode_at(kind, params, payload, n, k, word, origin)
-    return get_encoding(encoding).decode(kind, params, payload, n, k, word)
+    return get_encoding(encoding).decode_at(kind, params, payload, n, k, word, origin)
